@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_zoo(sub)
     _add_lazy(sub, "demo", "specplugin.demo", "offline batch inference with and without the plugin")
+    _add_lazy(sub, "bench", "specplugin.bench.cli", "vLLM's speculative methods and the plugin, side by side")
+    _add_lazy(sub, "check-lossless", "specplugin.bench.lossless", "speculation leaves outputs exactly the target's")
     args = parser.parse_args(argv)
     return args.func(args)
 

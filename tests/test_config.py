@@ -1,0 +1,45 @@
+"""Every bad plugin setting is refused with a message naming the key, the value and the fix."""
+
+import pytest
+
+from specplugin.config import SpecPluginConfigError, parse
+
+
+def test_defaults():
+    cfg = parse({"proposers": ["ngram"]}, 8)
+    assert cfg.proposers == ("ngram",) and cfg.num_speculative_tokens == 8
+    assert parse(None, 4).proposers == ("ngram",)
+
+
+@pytest.mark.parametrize(
+    "options, k, fragments",
+    [
+        ({"proposers": ["ngrm"]}, 8, ["proposers", "'ngrm'", "available: ngram"]),
+        ({"proposers": []}, 8, ["proposers", "empty"]),
+        ({"proposers": ["ngram", "ngram"]}, 8, ["twice"]),
+        ({"proposer": ["ngram"]}, 8, ["unknown key 'proposer'", "known keys"]),
+        ({"proposers": "ngram"}, 8, ["proposers", "must be a list", "str 'ngram'"]),
+        ({"proposers": [1]}, 8, ["proposers", "names (strings)"]),
+        ({"proposers": ["ngram"]}, 0, ["num_speculative_tokens", "from 1 to 32", "got 0"]),
+        ({"proposers": ["ngram"]}, 33, ["num_speculative_tokens", "got 33"]),
+        ({"draft_model": "/no/such/model"}, 8, ["draft_model", "/no/such/model", "not a directory"]),
+        ({"draft_model": 3}, 8, ["draft_model", "must be a str"]),
+        ({"ngram": {"min_n": 5, "max_n": 2}}, 8, ["min_n (5) must be <= max_n (2)"]),
+        ({"ngram": {"min_n": 0}}, 8, ["min_n", "from 1 to 64", "got 0"]),
+        ({"ngram": {"size": 3}}, 8, ["ngram", "unknown key", "size"]),
+        ("ngram", 8, ['additional_config["specplugin"] must be a JSON object']),
+    ],
+)
+def test_bad_settings_are_refused_clearly(options, k, fragments):
+    with pytest.raises(SpecPluginConfigError) as err:
+        parse(options, k)
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+def test_draft_model_must_be_a_model_folder(tmp_path):
+    with pytest.raises(SpecPluginConfigError, match="has no config.json"):
+        parse({"draft_model": str(tmp_path)}, 4)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SpecPluginConfigError, match="does not use it"):
+        parse({"draft_model": str(tmp_path)}, 4)

@@ -1,0 +1,90 @@
+"""The n-gram matcher on hand-built token lists, and against a brute-force oracle."""
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specplugin.proposers import DraftBatch
+from specplugin.proposers.ngram import NgramProposer, longest_suffix_match
+
+
+def _batch(contexts: list[list[int]], k: int = 4, max_model_len: int = 64, rows=None):
+    token_ids = np.zeros((len(contexts) + 2, max_model_len), dtype=np.int32)
+    for i, c in enumerate(contexts):
+        token_ids[i, : len(c)] = c
+    num_tokens = np.array([len(c) for c in contexts])
+    max_draft_lens = np.clip(max_model_len - num_tokens, 0, k)
+    rows = tuple(range(len(contexts))) if rows is None else tuple(rows)
+    return DraftBatch(token_ids, num_tokens, max_draft_lens, rows)
+
+
+def propose(contexts, k=4, min_n=2, max_n=8, **kw):
+    return NgramProposer(min_n, max_n).propose(_batch(contexts, k, **kw))
+
+
+def test_no_match_gives_empty_draft():
+    assert propose([[1, 2, 3, 4, 5, 6]]) == [[]]
+
+
+def test_single_match_copies_what_followed():
+    assert propose([[1, 2, 3, 9, 8, 7, 6, 1, 2, 3]]) == [[9, 8, 7, 6]]
+
+
+def test_longest_match_wins_over_more_recent_shorter_one():
+    # suffix [5, 1, 2] occurs at the start (followed by 7); [1, 2] alone more recently (followed by 9)
+    ctx = [5, 1, 2, 7, 7, 7, 1, 2, 9, 9, 5, 1, 2]
+    assert propose([ctx], k=2, min_n=2) == [[7, 7]]
+
+
+def test_most_recent_of_equally_long_matches_wins():
+    ctx = [1, 2, 10, 11, 0, 1, 2, 20, 21, 0, 1, 2]
+    assert propose([ctx], k=2, max_n=2) == [[20, 21]]
+
+
+def test_match_at_the_very_end_continues_periodically():
+    # a loop: the latest match leaves one token to copy; the draft keeps repeating the period
+    assert propose([[4, 4, 4, 4]], k=5) == [[4, 4, 4, 4, 4]]
+    assert propose([[1, 2, 3, 1, 2, 3, 1, 2]], k=5) == [[3, 1, 2, 3, 1]]
+
+
+def test_min_n_is_respected():
+    ctx = [1, 2, 9, 3, 2]  # only a 1-token match ([2])
+    assert propose([ctx], min_n=2) == [[]]
+    # copies what followed the earlier [2], then keeps repeating that period
+    assert propose([ctx], min_n=1) == [[9, 3, 2, 9]]
+
+
+def test_drafts_cut_at_model_length_limit():
+    ctx = [1, 2, 3, 4, 5, 6, 1, 2, 3]
+    assert propose([ctx], k=8, max_model_len=11) == [[4, 5]]
+    assert propose([ctx], k=8, max_model_len=9) == [[]]
+
+
+def test_empty_and_tiny_contexts():
+    assert propose([[], [7], [7, 7]], min_n=1) == [[], [], [7, 7, 7, 7]]
+
+
+def test_rows_not_requested_get_no_draft():
+    ctx = [1, 2, 3, 1, 2]
+    assert propose([ctx, ctx], rows=[1]) == [[], [3, 1, 2, 3]]
+
+
+def _oracle(ctx: list[int], min_n: int, max_n: int) -> tuple[int, int]:
+    """Brute force: longest n, then latest end, among earlier occurrences of the suffix."""
+    for n in range(min(max_n, len(ctx) - 1), min_n - 1, -1):
+        suffix = ctx[len(ctx) - n :]
+        ends = [e for e in range(n - 1, len(ctx) - 1) if ctx[e - n + 1 : e + 1] == suffix]
+        if ends:
+            return n, ends[-1]
+    return 0, -1
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ctx=st.lists(st.integers(0, 3), max_size=40),
+    min_n=st.integers(1, 4),
+    extra=st.integers(0, 4),
+)
+def test_matcher_agrees_with_brute_force(ctx, min_n, extra):
+    got = longest_suffix_match(np.array(ctx, dtype=np.int32), min_n, min_n + extra)
+    assert got == _oracle(ctx, min_n, min_n + extra)

@@ -1,0 +1,94 @@
+"""The plugin inside real vLLM: greedy output identical, drafts accepted, bad settings stopped.
+
+Engines are few and shared: one without speculation, one with the plugin's n-gram
+proposer, one with vLLM's own draft_model method on the zoo pair (which also proves
+both zoo models load in vLLM).
+"""
+
+import pytest
+
+from specplugin.engine import ENGINE_DEFAULTS, plugin_engine_kwargs, run_engine
+from specplugin.zoo import zoo_path
+
+pytestmark = pytest.mark.vllm
+
+CODE = '''def parse_header(line):
+    """Split a header line into a key and a value."""
+    key, sep, value = line.partition(":")
+    if not sep:
+        raise ValueError("not a header: %r" % (line,))
+    return key.strip().lower(), value.strip()
+
+
+def parse_headers(lines):
+    headers = {}
+    for line in lines:
+        key, value = parse_header(line)
+        headers[key] = value
+    return headers
+'''
+
+PROMPTS = [
+    CODE + "\n\n# The same functions again:\n" + CODE[:120],  # copies a long span
+    "import os\nimport sys\n\n\ndef main(argv):\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    CODE[:200],
+]
+GREEDY = {"temperature": 0.0, "max_tokens": 96, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def target(zoo_root):
+    return zoo_path("target", zoo_root)
+
+
+@pytest.fixture(scope="module")
+def baseline(target):
+    return run_engine(target, {}, PROMPTS, GREEDY)
+
+
+@pytest.fixture(scope="module")
+def with_plugin(target):
+    return run_engine(target, plugin_engine_kwargs(8, {"proposers": ["ngram"]}), PROMPTS, GREEDY)
+
+
+def test_greedy_output_is_identical_token_for_token(baseline, with_plugin):
+    for i, (want, got) in enumerate(zip(baseline.token_ids, with_plugin.token_ids)):
+        first_diff = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), None)
+        assert want == got, f"prompt {i}: first difference at output position {first_diff}"
+
+
+def test_vllm_counters_show_drafts_accepted_on_repeating_text(baseline, with_plugin):
+    assert baseline.num_drafts == 0
+    assert with_plugin.num_drafts > 0
+    assert with_plugin.num_accepted_tokens > 0
+    assert with_plugin.mean_acceptance_length > 1.5, with_plugin
+    assert sum(with_plugin.accepted_per_pos) == with_plugin.num_accepted_tokens
+
+
+def test_vllm_draft_model_method_loads_the_zoo_pair(zoo_root, target, baseline):
+    """Both zoo models load in vLLM; its own draft_model method is lossless on them too."""
+    spec = {"method": "draft_model", "model": str(zoo_path("draft", zoo_root)),
+            "num_speculative_tokens": 4}
+    run = run_engine(target, {"speculative_config": spec}, PROMPTS, GREEDY)
+    assert run.token_ids == baseline.token_ids
+    assert run.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize(
+    "options, k, fragment",
+    [
+        ({"proposers": ["ngrm"]}, 8, "names unknown proposer 'ngrm'"),
+        ({"proposers": "ngram"}, 8, 'additional_config["specplugin"]["proposers"] must be a list'),
+        ({"proposers": ["ngram"], "lookahead": 3}, 8, "unknown key 'lookahead'"),
+        ({"draft_model": "/no/such/dir"}, 8, "'/no/such/dir' is not a directory"),
+        ({"proposers": ["ngram"]}, 40, "num_speculative_tokens'] must be an integer from 1 to 32"),
+    ],
+)
+def test_bad_settings_stop_vllm_at_start_with_the_fix_in_the_message(target, options, k, fragment):
+    """Raised in the user's own process while vLLM builds its config: no engine starts."""
+    from vllm import LLM
+
+    with pytest.raises(Exception) as err:
+        LLM(model=str(target), **ENGINE_DEFAULTS, **plugin_engine_kwargs(k, options))
+    assert fragment in str(err.value)
