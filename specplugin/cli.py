@@ -14,6 +14,10 @@ def _zoo(args: argparse.Namespace) -> int:
     if args.zoo_command == "path":
         print(zoo.zoo_path(args.name, Path(args.root) if args.root else None))
         return 0
+    if args.zoo_command == "report":
+        from specplugin.zoo import report
+
+        return report.run(args)
     report = zoo.build(Path(args.out) if args.out else None, quick=args.quick,
                        time_budget_s=args.time_budget)
     for name in ("target", "draft"):
@@ -35,6 +39,9 @@ def _add_zoo(sub) -> None:
     q = zsub.add_parser("path", help="print the folder of a zoo model")
     q.add_argument("name", choices=["target", "draft"])
     q.add_argument("--root", help="zoo folder (default: the committed weights)")
+    from specplugin.zoo import report
+
+    report.add_arguments(zsub.add_parser("report", help="measure the pair under vLLM (README figures)"))
     p.set_defaults(func=_zoo)
 
 

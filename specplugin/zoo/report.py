@@ -1,0 +1,64 @@
+"""``specplugin zoo report``: the figures the README gives for the zoo pair, measured under vLLM.
+
+- parameters and held-out loss (cross entropy in nats/token on held-out stdlib
+  files), read from ``zoo.json`` written at training time;
+- decode speed of each model alone under vLLM at batch 1 (greedy, one request);
+- mean acceptance length of vLLM's own ``draft_model`` method with this pair
+  (K=4, greedy) on held-out ``complete`` prompts: fresh code, nothing to copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def measure(zoo_root: Path, num_prompts: int, max_tokens: int, k: int) -> dict:
+    import numpy as np
+
+    from specplugin.bench.workloads import FULL_SIZES, complete_prompts, source_from_zoo
+    from specplugin.engine import run_engine
+    from specplugin.zoo import zoo_path
+
+    report = json.loads((zoo_root / "zoo.json").read_text())
+    source = source_from_zoo(zoo_root)
+    prompts = complete_prompts(source, FULL_SIZES, num_prompts, np.random.default_rng(0))
+    greedy = {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}
+    for name in ("target", "draft"):
+        single = run_engine(zoo_path(name, zoo_root), {}, prompts[:1], greedy)
+        report[name]["vllm_batch1_tok_s"] = round(single.tok_s, 1)
+    spec = {"method": "draft_model", "model": str(zoo_path("draft", zoo_root)),
+            "num_speculative_tokens": k}
+    run = run_engine(zoo_path("target", zoo_root), {"speculative_config": spec}, prompts, greedy)
+    report["vllm_draft_model"] = {
+        "num_speculative_tokens": k,
+        "num_prompts": len(prompts),
+        "mean_acceptance_length": round(run.mean_acceptance_length, 3),
+        "accepted_per_pos": run.accepted_per_pos,
+        "num_drafts": run.num_drafts,
+    }
+    return report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--zoo", help="zoo folder (default: the committed pair)")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("-k", type=int, default=4)
+
+
+def run(args: argparse.Namespace) -> int:
+    from specplugin.zoo import WEIGHTS_DIR
+
+    root = Path(args.zoo) if args.zoo else WEIGHTS_DIR
+    r = measure(root, args.num_prompts, args.max_tokens, args.k)
+    for name in ("target", "draft"):
+        m = r[name]
+        print(f"{name}: {m['params'] / 1e6:.2f}M params, held-out loss {m['heldout_loss']:.3f} "
+              f"nats/token, vLLM batch 1: {m['vllm_batch1_tok_s']:.1f} tok/s")
+    d = r["vllm_draft_model"]
+    print(f"vLLM draft_model, K={d['num_speculative_tokens']}, greedy, {d['num_prompts']} held-out "
+          f"complete prompts: mean acceptance length {d['mean_acceptance_length']:.2f} "
+          f"(accepted per position {d['accepted_per_pos']} of {d['num_drafts']} drafts)")
+    return 0
