@@ -1,0 +1,413 @@
+"""Acceptance: greedy edge cases, batched == reference, and statistical losslessness.
+
+The statistical tests speculate in a toy world where both models are order-1 Markov
+chains over a small vocabulary (``TARGET_TABLE[prev]`` is the target's next-token
+distribution, row ``BOS`` the first token's). Speculative decoding must emit the first
+token with law ``TARGET_TABLE[BOS]`` and the first two with law
+``TARGET_TABLE[BOS, a] * TARGET_TABLE[a, b]``; when a step emits only one token, the
+second comes from a second speculative step, as in real decoding. Seeds are fixed, so
+every test is deterministic; negative controls show the tests can fail.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specplugin.scorers import (
+    PLACEHOLDER_TOKEN_ID,
+    concat_noise,
+    draw_batch_noise,
+    draw_noise,
+    greedy_multi_draft_verify,
+    multi_draft,
+    reference_multi_draft_verify,
+    reference_verify,
+    rejection,
+    verify_batch,
+)
+from specplugin.stats import chi_square_gof
+
+VOCAB_SIZE = 5
+BOS = VOCAB_SIZE  # extra row of the Markov tables: the first token's distribution
+NUM_DRAWS = 20_000
+NUM_MULTI_DRAFT_DRAWS = 5_000
+P_THRESHOLD = 1e-3
+NEGATIVE_CONTROL_P = 1e-6
+
+
+# ---------------------------------------------------------------- constructed inputs
+
+
+def peaked_probs(argmax_ids: list[int], vocab_size: int = 8) -> torch.Tensor:  # [rows, vocab_size]
+    """Softmax of logits 4 at ``argmax_ids``, 0 elsewhere: a clear argmax, all probs > 0."""
+    logits = torch.zeros(len(argmax_ids), vocab_size)
+    logits[torch.arange(len(argmax_ids)), torch.tensor(argmax_ids, dtype=torch.long)] = 4.0
+    return logits.softmax(-1)
+
+
+def ragged_batch(drafts: list[list[int]], targets: list[torch.Tensor]):
+    """Flat draft ids, cu_num_draft_tokens and target rows for a list of requests."""
+    draft_token_ids = torch.tensor([t for d in drafts for t in d], dtype=torch.long)  # [total]
+    cu_num_draft_tokens = torch.tensor([len(d) for d in drafts]).cumsum(0)  # [num_reqs]
+    return draft_token_ids, cu_num_draft_tokens, torch.cat(targets)
+
+
+GREEDY_CASES = [  # (draft, target argmax per position, expected emitted)
+    ([3, 1, 4], [3, 1, 4, 2], [3, 1, 4, 2]),  # all accepted -> bonus
+    ([3, 1, 4], [5, 1, 4, 2], [5]),  # first rejected -> recovered
+    ([], [6], [6]),  # empty draft -> one token from the target
+    ([3, 1, 4, 1, 5], [3, 1, 6, 1, 5, 0], [3, 1, 6]),  # draft longer than the match
+]
+
+
+@pytest.mark.parametrize(("draft", "argmax_ids", "expected"), GREEDY_CASES)
+def test_greedy_reference(draft, argmax_ids, expected):
+    draft_token_ids = torch.tensor(draft, dtype=torch.long)  # [k]
+    emitted = reference_verify(draft_token_ids, None, peaked_probs(argmax_ids), None, greedy=True)
+    assert emitted.tolist() == expected
+
+
+def test_greedy_batched_handles_all_cases_in_one_batch():
+    drafts, argmaxes, expected = zip(*GREEDY_CASES)
+    targets = [peaked_probs(a) for a in argmaxes]
+    draft_token_ids, cu, target_probs = ragged_batch(list(drafts), targets)
+    noise = draw_batch_noise(cu, 8, torch.Generator().manual_seed(0))
+    is_greedy = torch.ones(len(drafts), dtype=torch.bool)  # [num_reqs]
+    out = verify_batch(draft_token_ids, cu, None, target_probs, is_greedy, noise)
+    assert out.output_token_ids.shape == (4, 6)
+    assert out.num_emitted.tolist() == [len(e) for e in expected]
+    for row, emitted in zip(out.output_token_ids.tolist(), expected):
+        assert row == emitted + [PLACEHOLDER_TOKEN_ID] * (6 - len(emitted))
+
+
+@pytest.mark.parametrize(("draft", "argmax_ids", "expected"), GREEDY_CASES)
+def test_greedy_multi_draft_single_candidate_is_plain_greedy(draft, argmax_ids, expected):
+    draft_token_ids = torch.tensor(draft, dtype=torch.long)  # [k]
+    result = greedy_multi_draft_verify([draft_token_ids], [peaked_probs(argmax_ids)])
+    assert result.token_ids.tolist() == expected and result.winner == 0
+
+
+def test_greedy_multi_draft_longest_match_wins_ties_lowest_index():
+    target_after = {(): 3, (3,): 1, (3, 1): 4, (3, 1, 4): 2, (5,): 0, (3, 0): 7}
+
+    def target(draft):  # target rows along this candidate's own prefixes
+        return peaked_probs([target_after.get(tuple(draft[:i]), 0) for i in range(len(draft) + 1)])
+
+    def verify(candidates):
+        return greedy_multi_draft_verify(
+            [torch.tensor(c) for c in candidates], [target(c) for c in candidates]
+        )
+
+    candidates = [[5, 0], [3, 0], [3, 1, 9], [3, 1, 4], [3, 1, 4]]
+    result = verify(candidates)  # candidates 3 and 4 tie with all 3 accepted
+    assert result.token_ids.tolist() == [3, 1, 4, 2] and result.winner == 3
+    result = verify(candidates[:3])  # candidate 2 matches 2 tokens, then 9 != 4
+    assert result.token_ids.tolist() == [3, 1, 4] and result.winner == 2
+    result = verify([[5, 0], [4]])  # nothing accepted
+    assert result.token_ids.tolist() == [3] and result.winner == 0
+
+
+def test_multi_draft_needs_a_candidate():
+    with pytest.raises(ValueError, match="at least one candidate"):
+        greedy_multi_draft_verify([], [])
+
+
+# ---------------------------------------------------------------- exact sampling facts
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_draft_equal_to_target_is_always_accepted(seed):
+    generator = torch.Generator().manual_seed(seed)
+    target_probs = torch.randn(4, 6, generator=generator).softmax(-1)  # [k + 1, vocab_size]
+    draft_token_ids = torch.multinomial(target_probs[:3], 1, generator=generator).squeeze(1)
+    emitted = reference_verify(draft_token_ids, target_probs[:3], target_probs, generator)
+    assert emitted[:3].tolist() == draft_token_ids.tolist() and len(emitted) == 4
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_impossible_draft_is_rejected_and_recovered_elsewhere(seed):
+    generator = torch.Generator().manual_seed(seed)
+    target_probs = torch.randn(3, 6, generator=generator).softmax(-1)
+    target_probs[1, 2] = 0.0  # the target never emits token 2 at position 1
+    target_probs[1] /= target_probs[1].sum()
+    for draft_probs in (None, torch.randn(2, 6, generator=generator).softmax(-1)):
+        emitted = reference_verify(torch.tensor([0, 2]), draft_probs, target_probs, generator)
+        assert len(emitted) <= 2 and (len(emitted) < 2 or emitted[1] != 2)
+
+
+def test_multi_draft_tries_the_next_candidate_after_a_rejection():
+    target_probs = torch.tensor([[0.0, 1.0, 0.0], [0.2, 0.3, 0.5]])  # [k + 1, vocab]: 1 surely
+    for seed in range(5):
+        result = reference_multi_draft_verify(
+            [torch.tensor([0]), torch.tensor([2]), torch.tensor([1])],
+            None,
+            [target_probs, target_probs, target_probs],
+            torch.Generator().manual_seed(seed),
+        )
+        assert result.token_ids[0] == 1 and result.winner == 2 and len(result.token_ids) == 2
+
+
+def test_batch_of_empty_drafts_emits_one_token_per_row():
+    target_probs = peaked_probs([2, 5, 1])  # [num_reqs, vocab_size]: k = 0 for all
+    cu = torch.zeros(3, dtype=torch.long)
+    noise = draw_batch_noise(cu, 8, torch.Generator().manual_seed(0))
+    no_drafts = torch.empty(0, dtype=torch.long)
+    out = verify_batch(no_drafts, cu, None, target_probs, torch.ones(3, dtype=torch.bool), noise)
+    assert out.output_token_ids.tolist() == [[2], [5], [1]]
+    assert out.num_emitted.tolist() == [1, 1, 1]
+    is_greedy = torch.zeros(3, dtype=torch.bool)
+    sampled = verify_batch(no_drafts, cu, None, target_probs, is_greedy, noise)
+    assert sampled.output_token_ids.shape == (3, 1) and sampled.num_accepted.tolist() == [0, 0, 0]
+
+
+def test_batch_rejects_inconsistent_shapes():
+    draft_token_ids, cu, target_probs = ragged_batch(
+        [[1, 2], [3]], [peaked_probs([0, 0, 0]), peaked_probs([0, 0])]
+    )
+    noise, is_greedy = draw_batch_noise(cu, 8), torch.zeros(2, dtype=torch.bool)
+    with pytest.raises(ValueError, match="target_probs"):
+        verify_batch(draft_token_ids, cu, None, target_probs[:-1], is_greedy, noise)
+    with pytest.raises(ValueError, match="cu_num_draft_tokens"):
+        verify_batch(draft_token_ids[:-1], cu, None, target_probs, is_greedy, noise)
+
+
+# ---------------------------------------------------------------- batched == reference
+
+
+def random_probs(generator: torch.Generator, num_rows: int, vocab_size: int) -> torch.Tensor:
+    """Peaky random distributions with some exact zeros (the edge that breaks naive ratios)."""
+    logits = 3 * torch.randn(num_rows, vocab_size, generator=generator)  # [num_rows, vocab_size]
+    zero = torch.rand(num_rows, vocab_size, generator=generator) < 0.25
+    zero[torch.arange(num_rows), logits.argmax(-1)] = False  # keep at least one nonzero
+    return logits.masked_fill(zero, float("-inf")).softmax(-1)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    num_draft_tokens=st.lists(st.integers(0, 4), min_size=1, max_size=6),
+    vocab_size=st.integers(2, 7),
+    one_hot_drafts=st.booleans(),
+    greedy_bits=st.integers(0, 2**6 - 1),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_batched_equals_reference(num_draft_tokens, vocab_size, one_hot_drafts, greedy_bits, seed):
+    generator = torch.Generator().manual_seed(seed)
+    num_reqs, total = len(num_draft_tokens), sum(num_draft_tokens)
+    is_greedy = torch.tensor([bool(greedy_bits >> i & 1) for i in range(num_reqs)])  # [num_reqs]
+    target_probs = random_probs(generator, total + num_reqs, vocab_size)  # [total + num_reqs, V]
+    draft_probs = None  # one-hot drafts
+    if not one_hot_drafts:
+        draft_probs = random_probs(generator, total, vocab_size)  # [total, V]
+    proposal = target_probs if draft_probs is None else draft_probs  # half the drafts: its argmax
+    draft_token_ids = torch.where(
+        torch.rand(total, generator=generator) < 0.5,
+        torch.randint(vocab_size, (total,), generator=generator),
+        proposal[: total].argmax(-1),
+    )  # [total]
+    cu = torch.tensor(num_draft_tokens).cumsum(0)  # [num_reqs]
+    request_seeds = [seed + i for i in range(num_reqs)]
+    noise = concat_noise([
+        draw_noise(k, vocab_size, torch.Generator().manual_seed(s))
+        for k, s in zip(num_draft_tokens, request_seeds)
+    ])
+    out = verify_batch(draft_token_ids, cu, draft_probs, target_probs, is_greedy, noise)
+    for i, k in enumerate(num_draft_tokens):
+        start = int(cu[i]) - k
+        expected = reference_verify(
+            draft_token_ids[start : start + k],
+            None if draft_probs is None else draft_probs[start : start + k],
+            target_probs[start + i : start + i + k + 1],
+            torch.Generator().manual_seed(request_seeds[i]),
+            greedy=bool(is_greedy[i]),
+        )
+        num_emitted = int(out.num_emitted[i])
+        assert out.output_token_ids[i, :num_emitted].tolist() == expected.tolist()
+        assert (out.output_token_ids[i, num_emitted:] == PLACEHOLDER_TOKEN_ID).all()
+
+
+# ---------------------------------------------------------------- statistical losslessness
+
+
+def markov_table(seed: int, sharpness: float, num_zeros: int = 0) -> torch.Tensor:
+    """Next-token distributions of a toy model, ``[VOCAB_SIZE + 1, VOCAB_SIZE]``: one row per
+    previous token, plus BOS."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = sharpness * torch.randn(VOCAB_SIZE + 1, VOCAB_SIZE, generator=generator)
+    for z in range(num_zeros):  # a token the model never emits after each prev
+        rows = torch.arange(VOCAB_SIZE + 1)
+        logits[rows, (rows + z) % VOCAB_SIZE] = float("-inf")
+    return logits.softmax(-1)
+
+
+TARGET_TABLE = markov_table(seed=1, sharpness=1.0, num_zeros=1)
+DRAFT_TABLE = markov_table(seed=2, sharpness=1.5)
+# deterministic drafters: a fixed next token per previous token (n-gram-like, often wrong)
+ONE_HOT_DRAFTERS = [
+    torch.tensor([1, 2, 3, 4, 0, 1]),
+    torch.tensor([1, 3, 0, 2, 2, 3]),
+    torch.tensor([4, 4, 1, 0, 3, 1]),  # shares its first token with the first drafter
+]
+
+
+def expected_joint() -> torch.Tensor:  # [VOCAB_SIZE * VOCAB_SIZE]
+    return (TARGET_TABLE[BOS][:, None] * TARGET_TABLE[:VOCAB_SIZE]).flatten()
+
+
+def draft_chain(prev_ids: torch.Tensor, num_steps: int, drafter, generator):
+    """Draft ``num_steps`` tokens after each prev: sampled from DRAFT_TABLE (drafter None)
+    or deterministic from a one-hot drafter table. Returns ids [N, num_steps] and
+    draft probs [N, num_steps, VOCAB_SIZE] (None for deterministic drafts)."""
+    ids, probs = [], []
+    for _ in range(num_steps):
+        if drafter is None:
+            probs.append(DRAFT_TABLE[prev_ids])  # [N, VOCAB_SIZE]
+            prev_ids = torch.multinomial(probs[-1], 1, generator=generator).squeeze(1)
+        else:
+            prev_ids = drafter[prev_ids]
+        ids.append(prev_ids)
+    stacked_probs = torch.stack(probs, dim=1) if probs else None
+    return torch.stack(ids, dim=1), stacked_probs
+
+
+def speculative_step(prev_ids: torch.Tensor, drafter, generator, uniforms_override=None):
+    """One batched verification step for N independent requests whose last token is prev_ids.
+
+    Draft lengths are ragged (0..3); returns the VerifyOutput."""
+    num_reqs, max_k = prev_ids.shape[0], 3
+    num_draft_tokens = torch.randint(0, max_k + 1, (num_reqs,), generator=generator)  # [N]
+    chain_ids, chain_probs = draft_chain(prev_ids, max_k, drafter, generator)  # [N, max_k](, V)
+    in_draft = torch.arange(max_k)[None, :] < num_draft_tokens[:, None]  # [N, max_k]
+    contexts = torch.cat([prev_ids[:, None], chain_ids], dim=1)  # [N, max_k + 1]: prev per row
+    in_target = torch.arange(max_k + 1)[None, :] <= num_draft_tokens[:, None]  # [N, max_k + 1]
+    cu = num_draft_tokens.cumsum(0)  # [N]
+    noise = draw_batch_noise(cu, VOCAB_SIZE, generator)
+    if uniforms_override is not None:
+        uniforms = torch.full_like(noise.uniforms, uniforms_override)  # [total]
+        noise = rejection.VerifyNoise(uniforms, noise.exponentials)
+    return verify_batch(
+        chain_ids[in_draft],
+        cu,
+        None if chain_probs is None else chain_probs[in_draft],
+        TARGET_TABLE[contexts[in_target]],
+        torch.zeros(num_reqs, dtype=torch.bool),
+        noise,
+    )
+
+
+def first_two_tokens(step, num_draws: int, generator) -> torch.Tensor:  # [num_draws, 2]
+    """Run ``step(prev_ids) -> (tokens [N, >=1] padded, num_emitted [N])`` from BOS, and
+    again from the first token where the first step emitted only one."""
+    tokens, num_emitted = step(torch.full((num_draws,), BOS), generator)  # [num_draws, width]
+    second = tokens[:, 1].clone()  # [num_draws]
+    needs_another_step = num_emitted < 2
+    again, _ = step(tokens[needs_another_step, 0], generator)
+    second[needs_another_step] = again[:, 0]
+    return torch.stack([tokens[:, 0], second], dim=1)
+
+
+def target_p_values(pairs: torch.Tensor) -> tuple[float, float]:  # pairs [num_draws, 2]
+    """Chi-square p-values of the first token and of the first two tokens jointly."""
+    first_counts = torch.bincount(pairs[:, 0], minlength=VOCAB_SIZE)  # [VOCAB_SIZE]
+    joint_counts = torch.bincount(pairs[:, 0] * VOCAB_SIZE + pairs[:, 1], minlength=VOCAB_SIZE**2)
+    first = chi_square_gof(first_counts, TARGET_TABLE[BOS])
+    joint = chi_square_gof(joint_counts, expected_joint())
+    return first.p_value, joint.p_value
+
+
+def batched_step(drafter, uniforms_override=None):
+    def step(prev_ids, generator):
+        out = speculative_step(prev_ids, drafter, generator, uniforms_override)
+        return out.output_token_ids, out.num_emitted
+
+    return step
+
+
+@pytest.mark.parametrize(
+    "drafter", [None, ONE_HOT_DRAFTERS[0]], ids=["sampled-draft", "one-hot-draft"]
+)
+def test_single_draft_sampling_follows_target(drafter):
+    pairs = first_two_tokens(batched_step(drafter), NUM_DRAWS, torch.Generator().manual_seed(11))
+    first_p, joint_p = target_p_values(pairs)
+    assert first_p > P_THRESHOLD and joint_p > P_THRESHOLD, (first_p, joint_p)
+
+
+def test_negative_control_always_accept_is_detected():
+    """Uniforms of 0 accept every draft the target does not forbid: the draft's law leaks."""
+    always_accept = batched_step(None, uniforms_override=0.0)
+    pairs = first_two_tokens(always_accept, NUM_DRAWS, torch.Generator().manual_seed(11))
+    first_p, _ = target_p_values(pairs)
+    assert first_p < NEGATIVE_CONTROL_P, first_p
+
+
+def test_negative_control_recovered_from_target_is_detected(monkeypatch):
+    """A classic bug: drawing the recovered token from the target instead of the residual."""
+    monkeypatch.setattr(rejection, "_residual_probs", lambda final_target, *_: final_target)
+    pairs = first_two_tokens(batched_step(None), NUM_DRAWS, torch.Generator().manual_seed(11))
+    first_p, _ = target_p_values(pairs)
+    assert first_p < NEGATIVE_CONTROL_P, first_p
+
+
+CANDIDATE_LENGTHS = (2, 1, 2)  # candidates 0 and 2 may share a prefix, then branch
+
+
+def multi_draft_step(drafters):
+    """A step of multi-draft verification; ``drafters[c]`` None means sampled from DRAFT_TABLE."""
+
+    def step(prev_ids, generator):
+        num_reqs = prev_ids.shape[0]
+        chains = [  # num_candidates x ([N, k_c], [N, k_c, V] or None)
+            draft_chain(prev_ids, k, d, generator) for k, d in zip(CANDIDATE_LENGTHS, drafters)
+        ]
+        tokens = torch.full((num_reqs, max(CANDIDATE_LENGTHS) + 1), PLACEHOLDER_TOKEN_ID)
+        num_emitted = torch.zeros(num_reqs, dtype=torch.long)
+        targets = [  # num_candidates x [N, k_c + 1, V]
+            TARGET_TABLE[torch.cat([prev_ids[:, None], ids], dim=1)] for ids, _ in chains
+        ]
+        for r in range(num_reqs):
+            result = reference_multi_draft_verify(
+                [ids[r] for ids, _ in chains],
+                [None if probs is None else probs[r] for _, probs in chains],
+                [target[r] for target in targets],
+                generator,
+            )
+            tokens[r, : len(result.token_ids)] = result.token_ids
+            num_emitted[r] = len(result.token_ids)
+        return tokens, num_emitted
+
+    return step
+
+
+MULTI_DRAFT_CASES = {
+    "iid-sampled-x3": [None, None, None],
+    "one-hot-x3": ONE_HOT_DRAFTERS,
+    "mixed-sampled-and-one-hot": [None, ONE_HOT_DRAFTERS[1], None],
+    "iid-sampled-x2": [None, None],
+}
+
+
+@pytest.mark.parametrize("drafters", MULTI_DRAFT_CASES.values(), ids=MULTI_DRAFT_CASES.keys())
+def test_multi_draft_sampling_follows_target(drafters):
+    generator = torch.Generator().manual_seed(5)
+    pairs = first_two_tokens(multi_draft_step(drafters), NUM_MULTI_DRAFT_DRAWS, generator)
+    first_p, joint_p = target_p_values(pairs)
+    assert first_p > P_THRESHOLD and joint_p > P_THRESHOLD, (first_p, joint_p)
+
+
+def test_negative_control_multi_draft_without_residual_update_is_detected(monkeypatch):
+    """The bug of testing every candidate against the unchanged target is caught."""
+    monkeypatch.setattr(multi_draft, "_residual_after_rejection", lambda residual, _: residual)
+    generator = torch.Generator().manual_seed(5)
+    pairs = first_two_tokens(multi_draft_step([None, None, None]), NUM_MULTI_DRAFT_DRAWS, generator)
+    first_p, _ = target_p_values(pairs)
+    assert first_p < NEGATIVE_CONTROL_P, first_p
+
+
+def test_sampling_is_seeded():
+    outputs = [
+        first_two_tokens(batched_step(None), 200, torch.Generator().manual_seed(3)),
+        first_two_tokens(batched_step(None), 200, torch.Generator().manual_seed(3)),
+        first_two_tokens(multi_draft_step([None, None]), 50, torch.Generator().manual_seed(3)),
+        first_two_tokens(multi_draft_step([None, None]), 50, torch.Generator().manual_seed(3)),
+    ]
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[2], outputs[3])
