@@ -73,17 +73,18 @@ def _spec_counters(llm) -> dict:
     return out
 
 
-def _run(model: str, engine_kwargs: dict, prompts: list, sampling: dict, warmup: bool) -> EngineRun:
+def _run(model: str, engine_kwargs: dict, prompts: list, sampling: dict, warmup: bool,
+         batch_size: int | None) -> EngineRun:
     from vllm import LLM
 
     llm = LLM(model=model, **{**ENGINE_DEFAULTS, **engine_kwargs})
     try:
-        return _generate(llm, prompts, sampling, warmup)
+        return _generate(llm, prompts, sampling, warmup, batch_size or len(prompts))
     finally:  # else the child waits forever at exit for vLLM's engine-core process
         llm.llm_engine.engine_core.shutdown()
 
 
-def _generate(llm, prompts: list, sampling: dict, warmup: bool) -> EngineRun:
+def _generate(llm, prompts: list, sampling: dict, warmup: bool, batch_size: int) -> EngineRun:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -93,7 +94,9 @@ def _generate(llm, prompts: list, sampling: dict, warmup: bool) -> EngineRun:
         llm.generate(inputs[:1], SamplingParams(**{**sampling, "max_tokens": 8}), use_tqdm=False)
     before = _spec_counters(llm)
     start = time.perf_counter()
-    outputs = llm.generate(inputs, params, use_tqdm=False)
+    outputs = []
+    for i in range(0, len(inputs), batch_size):  # batches one after the other
+        outputs += llm.generate(inputs[i : i + batch_size], params, use_tqdm=False)
     seconds = time.perf_counter() - start
     after = _spec_counters(llm)
     counters = {k: after[k] - before.get(k, 0) for k in after if k != "accepted_per_pos"}
@@ -117,9 +120,11 @@ def _run_reporting_errors(*args) -> EngineRun:
 
 
 def run_engine(model: str, engine_kwargs: dict, prompts: list, sampling: dict,
-               warmup: bool = True) -> EngineRun:
-    """Generate ``prompts`` (strings or token-id lists) with one fresh engine in a child process."""
+               warmup: bool = True, batch_size: int | None = None) -> EngineRun:
+    """Generate ``prompts`` (strings or token-id lists) with one fresh engine in a child process,
+    ``batch_size`` prompts at a time (default: all at once)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
-        return pool.submit(_run_reporting_errors, str(model), engine_kwargs, prompts, sampling, warmup).result()
+        return pool.submit(_run_reporting_errors, str(model), engine_kwargs, prompts, sampling, warmup,
+                           batch_size).result()

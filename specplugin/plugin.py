@@ -38,3 +38,12 @@ def register() -> None:
     platform_cls = type(current_platform)
     if not patches.is_patched(platform_cls, "check_and_update_config"):
         patches.patch_classmethod(platform_cls, "check_and_update_config", check_vllm_config)
+    if current_platform.is_cpu():
+        # vLLM registers its CPU kernel fallbacks in each worker right after loading
+        # plugins, reading this module attribute then: replacing it here is enough.
+        from vllm.utils import cpu_triton_utils
+
+        from specplugin.vllm_layer.cpu_fixes import expand_kernel_impl
+
+        if not patches.is_patched(cpu_triton_utils, "_expand_kernel_impl"):
+            patches.replace_attribute(cpu_triton_utils, "_expand_kernel_impl", expand_kernel_impl)

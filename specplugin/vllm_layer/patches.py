@@ -1,10 +1,15 @@
 """Every change the plugin makes to vLLM's classes lives here, in one registry.
 
-There is one patch today: a wrapper around the current platform's
-``check_and_update_config``, which ``VllmConfig.__post_init__`` calls in the
-front-end process. vLLM offers no hook that sees the finished config before any
-engine process starts, and that is where a bad ``additional_config`` must stop
-the user (``tests/test_vllm_patches.py`` fails loudly if vLLM moves the call).
+Two patches today:
+
+- a wrapper around the current platform's ``check_and_update_config``, which
+  ``VllmConfig.__post_init__`` calls in the front-end process. vLLM offers no hook
+  that sees the finished config before any engine process starts, and that is
+  where a bad ``additional_config`` must stop the user (``tests/test_plugin.py``
+  fails loudly if vLLM moves the call);
+- on CPU, vLLM's fallback for the rejection sampler's ``expand_kernel``, which is
+  wrong for float inputs (see ``cpu_fixes.py``; ``tests/test_cpu_fixes.py`` fails
+  loudly once vLLM fixes it, so the patch can go).
 
 The registry refuses to patch the same attribute twice, so a second
 ``register()`` (vLLM loads plugins in every process, sometimes more than once)
@@ -27,7 +32,7 @@ class DoublePatchError(RuntimeError):
 
 @dataclass(frozen=True)
 class AppliedPatch:
-    owner: type
+    owner: Any  # a class or a module
     name: str
     original: Any  # the attribute as it was in owner.__dict__ (or inherited)
 
@@ -54,6 +59,18 @@ def patch_classmethod(owner: type, name: str, before: Callable[[Any], None]) -> 
     setattr(wrapper, _MARKER, True)
     applied = AppliedPatch(owner, name, owner.__dict__.get(name, bound))
     setattr(owner, name, classmethod(wrapper))
+    _APPLIED[(owner, name)] = applied
+    return applied
+
+
+def replace_attribute(owner: Any, name: str, replacement: Any) -> AppliedPatch:
+    """Set ``owner.name = replacement`` (a module or class attribute), recorded and marked."""
+    if is_patched(owner, name) or (owner, name) in _APPLIED:
+        raise DoublePatchError(f"{getattr(owner, '__name__', owner)}.{name} is already patched "
+                               "by specplugin")
+    applied = AppliedPatch(owner, name, getattr(owner, name))
+    setattr(replacement, _MARKER, True)
+    setattr(owner, name, replacement)
     _APPLIED[(owner, name)] = applied
     return applied
 
