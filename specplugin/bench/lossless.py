@@ -1,0 +1,391 @@
+"""``specplugin check-lossless``: speculation must not change what the target generates.
+
+Two checks, each comparing a speculative configuration against the same engine
+without speculation:
+
+1. **Greedy**: on the zoo target and the workloads' prompts, every output token
+   equals the non-speculative one. A difference is reported with its cell, request
+   index, first differing position and both tokens.
+2. **Sampling** (temperature 1): on a tiny-vocabulary model (``tinymodel.py``) with
+   repetitive prompts, so drafts are proposed and verified at every step, thousands
+   of draws per prompt are made with and without speculation, and at each of the
+   first output positions the two token histograms are compared with a two-sample
+   chi-square test (``specplugin.stats.chi_square_homogeneity``). The check fails
+   when any p-value is below ``alpha / number of tests`` (Bonferroni: the chance of a
+   false alarm over the whole run is at most ``alpha``). It also fails when the
+   speculative run proposed or accepted nothing: the test would then prove nothing.
+
+``--power-check`` (on by default outside ``--quick``) also runs a positive control:
+the same model without speculation at temperature 0.9 instead of 1, which the
+sampling check must tell apart from the reference: evidence that it sees a change
+of distribution that small at this number of draws.
+
+Exit status 0 when everything passed, 1 on any failure, 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+DEFAULT_ALPHA = 1e-3
+
+
+@dataclass(frozen=True)
+class SamplingPlan:
+    num_prompts: int
+    prompt_len: int
+    draws_per_prompt: int
+    num_positions: int  # output positions tested (max_tokens)
+
+
+FULL_SAMPLING = SamplingPlan(num_prompts=4, prompt_len=24, draws_per_prompt=5000, num_positions=8)
+QUICK_SAMPLING = SamplingPlan(num_prompts=2, prompt_len=24, draws_per_prompt=2000, num_positions=6)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options only: importing this module must stay cheap (no vLLM, no torch)."""
+    from specplugin.bench.methods import METHODS
+
+    parser.add_argument("--zoo", help="zoo folder for the greedy check (default: committed weights)")
+    parser.add_argument("--methods", default=None,
+                        help="comma-separated speculative methods to check (default: all of "
+                             f"{', '.join(m for m in METHODS if m != 'none')}; "
+                             "--quick: the plugin's)")
+    parser.add_argument("--quick", action="store_true", help="fewer prompts and draws (minutes)")
+    parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA,
+                        help="family-wise false-alarm rate of the sampling check")
+    parser.add_argument("--draws", type=int, default=None, help="draws per prompt (sampling)")
+    parser.add_argument("--skip-greedy", action="store_true")
+    parser.add_argument("--skip-sampling", action="store_true")
+    parser.add_argument("--power-check", action=argparse.BooleanOptionalAction, default=None,
+                        help="also run a positive control (temperature 0.9) the test must tell apart "
+                             "(default: on unless --quick)")
+    parser.add_argument("--out-dir", default="lossless-results", help="engine logs")
+
+
+# ---------------------------------------------------------------- method selection
+
+
+def _selected(args: argparse.Namespace):
+    from specplugin.bench.methods import BASELINE, METHODS, PLUGIN, names_in, resolve
+
+    if args.methods:
+        names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    else:
+        names = names_in(PLUGIN) if args.quick else [m for m in METHODS if m != "none"]
+    specs = resolve(names)
+    if any(s.family == BASELINE for s in specs):
+        raise ValueError("'none' is the reference every method is compared with; "
+                         "list speculative methods only.")
+    return specs
+
+
+CONTROL_TEMPERATURE = 0.9
+
+
+def control_payload(payload: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The sampled cells at temperature 0.9: a known, small change of distribution that the
+    test must detect (vLLM's own lossy mode, synthetic acceptance, does not run on CPU)."""
+    return [{**cell, "temperature": CONTROL_TEMPERATURE} for cell in payload]
+
+
+# ---------------------------------------------------------------- engines
+
+
+@dataclass
+class Engines:
+    """Runs one configuration per call in a fresh engine child (``runner.run_job``),
+    returning its cells with token ids; a warning the children report is printed once."""
+
+    workdir: Path
+    console: Any
+    warned: set[str] = field(default_factory=set)
+
+    def run(self, spec, models, payload: Sequence[Mapping[str, Any]], label: str,
+            seed: int = 0, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        from specplugin.bench.runner import EngineJob, run_job
+
+        kwargs = {**spec.engine_kwargs(models), "seed": seed, **(extra or {})}
+        job = EngineJob(label=label, model=models.target, engine_kwargs=kwargs,
+                        cells=tuple(payload), return_token_ids=True)
+        with self.console.status(f"{label}: running one engine"):
+            result = run_job(job, self.workdir)
+        for warning in set(result.warnings) - self.warned:
+            self.console.print(f"[yellow]warning: {warning}[/yellow]")
+            self.warned.add(warning)
+        return result.cells
+
+    def fail(self, label: str, reason: Any) -> bool:
+        self.console.print(f"[red]FAIL {label}: {reason}[/red]")
+        return False
+
+
+# ---------------------------------------------------------------- greedy
+
+
+def first_difference(expected: Sequence[int], actual: Sequence[int]) -> int | None:
+    """Index of the first differing token (a length difference counts); None if equal."""
+    for i, (a, b) in enumerate(zip(expected, actual)):
+        if a != b:
+            return i
+    return None if len(expected) == len(actual) else min(len(expected), len(actual))
+
+
+def greedy_mismatches(reference: Mapping[str, Any], candidate: Mapping[str, Any]) -> list[dict]:
+    """Per cell key, compare token ids request by request; one record per differing request."""
+    out = []
+    for key, ref in reference.items():
+        got = candidate[key]["token_ids"]
+        for i, (expected, actual) in enumerate(zip(ref["token_ids"], got)):
+            pos = first_difference(expected, actual)
+            if pos is not None:
+                out.append({"cell": key, "request": i, "position": pos,
+                            "expected": expected[pos] if pos < len(expected) else None,
+                            "got": actual[pos] if pos < len(actual) else None})
+    return out
+
+
+def _greedy_cells(zoo_root: Path, quick: bool):
+    from specplugin.bench.workloads import (FULL_SIZES, QUICK_SIZES, Cell, cell_prompts,
+                                            source_from_zoo)
+
+    source = source_from_zoo(zoo_root)
+    if quick:
+        sizes = replace(QUICK_SIZES, max_tokens=64, min_requests=16)
+        cells = [Cell("mixed", 8, 0.0)]
+    else:
+        sizes = replace(FULL_SIZES, min_requests=16)
+        cells = [Cell(w, 8, 0.0) for w in ("edit", "complete", "mixed")]
+    return [cell_prompts(source, sizes, c, base_seed=7) for c in cells]
+
+
+def check_greedy(specs, zoo: str | None, quick: bool, engines: Engines) -> bool:
+    """Token-for-token equality with the non-speculative run, on the zoo target."""
+    from specplugin.bench.cli import zoo_models
+    from specplugin.bench.methods import METHODS
+    from specplugin.bench.runner import EngineFailure, cells_payload
+
+    zoo_root, models = zoo_models(zoo)
+    payload = cells_payload(_greedy_cells(zoo_root, quick))
+    num_requests = sum(len(c["prompts"]) for c in payload)
+    engines.console.rule(f"greedy: {num_requests} requests x {payload[0]['max_tokens']} tokens, "
+                         f"cells {', '.join(c['key'] for c in payload)}")
+    try:
+        reference = engines.run(METHODS["none"], models, payload, "greedy-none")
+    except EngineFailure as failure:
+        return engines.fail("reference run", failure)
+    ok = True
+    for spec in specs:
+        ok &= _greedy_one(spec, models, payload, reference, engines)
+    return ok
+
+
+def _greedy_one(spec, models, payload, reference, engines: Engines) -> bool:
+    from specplugin.bench.runner import EngineFailure
+
+    try:
+        cells = engines.run(spec, models, payload, f"greedy-{spec.name}")
+    except (EngineFailure, ValueError) as failure:
+        return engines.fail(spec.name, failure)
+    bad = greedy_mismatches(reference, cells)
+    counts = (f"drafts {sum(c['num_drafts'] for c in cells.values())}, accepted tokens "
+              f"{sum(c['num_accepted_tokens'] for c in cells.values())}")
+    if bad:
+        engines.fail(spec.name, f"{len(bad)} request(s) differ ({counts})")
+        for m in bad[:10]:
+            engines.console.print(f"    cell {m['cell']} request {m['request']}: first "
+                                  f"difference at output position {m['position']}: expected "
+                                  f"{m['expected']}, got {m['got']}")
+        return False
+    engines.console.print(f"[green]ok[/green]   {spec.name}: all outputs identical ({counts})")
+    return True
+
+
+# ---------------------------------------------------------------- sampling
+
+
+@dataclass(frozen=True)
+class SampledTest:
+    prompt: int
+    position: int
+    statistic: float
+    dof: int
+    p_value: float
+
+
+def position_counts(token_ids: Sequence[Sequence[int]], position: int, vocab_size: int):
+    """Histogram of the token at ``position`` over draws: [vocab_size]."""
+    import torch
+
+    tokens = torch.tensor([t[position] for t in token_ids], dtype=torch.long)
+    return torch.bincount(tokens, minlength=vocab_size)
+
+
+def compare_samples(reference: Sequence[Sequence[Sequence[int]]],
+                    candidate: Sequence[Sequence[Sequence[int]]],
+                    num_positions: int, vocab_size: int) -> list[SampledTest]:
+    """One chi-square homogeneity test per (prompt, output position). Inputs are
+    [num_prompts][num_draws][num_tokens] token ids."""
+    from specplugin.stats import chi_square_homogeneity
+
+    tests = []
+    for j, (ref, cand) in enumerate(zip(reference, candidate)):
+        for pos in range(num_positions):
+            r = chi_square_homogeneity(position_counts(ref, pos, vocab_size),
+                                       position_counts(cand, pos, vocab_size))
+            tests.append(SampledTest(j, pos, r.statistic, r.dof, r.p_value))
+    return tests
+
+
+def _split_by_prompt(cell: Mapping[str, Any], num_prompts: int) -> list[list[list[int]]]:
+    draws = len(cell["token_ids"]) // num_prompts  # outputs come prompt by prompt, n each
+    return [cell["token_ids"][j * draws : (j + 1) * draws] for j in range(num_prompts)]
+
+
+@dataclass(frozen=True)
+class SampledSetup:
+    """What every sampled comparison shares: models, the request, the reference draws."""
+
+    models: Any
+    payload: tuple[dict[str, Any], ...]
+    plan: SamplingPlan
+    threshold: float  # per-test p-value below which a comparison fails
+    reference: tuple = ()  # [num_prompts][num_draws][num_tokens], without speculation
+
+
+# The tiny model has no tokenizer (prompts are token ids); all draws of a prompt run at once.
+TINY_ENGINE_KWARGS = {"skip_tokenizer_init": True, "max_model_len": 128, "max_num_seqs": 256}
+
+
+def check_sampling(specs, plan: SamplingPlan, alpha: float, power_check: bool,
+                   engines: Engines) -> bool:
+    """Chi-square comparisons on a tiny-vocabulary model built in a temporary folder."""
+    from specplugin.bench.methods import Models
+    from specplugin.bench.tinymodel import TINY_DRAFT, TINY_TARGET, build_tiny_llama
+
+    with tempfile.TemporaryDirectory(prefix="specplugin-tiny-") as tmp:
+        tiny = Path(tmp)
+        models = Models(str(build_tiny_llama(tiny / "target", TINY_TARGET)),
+                        str(build_tiny_llama(tiny / "draft", TINY_DRAFT)))
+        return _check_sampling_on(specs, models, plan, alpha, power_check, engines)
+
+
+def _sampled_payload(plan: SamplingPlan) -> tuple[dict[str, Any], ...]:
+    from specplugin.bench.tinymodel import TINY_TARGET, repetitive_prompts
+
+    prompts = repetitive_prompts(TINY_TARGET.vocab_size, plan.num_prompts, plan.prompt_len)
+    return ({"key": "sampled", "workload": "repetitive", "batch_size": len(prompts),
+             "temperature": 1.0, "max_tokens": plan.num_positions,
+             "n": plan.draws_per_prompt, "prompts": prompts},)
+
+
+def _check_sampling_on(specs, models, plan: SamplingPlan, alpha: float, power_check: bool,
+                       engines: Engines) -> bool:
+    from specplugin.bench.methods import METHODS
+    from specplugin.bench.runner import EngineFailure
+    from specplugin.bench.tinymodel import TINY_TARGET
+
+    num_tests = plan.num_prompts * plan.num_positions
+    setup = SampledSetup(models, _sampled_payload(plan), plan, alpha / num_tests)
+    engines.console.rule(
+        f"sampling: tiny Llama (vocab {TINY_TARGET.vocab_size}), {plan.num_prompts} prompts x "
+        f"{plan.draws_per_prompt} draws, positions 0-{plan.num_positions - 1}; fail if "
+        f"p < {alpha:g} / {num_tests} tests = {setup.threshold:.2e}")
+    try:
+        ref = engines.run(METHODS["none"], models, setup.payload, "sampled-none", seed=1,
+                          extra=TINY_ENGINE_KWARGS)["sampled"]
+    except EngineFailure as failure:
+        return engines.fail("reference run", failure)
+    setup = replace(setup, reference=tuple(_split_by_prompt(ref, plan.num_prompts)))
+    ok = True
+    for i, spec in enumerate(specs):
+        ok &= _sampled_one(spec, spec.name, setup, engines, seed=2 + i, is_control=False)
+    if power_check:
+        control = replace(setup, payload=tuple(control_payload(setup.payload)))
+        ok &= _sampled_one(METHODS["none"], f"control-T{CONTROL_TEMPERATURE:g}", control,
+                           engines, seed=100, is_control=True)
+    return ok
+
+
+def _sampled_one(spec, label: str, setup: SampledSetup, engines: Engines, seed: int,
+                 is_control: bool) -> bool:
+    """Draw with ``spec`` and test against the reference; a control must be told apart."""
+    from specplugin.bench.runner import EngineFailure
+    from specplugin.bench.tinymodel import TINY_TARGET
+
+    try:
+        cell = engines.run(spec, setup.models, setup.payload, f"sampled-{label}", seed=seed,
+                           extra=TINY_ENGINE_KWARGS)["sampled"]
+    except (EngineFailure, ValueError) as failure:
+        return engines.fail(label, failure)
+    tests = compare_samples(setup.reference, _split_by_prompt(cell, setup.plan.num_prompts),
+                            setup.plan.num_positions, TINY_TARGET.vocab_size)
+    worst = min(tests, key=lambda t: t.p_value)
+    _print_sampled(label, tests, worst, setup.threshold, cell, engines.console)
+    return _verdict(label, worst.p_value >= setup.threshold, cell, is_control, engines)
+
+
+def _verdict(label: str, same: bool, cell: Mapping[str, Any], is_control: bool,
+             engines: Engines) -> bool:
+    if is_control:
+        if same:
+            return engines.fail(label, f"the test did not tell temperature "
+                                       f"{CONTROL_TEMPERATURE:g} from 1 apart: too few draws")
+        engines.console.print(f"[green]ok[/green]   {label}: told apart from the reference, "
+                              "as it must be")
+        return True
+    if not (cell["num_drafts"] > 0 and cell["num_accepted_tokens"] > 0):
+        return engines.fail(label, "no drafts were proposed or accepted; the test proves nothing")
+    if not same:
+        return engines.fail(label, "the sampled distribution differs from the target's")
+    engines.console.print(f"[green]ok[/green]   {label}: same distribution as without speculation")
+    return True
+
+
+def _print_sampled(name: str, tests: Sequence[SampledTest], worst: SampledTest, threshold: float,
+                   cell: Mapping[str, Any], console) -> None:
+    rejected = cell["num_draft_tokens"] - cell["num_accepted_tokens"]
+    console.print(f"  {name}: drafts {cell['num_drafts']}, draft tokens {cell['num_draft_tokens']}, "
+                  f"accepted {cell['num_accepted_tokens']}, rejected {rejected}")
+    for t in tests:
+        mark = "[red]<[/red]" if t.p_value < threshold else " "
+        console.print(f"    prompt {t.prompt} pos {t.position}: chi2 {t.statistic:7.2f} "
+                      f"dof {t.dof:2d} p {t.p_value:.3g} {mark}", highlight=False)
+    console.print(f"  worst: prompt {worst.prompt} pos {worst.position}, chi2 {worst.statistic:.2f}, "
+                  f"dof {worst.dof}, p {worst.p_value:.3g} (threshold {threshold:.2e})")
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def run(args: argparse.Namespace) -> int:
+    from specplugin.bench.report import stdout_console
+
+    console = stdout_console()
+    try:
+        specs = _selected(args)
+    except ValueError as err:
+        console.print(f"[red]check-lossless: {err}[/red]")
+        return 2
+    plan = QUICK_SAMPLING if args.quick else FULL_SAMPLING
+    if args.draws:
+        plan = replace(plan, draws_per_prompt=args.draws)
+    power = (not args.quick) if args.power_check is None else args.power_check
+    engines = Engines(Path(args.out_dir), console)
+    console.print(f"check-lossless: methods {', '.join(s.name for s in specs)}")
+    ok = True
+    if not args.skip_greedy:
+        try:
+            ok &= check_greedy(specs, args.zoo, args.quick, engines)
+        except FileNotFoundError as err:  # no zoo: say how to get one
+            console.print(f"[red]check-lossless: {err}[/red]")
+            return 2
+    if not args.skip_sampling:
+        ok &= check_sampling(specs, plan, args.alpha, power, engines)
+    console.rule("[green]PASS[/green]" if ok else "[red]FAIL[/red]")
+    return 0 if ok else 1

@@ -1,0 +1,164 @@
+"""The compared configurations, as one table: ``METHODS[name]`` says how to start vLLM.
+
+A method is a name plus two small functions that turn its settings into vLLM's own
+``speculative_config`` and ``additional_config``. Adding a configuration (say
+``plugin-draft`` once the draft proposer exists) is one entry in ``METHODS``; the
+bench, the search and the lossless check read nothing else.
+
+Families: ``baseline`` (no speculation), ``builtin`` (vLLM's own methods, the bar to
+beat) and ``plugin`` (``specplugin.Speculator`` through vLLM's ``custom_class`` hook).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from specplugin.config import CONFIG_KEY, SPECULATOR_CLASS
+
+BASELINE, BUILTIN, PLUGIN = "baseline", "builtin", "plugin"
+
+# The built-ins' settings, all in one place. Chosen with
+#   specplugin bench --search-builtins --rounds 1
+# on the committed zoo pair (2-core CPU, fp32, 2026-11-21): each built-in ran every
+# point of its ``search_space`` (below) on search.SEARCH_CELLS, and the setting with
+# the highest geometric-mean tok/s won (ngram K=4 min 3 max 5: 257 vs 206-244 for
+# the other 8; suffix K=4: 308 vs 280/263; draft K=4 probabilistic: 336 vs 328 for
+# K=2, greedy drafting 178-235). That run had vLLM's CPU expand-kernel bug fixed
+# (see engine.CPU_EXPAND_BUG); without the fix no temperature-1 figure means anything.
+# Rerun the search after retraining the zoo and paste its printed dict here.
+# plugin-ngram uses vllm-ngram's K so that the two compare proposers, not draft lengths.
+BUILTIN_SETTINGS: dict[str, dict[str, Any]] = {
+    "vllm-ngram": {"num_speculative_tokens": 4, "prompt_lookup_min": 3, "prompt_lookup_max": 5},
+    "vllm-suffix": {"num_speculative_tokens": 4},
+    "vllm-draft": {"num_speculative_tokens": 4, "draft_sample_method": "probabilistic"},
+}
+PLUGIN_SETTINGS: dict[str, dict[str, Any]] = {
+    "plugin-ngram": {
+        "num_speculative_tokens": BUILTIN_SETTINGS["vllm-ngram"]["num_speculative_tokens"],
+        "proposers": ["ngram"],
+    },
+}
+
+ENGINE_KWARGS: dict[str, Any] = {
+    "dtype": "float32",  # the zoo's small models; vLLM would pick bf16 on CPU
+    "enforce_eager": True,  # torch.compile would cost minutes per engine on 2 cores
+    "gpu_memory_utilization": 0.1,  # on CPU a fraction of the NUMA node; 0.92 fails when shared
+    "disable_log_stats": False,  # the spec-decode counters come from the stats loggers
+    "seed": 0,  # seeds sampling at temperature 1
+}
+
+
+@dataclass(frozen=True)
+class Models:
+    """The target and (optional) draft model folders every method of one run shares."""
+
+    target: str
+    draft: str | None = None
+
+
+SpecBuilder = Callable[[Models, Mapping[str, Any]], "dict[str, Any] | None"]
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One compared configuration.
+
+    ``speculative_config(models, settings)`` gives vLLM's ``speculative_config``
+    (``None``: no speculation); ``additional_config(settings)`` its ``additional_config``.
+    ``search_space`` is what ``--search-builtins`` tries: a tuple of axes, each a tuple
+    of partial settings; the grid is every combination of one choice per axis (an axis
+    can tie settings together, such as n-gram lookup min and max).
+    """
+
+    name: str
+    family: str
+    speculative_config: SpecBuilder
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    additional_config: Callable[[Mapping[str, Any]], dict[str, Any]] = lambda s: {}
+    search_space: tuple[tuple[dict[str, Any], ...], ...] = ()
+    needs_draft: bool = False
+
+    def engine_kwargs(self, models: Models, settings: Mapping[str, Any] | None = None) -> dict:
+        """Keyword arguments for ``vllm.LLM`` besides ``model``."""
+        settings = self.settings if settings is None else settings
+        if self.needs_draft and not models.draft:
+            raise ValueError(f"method {self.name!r} needs a draft model; the zoo has none. "
+                             "Build one with `specplugin zoo build` or drop the method.")
+        return {
+            **ENGINE_KWARGS,
+            "speculative_config": self.speculative_config(models, settings),
+            # vLLM rejects None here; an empty dict means "no plugin settings"
+            "additional_config": self.additional_config(settings),
+        }
+
+    def search_grid(self) -> list[dict[str, Any]]:
+        """Every combination of one choice per ``search_space`` axis, in a fixed order."""
+        grid = []
+        for choice in itertools.product(*self.search_space):
+            settings = dict(self.settings)
+            for part in choice:
+                settings.update(part)
+            grid.append(settings)
+        return grid
+
+
+def _no_speculation(models: Models, settings: Mapping[str, Any]) -> None:
+    return None
+
+
+def _vllm_method(method: str) -> SpecBuilder:
+    def build(models: Models, settings: Mapping[str, Any]) -> dict[str, Any]:
+        return {"method": method, **settings}
+
+    return build
+
+
+def _vllm_draft_model(models: Models, settings: Mapping[str, Any]) -> dict[str, Any]:
+    return {"method": "draft_model", "model": models.draft, **settings}
+
+
+def _plugin_spec(models: Models, settings: Mapping[str, Any]) -> dict[str, Any]:
+    return {"method": "custom_class", "model": SPECULATOR_CLASS,
+            "num_speculative_tokens": settings["num_speculative_tokens"]}
+
+
+def _plugin_options(settings: Mapping[str, Any]) -> dict[str, Any]:
+    options = {k: v for k, v in settings.items() if k != "num_speculative_tokens"}
+    return {CONFIG_KEY: options}
+
+
+_K_AXIS = tuple({"num_speculative_tokens": k} for k in (2, 4, 8))
+_LOOKUP_AXIS = tuple({"prompt_lookup_min": lo, "prompt_lookup_max": hi}
+                     for lo, hi in ((2, 4), (3, 5), (5, 5)))  # (5, 5) is vLLM's default
+_DRAFT_SAMPLE_AXIS = tuple({"draft_sample_method": m} for m in ("greedy", "probabilistic"))
+
+METHODS: dict[str, MethodSpec] = {
+    spec.name: spec
+    for spec in (
+        MethodSpec("none", BASELINE, _no_speculation),
+        MethodSpec("vllm-ngram", BUILTIN, _vllm_method("ngram"), BUILTIN_SETTINGS["vllm-ngram"],
+                   search_space=(_K_AXIS, _LOOKUP_AXIS)),
+        MethodSpec("vllm-suffix", BUILTIN, _vllm_method("suffix"), BUILTIN_SETTINGS["vllm-suffix"],
+                   search_space=(_K_AXIS,)),
+        MethodSpec("vllm-draft", BUILTIN, _vllm_draft_model, BUILTIN_SETTINGS["vllm-draft"],
+                   search_space=(_K_AXIS, _DRAFT_SAMPLE_AXIS),
+                   needs_draft=True),
+        MethodSpec("plugin-ngram", PLUGIN, _plugin_spec, PLUGIN_SETTINGS["plugin-ngram"],
+                   additional_config=_plugin_options),
+    )
+}
+
+
+def resolve(names: list[str] | tuple[str, ...]) -> list[MethodSpec]:
+    """Specs for ``names`` in the given order; a clear error names the unknown ones."""
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(METHODS)}.")
+    return [METHODS[n] for n in names]
+
+
+def names_in(family: str) -> list[str]:
+    return [name for name, spec in METHODS.items() if spec.family == family]

@@ -1,0 +1,190 @@
+"""From raw per-round cell timings to the table, the plot and the JSON.
+
+Throughput is the median over rounds (robust to one slow round on a shared
+machine). Acceptance figures sum vLLM's counters over all rounds:
+mean acceptance length = 1 + accepted / drafts (tokens emitted per verification
+step), and the acceptance rate at position i = drafts whose i-th token was accepted
+/ drafts (vLLM's own definition, so figures match its logs). Speedups are ratios of
+median tok/s within one cell: against ``none`` and against the best built-in there.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from specplugin.bench.methods import BASELINE, BUILTIN, METHODS
+from specplugin.bench.workloads import Cell
+
+
+TABLE_WIDTH = 170
+
+
+@dataclass(frozen=True)
+class Row:
+    """One (method, cell) of the report; ``asdict`` of it is one JSON result."""
+
+    method: str
+    family: str
+    workload: str
+    batch_size: int
+    temperature: float
+    tok_s: float  # output tokens per second, median over rounds
+    tok_s_rounds: tuple[float, ...]
+    ms_per_token: float | None  # wall ms per output token at batch 1 (prefill included)
+    mean_acceptance_length: float | None  # None without speculation
+    acceptance_rate_per_pos: tuple[float, ...]
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_output_tokens: int  # summed over rounds
+    num_rounds: int
+    settings: Mapping[str, Any]
+    speedup_vs_none: float | None = None
+    speedup_vs_best_builtin: float | None = None
+    best_builtin: str | None = None
+
+    @property
+    def cell(self) -> Cell:
+        return Cell(self.workload, self.batch_size, self.temperature)
+
+
+def _acceptance(method: str, runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    num_drafts = sum(r["num_drafts"] for r in runs)
+    accepted = sum(r["num_accepted_tokens"] for r in runs)
+    per_pos = [sum(col) for col in zip(*(r["accepted_per_pos"] for r in runs if r["accepted_per_pos"]))]
+    speculative = METHODS[method].family != BASELINE
+    return {
+        "num_drafts": num_drafts,
+        "num_draft_tokens": sum(r["num_draft_tokens"] for r in runs),
+        "num_accepted_tokens": accepted,
+        "mean_acceptance_length": (1 + accepted / num_drafts if num_drafts else 1.0)
+        if speculative else None,
+        "acceptance_rate_per_pos": tuple(a / num_drafts for a in per_pos) if num_drafts else (),
+    }
+
+
+def make_row(method: str, cell: Cell, runs: Sequence[Mapping[str, Any]],
+             settings: Mapping[str, Any]) -> Row:
+    """Summarise one method's runs of one cell (one run per round)."""
+    rates = tuple(r["num_output_tokens"] / r["seconds"] for r in runs)
+    tok_s = statistics.median(rates)
+    return Row(
+        method=method, family=METHODS[method].family, workload=cell.workload,
+        batch_size=cell.batch_size, temperature=cell.temperature, tok_s=tok_s,
+        tok_s_rounds=rates, ms_per_token=1000.0 / tok_s if cell.batch_size == 1 else None,
+        num_output_tokens=sum(r["num_output_tokens"] for r in runs), num_rounds=len(runs),
+        settings=dict(settings), **_acceptance(method, runs),
+    )
+
+
+def with_speedups(rows: Sequence[Row]) -> list[Row]:
+    """Fill the ratios against ``none`` and the best built-in of each row's cell."""
+    from dataclasses import replace
+
+    by_cell: dict[Cell, list[Row]] = {}
+    for row in rows:
+        by_cell.setdefault(row.cell, []).append(row)
+    out = []
+    for row in rows:
+        peers = by_cell[row.cell]
+        none = next((p for p in peers if p.method == "none"), None)
+        builtins = [p for p in peers if p.family == BUILTIN]
+        best = max(builtins, key=lambda p: p.tok_s, default=None)
+        out.append(replace(
+            row,
+            speedup_vs_none=row.tok_s / none.tok_s if none else None,
+            speedup_vs_best_builtin=row.tok_s / best.tok_s if best else None,
+            best_builtin=best.method if best else None,
+        ))
+    return out
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def stdout_console():
+    """Rich console for results; piped or captured output is not squeezed into 80 columns."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=TABLE_WIDTH)
+
+
+def print_table(rows: Sequence[Row], console=None, title: str = "specplugin bench") -> None:
+    from rich.table import Table
+
+    console = console or stdout_console()
+    table = Table(title=title, show_lines=False)
+    for name, justify in (("workload", "left"), ("batch", "right"), ("temp", "right"),
+                          ("method", "left"), ("tok/s", "right"), ("ms/tok b1", "right"),
+                          ("accept len", "right"), ("accept rate by pos", "left"),
+                          ("x none", "right"), ("x best built-in", "right")):
+        table.add_column(name, justify=justify, no_wrap=True)
+    previous = None
+    for row in rows:
+        if previous is not None and row.cell != previous:
+            table.add_section()
+        previous = row.cell
+        table.add_row(
+            row.workload, str(row.batch_size), f"{row.temperature:g}", row.method,
+            f"{row.tok_s:.1f}", _fmt(row.ms_per_token, ".2f"),
+            _fmt(row.mean_acceptance_length, ".2f"),
+            " ".join(f"{r:.2f}" for r in row.acceptance_rate_per_pos) or "-",
+            _fmt(row.speedup_vs_none, ".2f", "x"),
+            _fmt(row.speedup_vs_best_builtin, ".2f", "x")
+            + (f" ({row.best_builtin})" if row.speedup_vs_best_builtin is not None
+               and row.family != BUILTIN else ""),
+        )
+    console.print(table)
+
+
+def plot(rows: Sequence[Row], path: Path) -> Path:
+    """Throughput by method, one panel per batch size, groups of bars per workload/temperature."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batch_sizes = sorted({r.batch_size for r in rows})
+    methods = list(dict.fromkeys(r.method for r in rows))
+    # panel width follows its number of bar groups, so labels never overlap
+    widths = [max(2, len({(r.workload, r.temperature) for r in rows if r.batch_size == b}))
+              for b in batch_sizes]
+    fig, axes = plt.subplots(1, len(batch_sizes), figsize=(2 + 1.1 * sum(widths), 4.5),
+                             squeeze=False, gridspec_kw={"width_ratios": widths})
+    for ax, batch_size in zip(axes[0], batch_sizes):
+        _plot_panel(ax, [r for r in rows if r.batch_size == batch_size], methods)
+        ax.set_title(f"batch size {batch_size}")
+    axes[0][0].set_ylabel("output tokens / s (median over rounds)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(methods), frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.92))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _plot_panel(ax, rows: Sequence[Row], methods: Sequence[str]) -> None:
+    groups = list(dict.fromkeys((r.workload, r.temperature) for r in rows))
+    width = 0.8 / max(1, len(methods))
+    for i, method in enumerate(methods):
+        values = {(r.workload, r.temperature): r.tok_s for r in rows if r.method == method}
+        xs = [g + (i - (len(methods) - 1) / 2) * width for g in range(len(groups))]
+        ax.bar(xs, [values.get(g, 0.0) for g in groups], width, label=method,
+               color=f"C{i}")
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"{w}\nT={t:g}" for w, t in groups])
+
+
+def write_json(rows: Sequence[Row], meta: Mapping[str, Any], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"meta": dict(meta), "results": [asdict(r) for r in rows]}
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path

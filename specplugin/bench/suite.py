@@ -1,0 +1,91 @@
+"""Run a list of configurations over rounds, interleaved, with a progress display.
+
+Round r runs every configuration once, in an order rotated by r, so slow drift of
+a shared machine (another job starting, thermal throttling) lands on all
+configurations alike instead of on whichever ran last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specplugin.bench.methods import MethodSpec, Models
+from specplugin.bench.runner import EngineFailure, EngineJob, cells_payload, run_job
+from specplugin.bench.workloads import CellPrompts
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One configuration to run: a method with settings, under a label unique in the run."""
+
+    label: str
+    spec: MethodSpec
+    settings: Mapping[str, Any]
+
+
+@dataclass
+class SuiteResult:
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = field(default_factory=dict)  # (label, cell key)
+    startup_s: dict[str, list[float]] = field(default_factory=dict)  # by label
+    failures: list[str] = field(default_factory=list)
+    failed_labels: set[str] = field(default_factory=set)
+    warnings: set[str] = field(default_factory=set)
+
+    def cell_runs(self, label: str, key: str) -> list[dict[str, Any]]:
+        return self.runs.get((label, key), [])
+
+
+def rotated(entries: Sequence[Entry], round_index: int) -> list[Entry]:
+    shift = round_index % max(1, len(entries))
+    return list(entries[shift:]) + list(entries[:shift])
+
+
+def run_suite(entries: Sequence[Entry], models: Models, cells: Sequence[CellPrompts],
+              rounds: int, workdir: Path, console=None) -> SuiteResult:
+    """Every entry runs every cell once per round, one engine at a time."""
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn)
+
+    result = SuiteResult()
+    payload = cells_payload(cells)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("cells"), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("starting", total=rounds * len(entries) * len(cells))
+        for r in range(rounds):
+            for entry in rotated(entries, r):
+                if entry.label in result.failed_labels:  # failures so far were not flukes
+                    progress.update(task, advance=len(cells))
+                    continue
+                where = f"round {r + 1}/{rounds} · {entry.label}"
+                progress.update(task, description=f"{where} · starting engine")
+                _run_entry(entry, models, payload, r, workdir, result,
+                           lambda e: _on_event(progress, task, where, e))
+    return result
+
+
+def _on_event(progress, task, where: str, event: Mapping[str, Any]) -> None:
+    if event["event"] == "ready":
+        progress.update(task, description=f"{where} · engine up in {event['startup_s']:.0f} s")
+    elif event["event"] == "cell":
+        progress.update(task, advance=1, description=f"{where} · {event['key']} done")
+
+
+def _run_entry(entry: Entry, models: Models, payload, round_index: int, workdir: Path,
+               result: SuiteResult, on_event) -> None:
+    job = EngineJob(label=f"r{round_index + 1}-{entry.label}", model=models.target,
+                    engine_kwargs=entry.spec.engine_kwargs(models, entry.settings),
+                    cells=payload)
+    try:
+        job_result = run_job(job, workdir, on_event)
+    except EngineFailure as failure:
+        result.failures.append(str(failure))
+        result.failed_labels.add(entry.label)
+        return
+    result.startup_s.setdefault(entry.label, []).append(job_result.startup_s)
+    result.warnings.update(job_result.warnings)
+    for key, cell in job_result.cells.items():
+        result.runs.setdefault((entry.label, key), []).append(cell)

@@ -1,0 +1,149 @@
+"""``specplugin bench``: the method table and the report's arithmetic (fast), and one real
+``--quick`` run on a quick zoo (slow, marked ``vllm``; no speed assertions)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specplugin.bench import report
+from specplugin.bench.methods import BASELINE, BUILTIN, METHODS, PLUGIN, Models, resolve
+from specplugin.bench.workloads import QUICK_CELLS, QUICK_SIZES, Cell
+
+MODELS = Models(target="/zoo/target", draft="/zoo/draft")
+
+
+def test_method_names_are_the_issues():
+    assert list(METHODS) == ["none", "vllm-ngram", "vllm-suffix", "vllm-draft", "plugin-ngram"]
+    assert METHODS["none"].family == BASELINE
+    assert {m for m, s in METHODS.items() if s.family == BUILTIN} == {
+        "vllm-ngram", "vllm-suffix", "vllm-draft"}
+    assert all(s.family == PLUGIN for m, s in METHODS.items() if m.startswith("plugin-"))
+
+
+def test_engine_arguments_of_each_method():
+    none = METHODS["none"].engine_kwargs(MODELS)
+    assert none["speculative_config"] is None and none["additional_config"] == {}
+    assert none["dtype"] == "float32" and none["enforce_eager"] is True
+    ngram = METHODS["vllm-ngram"].engine_kwargs(MODELS)["speculative_config"]
+    assert ngram["method"] == "ngram" and {"prompt_lookup_min", "prompt_lookup_max"} <= set(ngram)
+    draft = METHODS["vllm-draft"].engine_kwargs(MODELS)["speculative_config"]
+    assert draft["method"] == "draft_model" and draft["model"] == "/zoo/draft"
+    plugin = METHODS["plugin-ngram"].engine_kwargs(MODELS)
+    assert plugin["speculative_config"] == {
+        "method": "custom_class", "model": "specplugin.Speculator",
+        "num_speculative_tokens": METHODS["plugin-ngram"].settings["num_speculative_tokens"]}
+    assert plugin["additional_config"] == {"specplugin": {"proposers": ["ngram"]}}
+
+
+def test_plugin_settings_pass_the_plugins_own_config_check():
+    from specplugin.config import parse
+
+    for spec in METHODS.values():
+        if spec.family == PLUGIN:
+            kwargs = spec.engine_kwargs(MODELS)
+            parse(kwargs["additional_config"]["specplugin"],
+                  kwargs["speculative_config"]["num_speculative_tokens"])
+
+
+def test_a_draft_method_without_a_draft_model_is_refused_up_front():
+    with pytest.raises(ValueError, match="needs a draft model"):
+        METHODS["vllm-draft"].engine_kwargs(Models(target="/zoo/target"))
+
+
+def test_unknown_methods_are_named():
+    with pytest.raises(ValueError, match="plugin-nope"):
+        resolve(["none", "plugin-nope"])
+
+
+def test_search_grids():
+    ngram = METHODS["vllm-ngram"].search_grid()
+    assert {g["num_speculative_tokens"] for g in ngram} == {2, 4, 8}
+    assert all(g["prompt_lookup_min"] <= g["prompt_lookup_max"] for g in ngram)
+    assert len(ngram) == 9
+    assert len(METHODS["vllm-suffix"].search_grid()) == 3
+    assert {g["draft_sample_method"] for g in METHODS["vllm-draft"].search_grid()} == {
+        "greedy", "probabilistic"}
+    assert METHODS["none"].search_grid() == [{}]
+
+
+def _run(tokens, seconds, drafts=0, accepted=0, per_pos=()):
+    return {"num_output_tokens": tokens, "seconds": seconds, "num_drafts": drafts,
+            "num_draft_tokens": 4 * drafts, "num_accepted_tokens": accepted,
+            "accepted_per_pos": list(per_pos)}
+
+
+def test_rows_take_the_median_and_sum_the_counters():
+    cell = Cell("edit", 1, 0.0)
+    row = report.make_row("vllm-ngram", cell, [
+        _run(100, 1.0, drafts=10, accepted=20, per_pos=[8, 6, 4, 2]),
+        _run(100, 0.5, drafts=10, accepted=10, per_pos=[6, 3, 1, 0]),
+        _run(100, 2.0, drafts=0)], {"num_speculative_tokens": 4})
+    assert row.tok_s == 100.0  # median of 100, 200, 50
+    assert row.ms_per_token == 10.0
+    assert row.mean_acceptance_length == 1 + 30 / 20
+    assert row.acceptance_rate_per_pos == (0.7, 0.45, 0.25, 0.1)
+    none = report.make_row("none", cell, [_run(100, 1.0)], {})
+    assert none.mean_acceptance_length is None and none.acceptance_rate_per_pos == ()
+    assert report.make_row("none", Cell("edit", 8, 0.0), [_run(8, 1.0)], {}).ms_per_token is None
+
+
+def test_speedups_are_within_a_cell():
+    a, b = Cell("edit", 1, 0.0), Cell("edit", 8, 0.0)
+    rows = report.with_speedups([
+        report.make_row("none", a, [_run(100, 1.0)], {}),
+        report.make_row("vllm-ngram", a, [_run(150, 1.0)], {}),
+        report.make_row("vllm-suffix", a, [_run(200, 1.0)], {}),
+        report.make_row("plugin-ngram", a, [_run(300, 1.0)], {}),
+        report.make_row("none", b, [_run(1000, 1.0)], {}),
+        report.make_row("plugin-ngram", b, [_run(500, 1.0)], {}),
+    ])
+    plugin_a = rows[3]
+    assert plugin_a.speedup_vs_none == 3.0
+    assert plugin_a.speedup_vs_best_builtin == 1.5 and plugin_a.best_builtin == "vllm-suffix"
+    assert rows[5].speedup_vs_none == 0.5 and rows[5].speedup_vs_best_builtin is None
+
+
+def test_table_plot_and_json(tmp_path, capsys):
+    cell = Cell("mixed", 8, 1.0)
+    rows = report.with_speedups([report.make_row(m, cell, [_run(100 * (i + 1), 1.0, 5, 5, [3, 2])],
+                                                 {}) for i, m in enumerate(METHODS)])
+    report.print_table(rows)
+    out = capsys.readouterr().out
+    assert "plugin-ngram" in out and "x best built-in" in out
+    assert report.plot(rows, tmp_path / "p.png").stat().st_size > 1000
+    data = json.loads(report.write_json(rows, {"k": 1}, tmp_path / "r.json").read_text())
+    assert {"method", "workload", "batch_size", "temperature", "tok_s",
+            "mean_acceptance_length"} <= set(data["results"][0])
+
+
+@pytest.fixture(scope="module")
+def quick_zoo(tmp_path_factory):
+    from specplugin import zoo
+
+    root = tmp_path_factory.mktemp("zoo")
+    zoo.build(root, quick=True)
+    return root
+
+
+@pytest.mark.vllm
+def test_quick_bench_runs_every_method_on_real_vllm(quick_zoo, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "specplugin.cli", "bench", "--quick", "--zoo", str(quick_zoo),
+         "--json", str(out), "--out-dir", str(tmp_path / "bench")],
+        capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "specplugin bench" in proc.stdout  # the table went to stdout
+    assert (tmp_path / "bench" / "throughput.png").stat().st_size > 1000
+    results = json.loads(out.read_text())["results"]
+    assert {r["method"] for r in results} == set(METHODS)
+    assert {(r["workload"], r["batch_size"], r["temperature"]) for r in results} == {
+        (c.workload, c.batch_size, c.temperature) for c in QUICK_CELLS}
+    for r in results:
+        assert {"tok_s", "mean_acceptance_length", "acceptance_rate_per_pos", "speedup_vs_none",
+                "speedup_vs_best_builtin", "ms_per_token"} <= set(r)
+        # ignore_eos and a fixed max_tokens: every method generates exactly the same count
+        assert r["num_output_tokens"] == r["batch_size"] * QUICK_SIZES.max_tokens, r
+        assert r["tok_s"] > 0
