@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-DEFAULT_OUT_DIR = "bench-results"
+DEFAULT_OUT_DIR = "bench-out"  # ignored by .gitignore
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

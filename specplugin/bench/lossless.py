@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--power-check", action=argparse.BooleanOptionalAction, default=None,
                         help="also run a positive control (temperature 0.9) the test must tell apart "
                              "(default: on unless --quick)")
-    parser.add_argument("--out-dir", default="lossless-results", help="engine logs")
+    parser.add_argument("--out-dir", default="bench-out/lossless", help="engine logs")
 
 
 # ---------------------------------------------------------------- method selection
