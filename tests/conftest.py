@@ -14,3 +14,13 @@ def zoo_root():
     from specplugin.zoo import WEIGHTS_DIR
 
     return Path(os.environ.get("SPECPLUGIN_TEST_ZOO", WEIGHTS_DIR))
+
+
+@pytest.fixture(scope="session")
+def quick_zoo(tmp_path_factory):
+    """A tiny zoo pair built in seconds (``specplugin zoo build --quick``), shared by the session."""
+    from specplugin import zoo
+
+    root = tmp_path_factory.mktemp("quick-zoo")
+    zoo.build(root, quick=True)
+    return root

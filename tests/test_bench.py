@@ -118,15 +118,6 @@ def test_table_plot_and_json(tmp_path, capsys):
             "mean_acceptance_length"} <= set(data["results"][0])
 
 
-@pytest.fixture(scope="module")
-def quick_zoo(tmp_path_factory):
-    from specplugin import zoo
-
-    root = tmp_path_factory.mktemp("zoo")
-    zoo.build(root, quick=True)
-    return root
-
-
 @pytest.mark.vllm
 def test_quick_bench_runs_every_method_on_real_vllm(quick_zoo, tmp_path):
     out = tmp_path / "bench.json"

@@ -47,15 +47,6 @@ def test_repetitive_prompts_repeat_a_pattern_and_avoid_eos():
     assert all(0 < t < 12 for p in prompts for t in p)
 
 
-@pytest.fixture(scope="module")
-def quick_zoo(tmp_path_factory):
-    from specplugin import zoo
-
-    root = tmp_path_factory.mktemp("zoo")
-    zoo.build(root, quick=True)
-    return root
-
-
 @pytest.mark.vllm
 def test_quick_check_lossless_passes_on_real_vllm(quick_zoo, tmp_path):
     proc = subprocess.run(

@@ -20,14 +20,6 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def quick_zoo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("zoo")
-    subprocess.run([sys.executable, "-m", "specplugin.cli", "zoo", "build", "--quick", "--out",
-                    str(out)], check=True, capture_output=True, timeout=300)
-    return out
-
-
 @pytest.mark.parametrize("text", TEXTS)
 def test_tokenizer_round_trips_any_text(zoo_root, text):
     tok = AutoTokenizer.from_pretrained(str(zoo_path("target", zoo_root)))
