@@ -58,21 +58,6 @@ class EngineRun:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
 
-def _spec_counters(llm) -> dict:
-    names = {
-        "vllm:spec_decode_num_drafts": "num_drafts",
-        "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
-        "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
-    }
-    out: dict = {}
-    for metric in llm.get_metrics():
-        if metric.name in names:
-            out[names[metric.name]] = int(metric.value)
-        elif metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            out["accepted_per_pos"] = [int(v) for v in metric.values]
-    return out
-
-
 def _run(model: str, engine_kwargs: dict, prompts: list, sampling: dict, warmup: bool,
          batch_size: int | None) -> EngineRun:
     from vllm import LLM
@@ -88,21 +73,19 @@ def _generate(llm, prompts: list, sampling: dict, warmup: bool, batch_size: int)
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from specplugin.bench.engine import counter_delta, spec_counters
+
     inputs = [TokensPrompt(prompt_token_ids=p) if isinstance(p, list) else p for p in prompts]
     params = SamplingParams(**sampling)
     if warmup:  # first steps pay one-off costs (allocation, first kernels)
         llm.generate(inputs[:1], SamplingParams(**{**sampling, "max_tokens": 8}), use_tqdm=False)
-    before = _spec_counters(llm)
+    before = spec_counters(llm)
     start = time.perf_counter()
     outputs = []
     for i in range(0, len(inputs), batch_size):  # batches one after the other
         outputs += llm.generate(inputs[i : i + batch_size], params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    after = _spec_counters(llm)
-    counters = {k: after[k] - before.get(k, 0) for k in after if k != "accepted_per_pos"}
-    if "accepted_per_pos" in after:
-        prev = before.get("accepted_per_pos", [0] * len(after["accepted_per_pos"]))
-        counters["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], prev)]
+    counters = counter_delta(spec_counters(llm), before)
     return EngineRun(
         token_ids=[list(o.outputs[0].token_ids) for o in outputs],
         texts=[o.outputs[0].text for o in outputs],
