@@ -5,6 +5,8 @@ Users switch the plugin on with vLLM's own arguments only::
     speculative_config={"method": "custom_class", "model": "specplugin.Speculator",
                         "num_speculative_tokens": 8}
     additional_config={"specplugin": {"proposers": ["ngram"]}}
+    # or a draft model that shares the target's vocabulary:
+    additional_config={"specplugin": {"proposers": ["draft"], "draft_model": "/path/to/draft"}}
 
 Every bad value raises :class:`SpecPluginConfigError` naming the key, the value and
 the fix. The vLLM layer calls :func:`parse` in the front-end process while vLLM
@@ -53,6 +55,34 @@ class NgramSettings:
 
 
 @dataclass(frozen=True)
+class DraftSettings:
+    """The draft proposer's stopping rule (``specplugin.proposers.draft``): each request
+    drafts while the estimated chance that all its draft tokens so far get accepted
+    stays >= ``min_acceptance`` (the draft's confidence, calibrated online), up to
+    ``num_speculative_tokens``; ``k`` tokens until the calibration has evidence.
+    ``min_acceptance`` defaults to the measured cost of a draft forward relative to
+    the engine's time per emitted token; a number fixes it (0: always draft
+    ``num_speculative_tokens``)."""
+
+    k: int = 4
+    min_acceptance: float | None = None
+
+    def __post_init__(self):
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= MAX_NUM_SPECULATIVE_TOKENS:
+            raise SpecPluginConfigError(
+                f"{_where('draft')}[\"k\"] must be an integer from 1 to "
+                f"{MAX_NUM_SPECULATIVE_TOKENS}; got {self.k!r}."
+            )
+        c = self.min_acceptance
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
+                              or not 0.0 <= c <= 1.0):
+            raise SpecPluginConfigError(
+                f"{_where('draft')}[\"min_acceptance\"] must be a number from 0 to 1 "
+                f"(0 never stops early), or null to measure it; got {c!r}."
+            )
+
+
+@dataclass(frozen=True)
 class SpecPluginConfig:
     """Validated plugin settings; ``num_speculative_tokens`` is vLLM's K."""
 
@@ -60,6 +90,7 @@ class SpecPluginConfig:
     proposers: tuple[str, ...] = ("ngram",)
     draft_model: str | None = None
     ngram: NgramSettings = field(default_factory=NgramSettings)
+    draft: DraftSettings = field(default_factory=DraftSettings)
 
     def __post_init__(self):
         from specplugin.proposers import available_proposers
@@ -92,6 +123,11 @@ class SpecPluginConfig:
             )
         if self.draft_model is not None:
             self._check_draft_model(self.draft_model)
+        elif "draft" in self.proposers:
+            raise SpecPluginConfigError(
+                f"{_where('proposers')} lists 'draft' but {_where('draft_model')} is not set; "
+                "give the path of a draft model folder that shares the target's vocabulary."
+            )
 
     def _check_draft_model(self, path: str) -> None:
         folder = Path(path).expanduser()
@@ -117,6 +153,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "proposers": (list, tuple),
     "draft_model": (str,),
     "ngram": (dict,),
+    "draft": (dict,),
 }
 
 
@@ -150,13 +187,48 @@ def parse(options: Any, num_speculative_tokens: int) -> SpecPluginConfig:
                 f"{_where('proposers')} must be a list of proposer names (strings); got {names!r}."
             )
         kwargs["proposers"] = tuple(names)
-    if "ngram" in kwargs:
-        allowed = {f.name for f in fields(NgramSettings)}
-        unknown = set(kwargs["ngram"]) - allowed
+    for key, settings_cls in (("ngram", NgramSettings), ("draft", DraftSettings)):
+        if key not in kwargs:
+            continue
+        allowed = {f.name for f in fields(settings_cls)}
+        unknown = set(kwargs[key]) - allowed
         if unknown:
             raise SpecPluginConfigError(
-                f"{_where('ngram')} has unknown key(s) {sorted(unknown)}; "
+                f"{_where(key)} has unknown key(s) {sorted(unknown)}; "
                 f"known keys: {', '.join(sorted(allowed))}."
             )
-        kwargs["ngram"] = NgramSettings(**kwargs["ngram"])
+        kwargs[key] = settings_cls(**kwargs[key])
     return SpecPluginConfig(num_speculative_tokens=num_speculative_tokens, **kwargs)
+
+
+def check_shared_vocabulary(target_tokenizer: str, draft_model: str,
+                            target_vocab_size: int, draft_vocab_size: int) -> None:
+    """Draft and target must number tokens the same way, or the drafts mean nothing.
+
+    Compares the models' vocabulary sizes, then (when both are local folders with a
+    tokenizer) the two tokenizers' token-to-id maps.
+    """
+    where = _where("draft_model")
+    if target_vocab_size != draft_vocab_size:
+        raise SpecPluginConfigError(
+            f"{where} = {draft_model!r} has a vocabulary of {draft_vocab_size} tokens but the "
+            f"target has {target_vocab_size}; the draft model must share the target's "
+            "tokenizer. Use a draft trained with the target's tokenizer."
+        )
+    folders = [Path(target_tokenizer).expanduser(), Path(draft_model).expanduser()]
+    if not all(_has_tokenizer(f) for f in folders):
+        return  # e.g. models served with skip_tokenizer_init: sizes are all there is
+    from transformers import AutoTokenizer
+
+    target_vocab, draft_vocab = (AutoTokenizer.from_pretrained(str(f)).get_vocab() for f in folders)
+    if target_vocab != draft_vocab:
+        differing = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()))[:3]
+        raise SpecPluginConfigError(
+            f"{where} = {draft_model!r} has a tokenizer that numbers tokens differently from "
+            f"the target's (e.g. {differing}); the draft model must share the target's "
+            "tokenizer. Use a draft trained with the target's tokenizer."
+        )
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))

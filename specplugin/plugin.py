@@ -2,8 +2,9 @@
 
 vLLM calls :func:`register` in every process it starts (front end, engine core,
 workers), possibly more than once. It must be cheap and idempotent: it checks the
-vLLM version and installs the config check, nothing else. The proposer itself is
-built by vLLM's ``custom_class`` hook from ``speculative_config.model``.
+vLLM version and installs the config check, nothing else. Token-level proposers are
+built by vLLM's ``custom_class`` hook from ``speculative_config.model``; the draft
+proposer by the plugin's worker, which the config check selects.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ MODELS = Models(target="/zoo/target", draft="/zoo/draft")
 
 
 def test_method_names_are_the_issues():
-    assert list(METHODS) == ["none", "vllm-ngram", "vllm-suffix", "vllm-draft", "plugin-ngram"]
+    assert list(METHODS) == ["none", "vllm-ngram", "vllm-suffix", "vllm-draft", "plugin-ngram",
+                            "plugin-draft"]
     assert METHODS["none"].family == BASELINE
     assert {m for m, s in METHODS.items() if s.family == BUILTIN} == {
         "vllm-ngram", "vllm-suffix", "vllm-draft"}
@@ -37,12 +38,16 @@ def test_engine_arguments_of_each_method():
     assert plugin["additional_config"] == {"specplugin": {"proposers": ["ngram"]}}
 
 
-def test_plugin_settings_pass_the_plugins_own_config_check():
+def test_plugin_settings_pass_the_plugins_own_config_check(zoo_root):
     from specplugin.config import parse
+    from specplugin.zoo import zoo_path
 
+    models = Models(target=str(zoo_path("target", zoo_root)), draft=str(zoo_path("draft", zoo_root)))
+    draft = METHODS["plugin-draft"].engine_kwargs(models)["additional_config"]["specplugin"]
+    assert draft == {"proposers": ["draft"], "draft_model": models.draft}
     for spec in METHODS.values():
         if spec.family == PLUGIN:
-            kwargs = spec.engine_kwargs(MODELS)
+            kwargs = spec.engine_kwargs(models)
             parse(kwargs["additional_config"]["specplugin"],
                   kwargs["speculative_config"]["num_speculative_tokens"])
 

@@ -14,7 +14,7 @@ def test_defaults():
 @pytest.mark.parametrize(
     "options, k, fragments",
     [
-        ({"proposers": ["ngrm"]}, 8, ["proposers", "'ngrm'", "available: ngram"]),
+        ({"proposers": ["ngrm"]}, 8, ["proposers", "'ngrm'", "available: draft, ngram"]),
         ({"proposers": []}, 8, ["proposers", "empty"]),
         ({"proposers": ["ngram", "ngram"]}, 8, ["twice"]),
         ({"proposer": ["ngram"]}, 8, ["unknown key 'proposer'", "known keys"]),

@@ -86,4 +86,4 @@ def test_bad_setting_stops_vllm_serve_with_the_fix_in_its_output(zoo_root):
                                      {"specplugin": {"proposers": ["ngrm"]}}),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
-    assert "names unknown proposer 'ngrm'; available: ngram" in out.stdout + out.stderr
+    assert "names unknown proposer 'ngrm'; available: draft, ngram" in out.stdout + out.stderr

@@ -6,7 +6,8 @@ A method is a name plus two small functions that turn its settings into vLLM's o
 bench, the search and the lossless check read nothing else.
 
 Families: ``baseline`` (no speculation), ``builtin`` (vLLM's own methods, the bar to
-beat) and ``plugin`` (``specplugin.Speculator`` through vLLM's ``custom_class`` hook).
+beat) and ``plugin`` (``specplugin.Speculator`` switched on through vLLM's
+``custom_class`` hook; ``plugin-draft`` then runs in the plugin's worker layer).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ PLUGIN_SETTINGS: dict[str, dict[str, Any]] = {
         "num_speculative_tokens": BUILTIN_SETTINGS["vllm-ngram"]["num_speculative_tokens"],
         "proposers": ["ngram"],
     },
+    # default K 4 like vllm-draft; drafting may go on to 8 while the draft stays confident
+    "plugin-draft": {"num_speculative_tokens": 8, "proposers": ["draft"]},
 }
 
 ENGINE_KWARGS: dict[str, Any] = {
@@ -67,7 +70,7 @@ class MethodSpec:
     """One compared configuration.
 
     ``speculative_config(models, settings)`` gives vLLM's ``speculative_config``
-    (``None``: no speculation); ``additional_config(settings)`` its ``additional_config``.
+    (``None``: no speculation); ``additional_config(models, settings)`` its ``additional_config``.
     ``search_space`` is what ``--search-builtins`` tries: a tuple of axes, each a tuple
     of partial settings; the grid is every combination of one choice per axis (an axis
     can tie settings together, such as n-gram lookup min and max).
@@ -77,7 +80,7 @@ class MethodSpec:
     family: str
     speculative_config: SpecBuilder
     settings: Mapping[str, Any] = field(default_factory=dict)
-    additional_config: Callable[[Mapping[str, Any]], dict[str, Any]] = lambda s: {}
+    additional_config: Callable[[Models, Mapping[str, Any]], dict[str, Any]] = lambda m, s: {}
     search_space: tuple[tuple[dict[str, Any], ...], ...] = ()
     needs_draft: bool = False
 
@@ -91,7 +94,7 @@ class MethodSpec:
             **ENGINE_KWARGS,
             "speculative_config": self.speculative_config(models, settings),
             # vLLM rejects None here; an empty dict means "no plugin settings"
-            "additional_config": self.additional_config(settings),
+            "additional_config": self.additional_config(models, settings),
         }
 
     def search_grid(self) -> list[dict[str, Any]]:
@@ -125,8 +128,10 @@ def _plugin_spec(models: Models, settings: Mapping[str, Any]) -> dict[str, Any]:
             "num_speculative_tokens": settings["num_speculative_tokens"]}
 
 
-def _plugin_options(settings: Mapping[str, Any]) -> dict[str, Any]:
+def _plugin_options(models: Models, settings: Mapping[str, Any]) -> dict[str, Any]:
     options = {k: v for k, v in settings.items() if k != "num_speculative_tokens"}
+    if "draft" in options.get("proposers", ()):
+        options["draft_model"] = models.draft
     return {CONFIG_KEY: options}
 
 
@@ -148,6 +153,8 @@ METHODS: dict[str, MethodSpec] = {
                    needs_draft=True),
         MethodSpec("plugin-ngram", PLUGIN, _plugin_spec, PLUGIN_SETTINGS["plugin-ngram"],
                    additional_config=_plugin_options),
+        MethodSpec("plugin-draft", PLUGIN, _plugin_spec, PLUGIN_SETTINGS["plugin-draft"],
+                   additional_config=_plugin_options, needs_draft=True),
     )
 }
 

@@ -23,13 +23,17 @@ def _ngram(config: "SpecPluginConfig") -> Proposer:
 
 _FACTORIES: dict[str, Callable[["SpecPluginConfig"], Proposer]] = {"ngram": _ngram}
 
+# Proposers that run a model on vLLM's paged KV cache: they need the plugin's worker
+# layer (``specplugin.vllm_layer.worker``), which builds them, not ``build_proposer``.
+MODEL_PROPOSERS = ("draft",)
+
 
 def available_proposers() -> tuple[str, ...]:
-    return tuple(_FACTORIES)
+    return (*_FACTORIES, *MODEL_PROPOSERS)
 
 
 def build_proposer(name: str, config: "SpecPluginConfig") -> Proposer:
     return _FACTORIES[name](config)
 
 
-__all__ = ["DraftBatch", "Proposer", "available_proposers", "build_proposer"]
+__all__ = ["MODEL_PROPOSERS", "DraftBatch", "Proposer", "available_proposers", "build_proposer"]

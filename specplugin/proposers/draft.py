@@ -1,0 +1,333 @@
+"""Draft-model proposer: the parts that need no vLLM.
+
+A small draft model runs autoregressively for the whole batch at once (the vLLM
+layer, ``specplugin/vllm_layer/draft_proposer.py``, runs it on the paged KV cache).
+This module decides, after every draft position, which requests keep drafting, and
+learns from verification how far the draft's confidence can be trusted.
+
+**Signal.** ``conf`` = the largest probability of the distribution the draft drew
+its token from (its own confidence). A draft's confidence is not an acceptance
+probability: a small draft model is typically under-confident under greedy
+decoding (its argmax agrees with the target's far more often than its top
+probability says) and nearly uninformative at temperature 1 (there, acceptance
+``sum(min(p, q))`` barely moves with ``conf``). So :class:`AcceptanceCalibration`
+maps ``conf`` to an estimated acceptance probability, learned online from the
+engine's own verification results, separately for greedy and sampled requests.
+
+**Rule** (:class:`StopRule`). With ``P[r, j] = prod(a[r, :j + 1])`` (``a_i`` the
+calibrated acceptance estimate of draft position i: ``P`` is the chance that every
+draft token of request r so far is accepted, which is the chance that one more could
+be used at all), request r keeps drafting position j + 1 (0-based, up to
+``k_max`` = vLLM's ``num_speculative_tokens``) while::
+
+    P[r, j] >= row_threshold
+
+and the batch runs that position's forward only while the drafting rows together
+pay for it::
+
+    sum over drafting rows r of (P[r, j] - row_threshold) >= pass_threshold
+
+Both come from :class:`CostModel`, measured on the running engine: an extra draft
+token costs the row ``v`` seconds of target verification, an extra batched draft
+forward costs ``c`` seconds, and the engine already emits one token per ``t``
+seconds; spending time on drafts raises throughput only if the tokens they bring
+arrive faster than that, so ``row_threshold = v / t`` and ``pass_threshold = c / t``.
+Until a calibration table has seen ``warmup`` verified positions, its requests draft
+exactly the default length ``k``. Drafting thus stops early where the draft is likely
+wrong, and goes on past ``k`` while it is likely right and the hardware makes that pay.
+
+Stopping never changes the output distribution: it only shortens the draft that
+rejection sampling verifies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+class CostModel:
+    """What drafting costs on this engine, as moving averages of its own timings.
+
+    Measured: ``draft_forward_s`` (c), seconds of one batched draft forward with
+    sampling, timed directly; and per engine step (the wall time between two drafting
+    calls) its seconds, emitted tokens, draft forwards and verified draft tokens.
+    From those: ``token_s`` (t), seconds per emitted token, and ``verify_s`` (v), the
+    target's extra seconds per verified draft token, fitted as the slope of
+    ``step seconds - c * forwards`` against verified draft tokens (exponentially
+    weighted least squares). :meth:`thresholds` gives ``(v / t, c / t)``; the
+    ``fallback`` pair until ``warmup`` steps were seen.
+    """
+
+    def __init__(self, fallback: tuple[float, float] = (0.2, 0.0), smoothing: float = 0.05,
+                 warmup: int = 16):
+        self.fallback, self.smoothing, self.warmup = fallback, smoothing, warmup
+        self.draft_forward_s: float | None = None
+        self.token_s: float | None = None
+        self._step_s: float | None = None
+        self._step_tokens: float | None = None
+        self._moments = np.zeros(5)  # weighted averages of 1, x, y, xx, xy
+        self._num_steps = 0
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.smoothing * (new - old)
+
+    def observe_forward(self, seconds: float) -> None:
+        self.draft_forward_s = self._ema(self.draft_forward_s, seconds)
+
+    def observe_step(self, seconds: float, num_tokens: int, num_forwards: int,
+                     num_draft_tokens: int) -> None:
+        """One engine step: ``seconds`` of wall time, ``num_tokens`` emitted by the batch,
+        ``num_forwards`` draft forwards, ``num_draft_tokens`` drafts verified. A step over
+        20x the average time per token is an idle gap, not a step, and is ignored."""
+        if num_tokens <= 0:
+            return
+        if self.token_s is not None and seconds / num_tokens > 20 * self.token_s:
+            return
+        # a ratio of averages: the average of per-step ratios would overweight slow steps
+        self._step_s = self._ema(self._step_s, seconds)
+        self._step_tokens = self._ema(self._step_tokens, float(num_tokens))
+        self.token_s = self._step_s / self._step_tokens
+        x = float(num_draft_tokens)
+        y = seconds - (self.draft_forward_s or 0.0) * num_forwards
+        sample = np.array([1.0, x, y, x * x, x * y])
+        weight = self.smoothing if self._num_steps else 1.0
+        self._moments += weight * (sample - self._moments)
+        self._num_steps += 1
+
+    @property
+    def verify_s(self) -> float:
+        w, x, y, xx, xy = (self._moments / self._moments[0]).tolist()
+        variance = xx - x * x
+        return max(0.0, (xy - x * y) / variance) if variance > 1e-9 else 0.0
+
+    def thresholds(self) -> tuple[float, float]:
+        """(row_threshold, pass_threshold) = (v / t, c / t)."""
+        if self._num_steps < self.warmup or self.draft_forward_s is None:
+            return self.fallback
+        return self.verify_s / self.token_s, self.draft_forward_s / self.token_s
+
+
+class AcceptanceCalibration:
+    """P(draft token accepted | its confidence, its position, all earlier drafts accepted),
+    learned online.
+
+    Confidence is cut into ``num_buckets`` equal bins and positions into
+    ``num_position_groups`` (the last group holds every later position: a draft that
+    runs on drifts from the target). Each cell of each table (0: greedy requests, 1:
+    sampled requests) holds accepted and seen counts, starting from one
+    pseudo-observation at the bin's middle confidence.
+    """
+
+    def __init__(self, num_buckets: int = 10, num_position_groups: int = 5, warmup: int = 64):
+        self.num_buckets, self.num_position_groups, self.warmup = (
+            num_buckets, num_position_groups, warmup)
+        mids = (np.arange(num_buckets) + 0.5) / num_buckets
+        self.accepted = np.tile(mids, (2, num_position_groups, 1))  # [2, groups, num_buckets]
+        self.seen = np.ones((2, num_position_groups, num_buckets))
+        self.num_observed = np.zeros(2, dtype=np.int64)  # [2] real observations per table
+
+    def _cell(self, confidence: np.ndarray, sampled: np.ndarray, position):
+        bucket = np.clip((confidence * self.num_buckets).astype(np.int64), 0, self.num_buckets - 1)
+        return sampled.astype(np.int64), np.minimum(position, self.num_position_groups - 1), bucket
+
+    def estimate(
+        self,
+        confidence: np.ndarray,  # [n]
+        sampled: np.ndarray,  # [n] bool: the request samples (temperature > 0)
+        position: int,  # draft position (0-based) of all n tokens
+    ) -> np.ndarray:  # [n] in (0, 1]
+        cell = self._cell(confidence, sampled, position)
+        return self.accepted[cell] / self.seen[cell]
+
+    def is_warm(self, sampled: np.ndarray) -> np.ndarray:  # [n] bool
+        return self.num_observed[sampled.astype(np.int64)] >= self.warmup
+
+    def update(
+        self,
+        confidence: np.ndarray,  # [n] of verified draft positions
+        accepted: np.ndarray,  # [n] bool
+        sampled: np.ndarray,  # [n] bool
+        position: np.ndarray,  # [n] int: draft position of each
+    ) -> None:
+        cell = self._cell(confidence, sampled, position)
+        np.add.at(self.seen, cell, 1.0)
+        np.add.at(self.accepted, cell, accepted.astype(np.float64))
+        self.num_observed += np.bincount(sampled.astype(np.int64), minlength=2)
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """When each request stops drafting; see the module docstring for the formulas."""
+
+    k: int  # default draft length (used until the calibration is warm)
+    k_max: int  # longest draft (vLLM's num_speculative_tokens)
+    row_threshold: float = 0.0  # v / t: one more draft token must be this likely used
+    pass_threshold: float = 0.0  # c / t: what one more batched draft forward must bring
+
+    def __post_init__(self):
+        assert 1 <= self.k <= self.k_max, (self.k, self.k_max)
+        assert self.row_threshold >= 0.0 and self.pass_threshold >= 0.0, self
+
+    def keeps_drafting(
+        self,
+        position: int,  # j: the position just drafted, 0-based
+        cumulative: np.ndarray,  # [num_reqs] P[:, j]
+        warm: np.ndarray,  # [num_reqs] bool: calibrated rule (else the default length k)
+    ) -> np.ndarray:  # [num_reqs] bool: draft position j + 1
+        if position + 1 >= self.k_max:
+            return np.zeros_like(warm)
+        return np.where(warm, cumulative >= self.row_threshold, position + 1 < self.k)
+
+    def batch_keeps_drafting(
+        self,
+        active: np.ndarray,  # [num_reqs] bool: rows that want another position
+        cumulative: np.ndarray,  # [num_reqs]
+        warm: np.ndarray,  # [num_reqs] bool
+    ) -> bool:
+        """Whether one more batched forward pays: the drafting rows' expected surplus
+        (a row in its default length counts as sure) must reach ``pass_threshold``."""
+        if not active.any():
+            return False
+        value = np.where(warm, cumulative, 1.0)
+        return bool(((value - self.row_threshold) * active).sum() >= self.pass_threshold)
+
+
+@dataclass
+class DraftRun:
+    """One engine step's drafting for a batch: tokens, probabilities, who is still active.
+
+    The loop in the vLLM layer calls :meth:`add` once per position with the whole
+    batch's sampled tokens; rows that already stopped still get computed (one batched
+    forward is cheaper than regrouping) but their extra tokens are cut off by
+    :meth:`lengths`.
+    """
+
+    rule: StopRule
+    calibration: AcceptanceCalibration
+    sampled: np.ndarray  # [num_reqs] bool
+    caps: np.ndarray | None = None  # [num_reqs] most draft tokens per row (default k_max)
+    token_ids: list[torch.Tensor] = field(default_factory=list)  # positions x [num_reqs]
+    draft_probs: list[torch.Tensor] = field(default_factory=list)  # positions x [num_reqs, vocab]
+    confidences: list[np.ndarray] = field(default_factory=list)  # positions x [num_reqs]
+    # Per-row bookkeeping is numpy: a few small vectors per position, where torch's
+    # per-op overhead would cost more than the math.
+    _lengths: np.ndarray | None = None  # [num_reqs] int
+    _active: np.ndarray | None = None  # [num_reqs] bool
+    _cumulative: np.ndarray | None = None  # [num_reqs] float64
+
+    @property
+    def num_reqs(self) -> int:
+        return self.sampled.shape[0]
+
+    def add(
+        self,
+        token_ids: torch.Tensor,  # [num_reqs] drafted at this position
+        confidence: np.ndarray,  # [num_reqs] in [0, 1]
+        draft_probs: torch.Tensor | None = None,  # [num_reqs, vocab_size] they were drawn from
+    ) -> bool:
+        """Record one position; returns whether the batch drafts another one."""
+        position = len(self.token_ids)
+        if self._active is None:
+            self._start()
+        self.token_ids.append(token_ids)
+        self.confidences.append(confidence)
+        if draft_probs is not None:
+            self.draft_probs.append(draft_probs)
+        self._lengths += self._active
+        self._cumulative = self._cumulative * self.calibration.estimate(
+            confidence, self.sampled, position)
+        warm = self.calibration.is_warm(self.sampled)
+        self._active &= self.rule.keeps_drafting(position, self._cumulative, warm)
+        self._active &= self._lengths < self.caps
+        return self.rule.batch_keeps_drafting(self._active, self._cumulative, warm)
+
+    def _start(self) -> None:
+        if self.caps is None:
+            self.caps = np.full(self.num_reqs, self.rule.k_max)
+        self._active = self.caps > 0
+        self._lengths = np.zeros(self.num_reqs, dtype=np.int64)
+        self._cumulative = np.ones(self.num_reqs)
+
+    @property
+    def num_positions(self) -> int:
+        return len(self.token_ids)
+
+    def lengths(self) -> np.ndarray:  # [num_reqs] int: draft tokens kept per row
+        assert self._lengths is not None, "no position drafted yet"
+        return self._lengths
+
+    def stacked_token_ids(self) -> torch.Tensor:  # [num_reqs, num_positions]
+        return torch.stack(self.token_ids, dim=1)
+
+    def stacked_confidences(self) -> np.ndarray:  # [num_reqs, num_positions]
+        return np.stack(self.confidences, axis=1)
+
+    def stacked_draft_probs(self) -> torch.Tensor | None:  # [num_reqs, num_positions, vocab]
+        if not self.draft_probs:
+            return None
+        return torch.stack(self.draft_probs, dim=1).contiguous()
+
+
+class OutcomeTracker:
+    """Remembers each request's last draft until its verification result comes back.
+
+    vLLM tells the drafter, one step later, how many draft tokens of each request were
+    rejected; rows may have moved in between (finished requests leave the batch), so
+    drafts are kept by request id. Of a draft of length n with r rejected, positions
+    ``< n - r`` were accepted, position ``n - r`` (if any) was rejected, and later
+    positions were never judged: only judged positions update the calibration.
+    """
+
+    def __init__(self, calibration: AcceptanceCalibration):
+        self.calibration = calibration
+        self._pending: dict[str, tuple[np.ndarray, bool]] = {}  # req id -> (confidences [n], sampled)
+
+    def record(self, req_ids: list[str], run: DraftRun) -> None:
+        confidences, lengths = run.stacked_confidences(), run.lengths().tolist()
+        self._pending = {
+            req_id: (confidences[i, : lengths[i]], bool(run.sampled[i]))
+            for i, req_id in enumerate(req_ids) if lengths[i] > 0
+        }
+
+    def forget(self) -> None:
+        """Drop pending drafts (their step failed: no verification result will match)."""
+        self._pending = {}
+
+    def resolve(self, req_ids: list[str], num_rejected: list[int] | None) -> int:
+        """``num_rejected[i]``: rejected drafts of row i's request in the step just verified
+        (``None``: no request had drafts). Returns the number of accepted draft tokens."""
+        pending, self._pending = self._pending, {}
+        if num_rejected is None:
+            return 0
+        confs, accepted, sampled, positions = [], [], [], []
+        total = 0
+        for req_id, rejected in zip(req_ids, num_rejected):
+            if req_id not in pending:
+                continue
+            conf, is_sampled = pending[req_id]
+            num_accepted = max(0, conf.shape[0] - rejected)
+            total += num_accepted
+            judged = min(conf.shape[0], num_accepted + 1)
+            confs.append(conf[:judged])
+            positions.append(np.arange(judged))
+            accepted.append(positions[-1] < num_accepted)
+            sampled.append(np.full(judged, is_sampled))
+        if confs:
+            self.calibration.update(np.concatenate(confs), np.concatenate(accepted),
+                                    np.concatenate(sampled), np.concatenate(positions))
+        return total
+
+
+def confidence_of(draft_probs: torch.Tensor) -> np.ndarray:  # [num_reqs] float64
+    """The draft's confidence: the top probability of each row of ``draft_probs``
+    ([num_reqs, vocab_size], rows summing to 1)."""
+    return draft_probs.max(dim=-1).values.double().cpu().numpy()
+
+
+def truncate_rows(draft_token_ids: list[list[int]], lengths: list[int]) -> list[list[int]]:
+    """Cut each row's draft to its length (rows beyond ``lengths`` are left whole)."""
+    return [row[: lengths[i]] if i < len(lengths) else row
+            for i, row in enumerate(draft_token_ids)]

@@ -1,0 +1,224 @@
+"""The draft proposer's vLLM-free parts: stopping rule, per-row bookkeeping, settings."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specplugin.config import (
+    DraftSettings,
+    SpecPluginConfigError,
+    check_shared_vocabulary,
+    parse,
+)
+from specplugin.proposers.draft import (
+    AcceptanceCalibration,
+    CostModel,
+    DraftRun,
+    OutcomeTracker,
+    StopRule,
+    confidence_of,
+    truncate_rows,
+)
+
+
+class Identity(AcceptanceCalibration):
+    """A calibration that believes the draft: estimate = confidence, always warm."""
+
+    def __init__(self):
+        super().__init__(warmup=0)
+
+    def estimate(self, confidence, sampled, position):
+        return np.asarray(confidence, dtype=np.float64)
+
+
+def run_rows(rule: StopRule, confidences: list[list[float]], caps=None,
+             calibration=None) -> DraftRun:
+    """Feed a [positions][num_reqs] grid of confidences until the run says stop."""
+    num_reqs = len(confidences[0])
+    run = DraftRun(rule, calibration or Identity(), np.zeros(num_reqs, dtype=bool),
+                   caps=None if caps is None else np.array(caps))
+    for j, conf in enumerate(confidences):
+        if not run.add(torch.full((num_reqs,), j), np.array(conf, dtype=np.float64)):
+            break
+    return run
+
+
+def test_rows_draft_while_the_chance_all_are_accepted_stays_above_the_row_threshold():
+    rule = StopRule(k=2, k_max=5, row_threshold=0.5)
+    # products: row 0 1.0 throughout -> 5; row 1 0.9, 0.81, 0.73, 0.66, 0.59 -> 5;
+    # row 2 0.8, 0.64, 0.51, then 0.41 < 0.5 -> 4; row 3 0.9 then 0.36 -> 2
+    run = run_rows(rule, [[1.0, 0.9, 0.8, 0.9],
+                          [1.0, 0.9, 0.8, 0.4],
+                          [1.0, 0.9, 0.8, 0.9],
+                          [1.0, 0.9, 0.8, 0.9],
+                          [1.0, 0.9, 0.8, 0.9]])
+    assert run.lengths().tolist() == [5, 5, 4, 2]
+    assert run.num_positions == 5
+
+
+def test_an_unlikely_first_token_ends_the_draft_and_the_loop_stops_early():
+    run = run_rows(StopRule(k=4, k_max=8, row_threshold=0.3), [[0.1, 0.2]] + [[1.0, 1.0]] * 7)
+    assert run.lengths().tolist() == [1, 1]
+    assert run.num_positions == 1  # no forward pass wasted on rows that stopped
+
+
+def test_zero_thresholds_always_draft_k_max():
+    run = run_rows(StopRule(k=2, k_max=6), [[0.01, 0.5]] * 6)
+    assert run.lengths().tolist() == [6, 6]
+
+
+def test_caps_bound_each_row_and_a_zero_cap_drafts_nothing():
+    run = run_rows(StopRule(k=4, k_max=8), [[1.0, 1.0, 1.0]] * 8, caps=[0, 3, 8])
+    assert run.lengths().tolist() == [0, 3, 8]
+
+
+def test_until_the_calibration_is_warm_every_row_drafts_the_default_length():
+    cold = AcceptanceCalibration(warmup=10)
+    run = run_rows(StopRule(k=3, k_max=8, row_threshold=0.9), [[0.01, 1.0]] * 8,
+                   calibration=cold)
+    assert run.lengths().tolist() == [3, 3]
+
+
+def test_the_batch_stops_when_the_few_rows_left_do_not_pay_for_a_forward():
+    # four rows; after position 0 only row 0 is likely (0.9), the rest are not drafting
+    rule = StopRule(k=1, k_max=8, row_threshold=0.5, pass_threshold=0.5)
+    run = run_rows(rule, [[0.9, 0.1, 0.1, 0.1]] + [[1.0] * 4] * 7)
+    assert run.num_positions == 1  # surplus 0.9 - 0.5 = 0.4 < 0.5: no second forward
+    assert run.lengths().tolist() == [1, 1, 1, 1]
+    cheap = StopRule(k=1, k_max=8, row_threshold=0.5, pass_threshold=0.3)
+    assert run_rows(cheap, [[0.9, 0.1, 0.1, 0.1]] + [[1.0] * 4] * 7).lengths()[0] > 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(k=st.integers(1, 6), extra=st.integers(0, 4), tau=st.floats(0, 1),
+       confs=st.lists(st.lists(st.floats(0, 1), min_size=3, max_size=3), min_size=10, max_size=10))
+def test_lengths_match_the_formula_row_by_row(k, extra, tau, confs):
+    """Oracle: walk each row alone with the docstring's formula (pass_threshold 0)."""
+    rule = StopRule(k=k, k_max=k + extra, row_threshold=tau)
+    run = run_rows(rule, confs[: rule.k_max])
+    for r in range(3):
+        length, product = 0, 1.0
+        for j in range(rule.k_max):
+            length += 1
+            product *= confs[j][r]
+            if j + 1 >= rule.k_max or product < tau:
+                break
+        assert run.lengths()[r] == length
+    assert run.num_positions == max(run.lengths().tolist())
+
+
+def test_stacked_outputs_have_one_column_per_position():
+    run = DraftRun(StopRule(k=2, k_max=3), Identity(), np.zeros(2, dtype=bool))
+    probs = torch.softmax(torch.randn(2, 5), dim=-1)
+    for j in range(3):
+        run.add(torch.tensor([j, 10 + j]), confidence_of(probs), probs)
+    assert run.stacked_token_ids().tolist() == [[0, 1, 2], [10, 11, 12]]
+    assert run.stacked_draft_probs().shape == (2, 3, 5)
+    assert run.stacked_confidences().shape == (2, 3)
+
+
+def test_calibration_learns_acceptance_per_table_and_position():
+    cal = AcceptanceCalibration(num_buckets=10, warmup=4)
+    greedy, sampled = np.zeros(200, dtype=bool), np.ones(200, dtype=bool)
+    conf = np.full(200, 0.05)  # a draft that says 5% ...
+    cal.update(conf, np.arange(200) % 10 < 9, greedy, np.zeros(200, dtype=int))  # ... is right 90%
+    cal.update(conf, np.arange(200) % 10 < 3, sampled, np.zeros(200, dtype=int))  # ... or 30%
+    assert cal.estimate(np.array([0.05]), np.array([False]), 0)[0] == pytest.approx(0.9, abs=0.01)
+    assert cal.estimate(np.array([0.05]), np.array([True]), 0)[0] == pytest.approx(0.3, abs=0.01)
+    # an unseen position starts from the prior: the bucket's own confidence
+    assert cal.estimate(np.array([0.05]), np.array([False]), 3)[0] == pytest.approx(0.05)
+    assert cal.is_warm(np.array([False, True])).tolist() == [True, True]
+
+
+def test_outcomes_attribute_accepted_and_first_rejected_positions_by_request_id():
+    cal = AcceptanceCalibration(num_buckets=2, num_position_groups=8, warmup=0)
+    tracker = OutcomeTracker(cal)
+    run = DraftRun(StopRule(k=3, k_max=3), Identity(), np.array([False, False]))
+    for _ in range(3):
+        run.add(torch.tensor([1, 2]), np.array([0.9, 0.9]))
+    tracker.record(["a", "b"], run)
+    # next step the rows come back swapped; "a" had 1 of 3 rejected, "b" all 3 rejected
+    assert tracker.resolve(["b", "a"], [3, 1]) == 2
+    seen = cal.seen[0, :, 1] - 1  # minus the prior pseudo-observation
+    accepted = cal.accepted[0, :, 1] - 0.75
+    assert seen[:3].tolist() == [2, 1, 1]  # a: positions 0, 1, 2 judged; b: position 0 only
+    assert accepted[:3].tolist() == [1, 1, 0]
+    assert tracker.resolve(["a"], None) == 0  # nothing pending any more
+
+
+def test_cost_model_measures_thresholds_from_its_own_timings():
+    costs = CostModel(fallback=(0.2, 0.0), warmup=4)
+    assert costs.thresholds() == (0.2, 0.0)
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # step = 10 ms + 1 ms per forward + 0.5 ms per draft token
+        forwards = int(rng.integers(0, 6))
+        draft_tokens = forwards + 1 + int(rng.integers(0, 3))
+        costs.observe_forward(0.001)
+        costs.observe_step(0.010 + 0.001 * forwards + 0.0005 * draft_tokens, num_tokens=4,
+                           num_forwards=forwards, num_draft_tokens=draft_tokens)
+    assert costs.verify_s == pytest.approx(0.0005, rel=0.05)
+    row, per_pass = costs.thresholds()
+    assert row == pytest.approx(0.0005 / costs.token_s, rel=0.05)
+    assert per_pass == pytest.approx(0.001 / costs.token_s, rel=0.05)
+    costs.observe_step(10.0, num_tokens=4, num_forwards=0, num_draft_tokens=0)  # idle gap
+    assert costs.thresholds()[1] == pytest.approx(per_pass)
+
+
+def test_truncate_rows_cuts_to_lengths():
+    assert truncate_rows([[1, 2, 3], [4, 5, 6], [7]], [2, 0, 1]) == [[1, 2], [], [7]]
+
+
+def test_confidence_is_the_top_probability():
+    probs = torch.tensor([[0.1, 0.7, 0.2], [0.5, 0.25, 0.25]])
+    assert confidence_of(probs).tolist() == pytest.approx([0.7, 0.5])
+
+
+# ------------------------------------------------------------------ settings
+
+
+def test_draft_settings_parse_and_default(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    config = parse({"proposers": ["draft"], "draft_model": str(tmp_path),
+                    "draft": {"k": 3, "min_acceptance": 0.5}}, 8)
+    assert config.draft == DraftSettings(k=3, min_acceptance=0.5)
+    assert parse({"proposers": ["draft"], "draft_model": str(tmp_path)}, 8).draft == DraftSettings()
+
+
+@pytest.mark.parametrize("options, fragment", [
+    ({"proposers": ["draft"]}, 'lists \'draft\' but additional_config["specplugin"]["draft_model"] is not set'),
+    ({"proposers": ["draft"], "DRAFT": {}}, "unknown key 'DRAFT'"),
+    ({"draft": {"k": 0}}, '["draft"]["k"] must be an integer from 1 to 32'),
+    ({"draft": {"min_acceptance": 1.5}}, '["draft"]["min_acceptance"] must be a number from 0 to 1'),
+    ({"draft": {"kk": 2}}, "unknown key(s) ['kk']"),
+])
+def test_bad_draft_settings_name_the_key(options, fragment):
+    with pytest.raises(SpecPluginConfigError) as err:
+        parse(options, 8)
+    assert fragment in str(err.value)
+
+
+def _tokenizer_folder(path, vocab: dict[str, int]):
+    from tokenizers import Tokenizer, models
+
+    path.mkdir()
+    Tokenizer(models.WordLevel(vocab, unk_token="<unk>")).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    return str(path)
+
+
+def test_shared_vocabulary_passes_for_equal_tokenizers_and_names_a_mismatch(tmp_path):
+    vocab = {"<unk>": 0, "a": 1, "b": 2}
+    target = _tokenizer_folder(tmp_path / "target", vocab)
+    same = _tokenizer_folder(tmp_path / "same", vocab)
+    swapped = _tokenizer_folder(tmp_path / "swapped", {"<unk>": 0, "a": 2, "b": 1})
+    check_shared_vocabulary(target, same, 3, 3)
+    with pytest.raises(SpecPluginConfigError, match="numbers tokens differently"):
+        check_shared_vocabulary(target, swapped, 3, 3)
+    with pytest.raises(SpecPluginConfigError, match="vocabulary of 5 tokens but the target has 3"):
+        check_shared_vocabulary(target, same, 3, 5)
