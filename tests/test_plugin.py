@@ -77,3 +77,27 @@ def test_import_specplugin_does_not_import_vllm():
         print("VLLM_LOADED", "vllm" in sys.modules)
     """)
     assert "VLLM_LOADED False" in out
+
+
+def test_vllm_cpu_worker_still_builds_its_runner_from_the_name_the_plugin_swaps():
+    """Fails loudly when vLLM's CPUWorker.init_device stops building ``CPUModelRunner``
+    from its module-level name: the plugin's CPU worker would then run vLLM's drafter."""
+    from vllm.v1.worker import cpu_worker
+
+    assert "CPUModelRunner" in cpu_worker.CPUWorker.init_device.__code__.co_names
+    assert isinstance(cpu_worker.CPUModelRunner, type)
+
+
+def test_swapped_restores_the_attribute_and_refuses_nesting():
+    import types
+
+    from specplugin.vllm_layer import patches
+
+    owner = types.ModuleType("owner")
+    owner.thing = "original"
+    with patches.swapped(owner, "thing", "replacement"):
+        assert owner.thing == "replacement"
+        with pytest.raises(patches.DoublePatchError):
+            with patches.swapped(owner, "thing", "again"):
+                pass
+    assert owner.thing == "original" and (owner, "thing") not in patches._APPLIED

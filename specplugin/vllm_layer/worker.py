@@ -26,10 +26,12 @@ import functools
 from dataclasses import dataclass
 
 import torch
+from vllm.v1.worker import cpu_worker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from specplugin.proposers.draft import truncate_rows
+from specplugin.vllm_layer import patches
 from specplugin.vllm_layer.config_hook import plugin_config
 
 _NO_LIMIT = 1 << 30
@@ -92,8 +94,9 @@ class PluginCPUModelRunner(PluginRunnerMixin, CPUModelRunner):
 
 class PluginCPUWorker(CPUWorker):
     def init_device(self) -> None:
-        super().init_device()  # builds vLLM's CPUModelRunner (no weights loaded yet)
-        self.model_runner = PluginCPUModelRunner(self.vllm_config, torch.device("cpu"))
+        # vLLM's CPU worker builds its runner inline from this module-level name
+        with patches.swapped(cpu_worker, "CPUModelRunner", PluginCPUModelRunner):
+            super().init_device()
 
 
 def __getattr__(name: str):
