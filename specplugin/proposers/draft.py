@@ -99,7 +99,7 @@ class CostModel:
 
     @property
     def verify_s(self) -> float:
-        w, x, y, xx, xy = (self._moments / self._moments[0]).tolist()
+        _, x, y, xx, xy = self._moments.tolist()  # the weight moment is always 1
         variance = xx - x * x
         return max(0.0, (xy - x * y) / variance) if variance > 1e-9 else 0.0
 
@@ -217,6 +217,7 @@ class DraftRun:
     _lengths: np.ndarray | None = None  # [num_reqs] int
     _active: np.ndarray | None = None  # [num_reqs] bool
     _cumulative: np.ndarray | None = None  # [num_reqs] float64
+    _warm: np.ndarray | None = None  # [num_reqs] bool: calibrated (fixed for the step)
 
     @property
     def num_reqs(self) -> int:
@@ -239,10 +240,9 @@ class DraftRun:
         self._lengths += self._active
         self._cumulative = self._cumulative * self.calibration.estimate(
             confidence, self.sampled, position)
-        warm = self.calibration.is_warm(self.sampled)
-        self._active &= self.rule.keeps_drafting(position, self._cumulative, warm)
+        self._active &= self.rule.keeps_drafting(position, self._cumulative, self._warm)
         self._active &= self._lengths < self.caps
-        return self.rule.batch_keeps_drafting(self._active, self._cumulative, warm)
+        return self.rule.batch_keeps_drafting(self._active, self._cumulative, self._warm)
 
     def _start(self) -> None:
         if self.caps is None:
@@ -250,6 +250,8 @@ class DraftRun:
         self._active = self.caps > 0
         self._lengths = np.zeros(self.num_reqs, dtype=np.int64)
         self._cumulative = np.ones(self.num_reqs)
+        # the calibration only learns between steps (OutcomeTracker.resolve)
+        self._warm = self.calibration.is_warm(self.sampled)
 
     @property
     def num_positions(self) -> int:
