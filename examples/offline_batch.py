@@ -29,7 +29,7 @@ if __name__ == "__main__":  # vLLM starts its engine with spawn
             "model": "specplugin.Speculator",
             "num_speculative_tokens": 8,
         },
-        additional_config={"specplugin": {"proposers": ["ngram"]}},
+        additional_config={"specplugin": {"proposers": ["ngram", "suffix"]}},
     )
     code = "def area(width, height):\n    return width * height\n\n\n"
     prompts = [code + "# again:\n" + code[:20], "import os\n\n\ndef walk(root):\n"]

@@ -1,11 +1,11 @@
-"""Offline batch inference with stock vllm.LLM and the specplugin draft-model proposer.
+"""Offline batch inference with stock vllm.LLM and specplugin's recommended union
+(draft model + n-gram + suffix, K chosen per request and step).
 
     .venv/bin/python examples/offline_draft.py [TARGET_DIR DRAFT_DIR]
 
 Defaults to the zoo pair (`specplugin zoo path target|draft`). The draft must share the
 target's tokenizer. The plugin is switched on by vLLM's own arguments only; with the
-`draft` proposer it runs in the plugin's worker layer, with the draft's KV cache in
-vLLM's paged block pool beside the target's.
+`draft` proposer the draft's KV cache lives in vLLM's paged block pool beside the target's.
 """
 
 import os
@@ -29,7 +29,8 @@ if __name__ == "__main__":  # vLLM starts its engine with spawn
             "model": "specplugin.Speculator",
             "num_speculative_tokens": 8,
         },
-        additional_config={"specplugin": {"proposers": ["draft"], "draft_model": str(draft)}},
+        additional_config={"specplugin": {"proposers": ["draft", "ngram", "suffix"],
+                                          "draft_model": str(draft)}},
     )
     prompts = ["import os\n\n\ndef walk(root):\n", "class Stack:\n    def __init__(self):\n"]
     for temperature in (0.0, 1.0):

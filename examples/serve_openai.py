@@ -5,7 +5,7 @@ Start the server (any model folder works; this uses the zoo's target):
     .venv/bin/vllm serve "$(.venv/bin/specplugin zoo path target)" --dtype float32 \
         --enforce-eager --gpu-memory-utilization 0.1 --port 8000 \
         --speculative-config '{"method": "custom_class", "model": "specplugin.Speculator", "num_speculative_tokens": 8}' \
-        --additional-config '{"specplugin": {"proposers": ["ngram"]}}'
+        --additional-config '{"specplugin": {"proposers": ["ngram", "suffix"]}}'
 
 then run:
 

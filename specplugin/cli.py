@@ -1,75 +1,52 @@
-"""The ``specplugin`` command: ``zoo``, ``demo``, ``bench``, ``check-lossless``."""
+"""The ``specplugin`` command: ``zoo``, ``demo``, ``bench``, ``check-lossless``.
+
+Each subcommand is a module with ``add_arguments(parser)`` and ``run(args)``. Only the
+module of the subcommand being run is imported (its name is read from the command line
+before parsing), so a broken module breaks its own command and no other, and
+``specplugin --help`` lists every subcommand from :data:`SUBCOMMANDS` without importing any.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from collections.abc import Sequence
+
+# name -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "zoo": ("specplugin.zoo.cli", "the project's own target/draft model pair"),
+    "demo": ("specplugin.demo", "offline batch inference with and without the plugin"),
+    "bench": ("specplugin.bench.cli", "vLLM's speculative methods and the plugin, side by side"),
+    "check-lossless": ("specplugin.bench.lossless",
+                       "speculation leaves outputs exactly the target's"),
+}
 
 
-def _zoo(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from specplugin import zoo
-
-    if args.zoo_command == "path":
-        print(zoo.zoo_path(args.name, Path(args.root) if args.root else None))
-        return 0
-    if args.zoo_command == "report":
-        from specplugin.zoo import report
-
-        return report.run(args)
-    report = zoo.build(Path(args.out) if args.out else None, quick=args.quick,
-                       time_budget_s=args.time_budget)
-    for name in ("target", "draft"):
-        r = report[name]
-        print(f"{name}: {r['params'] / 1e6:.2f}M params, held-out loss {r['heldout_loss']:.3f}, "
-              f"{r['steps_done']} steps")
-    print(f"seconds: {report['seconds']}")
-    return 0
+def requested(argv: Sequence[str]) -> str | None:
+    """The subcommand named in ``argv``: its first argument that is not an option (the
+    top-level parser has no option that takes a value)."""
+    return next((a for a in argv if not a.startswith("-")), None)
 
 
-def _add_zoo(sub) -> None:
-    p = sub.add_parser("zoo", help="the project's own target/draft model pair")
-    zsub = p.add_subparsers(dest="zoo_command", required=True)
-    b = zsub.add_parser("build", help="train tokenizer, target and draft (deterministic)")
-    b.add_argument("--quick", action="store_true", help="tiny pair in seconds (for tests)")
-    b.add_argument("--out", help="output folder (default: the package's committed weights)")
-    b.add_argument("--time-budget", type=float, default=None,
-                   help="stop training after this many seconds (breaks bit-exact reproduction)")
-    q = zsub.add_parser("path", help="print the folder of a zoo model")
-    q.add_argument("name", choices=["target", "draft"])
-    q.add_argument("--root", help="zoo folder (default: the committed weights)")
-    from specplugin.zoo import report
-
-    report.add_arguments(zsub.add_parser("report", help="measure the pair under vLLM (README figures)"))
-    p.set_defaults(func=_zoo)
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    """Every subcommand gets a parser for ``--help``; only the requested one its arguments."""
+    parser = argparse.ArgumentParser(
+        prog="specplugin", description="Speculative decoding for vLLM as a plugin: commands.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = requested(argv)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            module.add_arguments(p)
+            p.set_defaults(func=module.run)
+    return parser
 
 
-def _lazy(module: str):
-    def run(args: argparse.Namespace) -> int:
-        import importlib
-
-        return importlib.import_module(module).run(args)
-
-    return run
-
-
-def _add_lazy(sub, name: str, module: str, help_text: str) -> None:
-    import importlib
-
-    p = sub.add_parser(name, help=help_text)
-    importlib.import_module(module).add_arguments(p)
-    p.set_defaults(func=_lazy(module))
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specplugin", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    _add_zoo(sub)
-    _add_lazy(sub, "demo", "specplugin.demo", "offline batch inference with and without the plugin")
-    _add_lazy(sub, "bench", "specplugin.bench.cli", "vLLM's speculative methods and the plugin, side by side")
-    _add_lazy(sub, "check-lossless", "specplugin.bench.lossless", "speculation leaves outputs exactly the target's")
-    args = parser.parse_args(argv)
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     return args.func(args)
 
 

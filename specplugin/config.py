@@ -116,11 +116,6 @@ class SpecPluginConfig:
             raise SpecPluginConfigError(
                 f"{_where('proposers')} lists a proposer twice: {list(self.proposers)}."
             )
-        if len(self.proposers) > 1:
-            raise SpecPluginConfigError(
-                f"{_where('proposers')} lists {len(self.proposers)} proposers "
-                f"{list(self.proposers)}; combining proposers is not available yet: list one."
-            )
         if self.draft_model is not None:
             self._check_draft_model(self.draft_model)
         elif "draft" in self.proposers:
@@ -141,12 +136,30 @@ class SpecPluginConfig:
                 f"{_where('draft_model')} = {path!r} has no config.json; it must be a model "
                 "folder in Hugging Face format."
             )
+        _check_model_config(folder, path)
         if "draft" not in self.proposers:
             raise SpecPluginConfigError(
                 f"{_where('draft_model')} is set but {_where('proposers')} = "
                 f"{list(self.proposers)} does not use it; add 'draft' to proposers or drop "
                 "draft_model."
             )
+
+
+def _check_model_config(folder: Path, path: str) -> None:
+    """``config.json`` must be a model config transformers can read (it needs a
+    ``model_type``); otherwise vLLM fails deep inside transformers without naming
+    the setting."""
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(str(folder))
+    except Exception as err:  # JSON errors, a missing or unknown model_type, ...
+        raise SpecPluginConfigError(
+            f"{_where('draft_model')} = {path!r}: its config.json is not a model config "
+            f"transformers can read ({type(err).__name__}: {str(err).splitlines()[0]}). "
+            "Give a model folder in Hugging Face format (config.json with a model_type, "
+            "weights, tokenizer)."
+        ) from None
 
 
 _TYPES: dict[str, tuple[type, ...]] = {

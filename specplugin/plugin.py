@@ -26,6 +26,20 @@ def check_vllm_version(version: str) -> None:
         )
 
 
+def _log_through_vllm() -> None:
+    """The plugin's vLLM-free core logs to "specplugin"; inside vLLM those lines go out
+    through vLLM's own handlers, format and level (VLLM_LOGGING_LEVEL)."""
+    import logging
+
+    ours, theirs = logging.getLogger("specplugin"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
+
+
 def register() -> None:
     import vllm
 
@@ -36,6 +50,7 @@ def register() -> None:
     from specplugin.vllm_layer import patches
     from specplugin.vllm_layer.config_hook import check_vllm_config
 
+    _log_through_vllm()
     platform_cls = type(current_platform)
     if not patches.is_patched(platform_cls, "check_and_update_config"):
         patches.patch_classmethod(platform_cls, "check_and_update_config", check_vllm_config)

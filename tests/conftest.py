@@ -1,7 +1,11 @@
 import os
 
-# vLLM on CPU sizes its KV cache from this (GiB); the default claims far more than tests need.
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+from specplugin.bench.runner import child_env
+
+# Tests that build vllm.LLM in this process (or a subprocess of their own) get the engine
+# children's environment too: the runner's KV cache size (the default claims far more than
+# tests need), device and tokenizer settings, in one place.
+os.environ.update(child_env())
 
 import pytest
 

@@ -9,14 +9,16 @@ import pytest
 
 from specplugin.bench import report
 from specplugin.bench.methods import BASELINE, BUILTIN, METHODS, PLUGIN, Models, resolve
+from specplugin.bench.runner import engine_kwargs, plugin_engine_kwargs
 from specplugin.bench.workloads import QUICK_CELLS, QUICK_SIZES, Cell
+from specplugin.config import CONFIG_KEY, SPECULATOR_CLASS
 
 MODELS = Models(target="/zoo/target", draft="/zoo/draft")
 
 
 def test_method_names_are_the_issues():
     assert list(METHODS) == ["none", "vllm-ngram", "vllm-suffix", "vllm-draft", "plugin-ngram",
-                            "plugin-draft"]
+                            "plugin-draft", "plugin-suffix", "plugin-union"]
     assert METHODS["none"].family == BASELINE
     assert {m for m, s in METHODS.items() if s.family == BUILTIN} == {
         "vllm-ngram", "vllm-suffix", "vllm-draft"}
@@ -25,8 +27,7 @@ def test_method_names_are_the_issues():
 
 def test_engine_arguments_of_each_method():
     none = METHODS["none"].engine_kwargs(MODELS)
-    assert none["speculative_config"] is None and none["additional_config"] == {}
-    assert none["dtype"] == "float32" and none["enforce_eager"] is True
+    assert none == {"speculative_config": None, "additional_config": {}}
     ngram = METHODS["vllm-ngram"].engine_kwargs(MODELS)["speculative_config"]
     assert ngram["method"] == "ngram" and {"prompt_lookup_min", "prompt_lookup_max"} <= set(ngram)
     draft = METHODS["vllm-draft"].engine_kwargs(MODELS)["speculative_config"]
@@ -36,6 +37,21 @@ def test_engine_arguments_of_each_method():
         "method": "custom_class", "model": "specplugin.Speculator",
         "num_speculative_tokens": METHODS["plugin-ngram"].settings["num_speculative_tokens"]}
     assert plugin["additional_config"] == {"specplugin": {"proposers": ["ngram"]}}
+
+
+def test_the_runner_adds_the_same_defaults_to_every_engine_compiled_unless_eager():
+    kwargs = engine_kwargs(METHODS["vllm-ngram"].engine_kwargs(MODELS))
+    assert kwargs["dtype"] == "float32" and kwargs["disable_log_stats"] is False
+    assert "enforce_eager" not in kwargs  # vLLM's own default: compiled
+    assert engine_kwargs({}, eager=True)["enforce_eager"] is True
+    assert engine_kwargs({"seed": 3})["seed"] == 3  # a caller's value wins over the default
+
+
+def test_the_plugin_switch_is_built_in_one_place():
+    assert plugin_engine_kwargs(4, {"proposers": ["ngram"]}) == {
+        "speculative_config": {"method": "custom_class", "model": SPECULATOR_CLASS,
+                               "num_speculative_tokens": 4},
+        "additional_config": {CONFIG_KEY: {"proposers": ["ngram"]}}}
 
 
 def test_plugin_settings_pass_the_plugins_own_config_check(zoo_root):
@@ -127,8 +143,8 @@ def test_table_plot_and_json(tmp_path, capsys):
 def test_quick_bench_runs_every_method_on_real_vllm(quick_zoo, tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "specplugin.cli", "bench", "--quick", "--zoo", str(quick_zoo),
-         "--json", str(out), "--out-dir", str(tmp_path / "bench")],
+        [sys.executable, "-m", "specplugin.cli", "bench", "--quick", "--eager", "--zoo",
+         str(quick_zoo), "--json", str(out), "--out-dir", str(tmp_path / "bench")],
         capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "specplugin bench" in proc.stdout  # the table went to stdout

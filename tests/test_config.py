@@ -40,6 +40,30 @@ def test_bad_settings_are_refused_clearly(options, k, fragments):
 def test_draft_model_must_be_a_model_folder(tmp_path):
     with pytest.raises(SpecPluginConfigError, match="has no config.json"):
         parse({"draft_model": str(tmp_path)}, 4)
-    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "config.json").write_text('{"hidden_size": 64}')  # JSON, but no model
+    with pytest.raises(SpecPluginConfigError) as err:
+        parse({"proposers": ["draft"], "draft_model": str(tmp_path)}, 4)
+    assert 'additional_config["specplugin"]["draft_model"]' in str(err.value)
+    assert "not a model config" in str(err.value) and "model_type" in str(err.value)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(SpecPluginConfigError, match="not a model config"):
+        parse({"proposers": ["draft"], "draft_model": str(tmp_path)}, 4)
+
+
+def test_a_draft_model_the_proposers_do_not_use_is_refused():
+    from specplugin.zoo import zoo_path
+
     with pytest.raises(SpecPluginConfigError, match="does not use it"):
-        parse({"draft_model": str(tmp_path)}, 4)
+        parse({"draft_model": str(zoo_path("draft"))}, 4)
+
+
+def test_build_proposer_names_where_model_proposers_are_built():
+    from specplugin.proposers import available_proposers, build_proposer
+
+    config = parse(None, 4)
+    assert "draft" in available_proposers()
+    with pytest.raises(ValueError, match="built by the plugin's worker layer"):
+        build_proposer("draft", config)
+    with pytest.raises(ValueError, match="unknown proposer 'nope'"):
+        build_proposer("nope", config)
+    assert build_proposer("ngram", config).name == "ngram"

@@ -144,12 +144,44 @@ def test_outcomes_attribute_accepted_and_first_rejected_positions_by_request_id(
         run.add(torch.tensor([1, 2]), np.array([0.9, 0.9]))
     tracker.record(["a", "b"], run)
     # next step the rows come back swapped; "a" had 1 of 3 rejected, "b" all 3 rejected
-    assert tracker.resolve(["b", "a"], [3, 1]) == 2
+    assert tracker.resolve(["b", "a"], [3, 3], [3, 1]) == 2
     seen = cal.seen[0, :, 1] - 1  # minus the prior pseudo-observation
     accepted = cal.accepted[0, :, 1] - 0.75
     assert seen[:3].tolist() == [2, 1, 1]  # a: positions 0, 1, 2 judged; b: position 0 only
     assert accepted[:3].tolist() == [1, 1, 0]
-    assert tracker.resolve(["a"], None) == 0  # nothing pending any more
+    assert tracker.resolve(["a"], [0], None) == 0  # nothing pending any more
+
+
+def _tracker_with_pending(num_drafts: int = 4):
+    cal = AcceptanceCalibration(num_buckets=2, num_position_groups=8, warmup=0)
+    tracker = OutcomeTracker(cal)
+    run = DraftRun(StopRule(k=num_drafts, k_max=num_drafts), Identity(), np.array([False]))
+    for _ in range(num_drafts):
+        run.add(torch.tensor([1]), np.array([0.9]))
+    tracker.record(["a"], run)
+    return tracker, cal
+
+
+def test_outcomes_of_a_step_the_drafter_skipped_are_forgotten_not_counted_as_accepted():
+    """vLLM skips the drafter (e.g. near max_model_len): the drafts recorded before were
+    verified in that step, whose result the tracker never sees. The next verification
+    (no drafts: 0 rejected) must not be read as 'all 4 accepted'."""
+    tracker, cal = _tracker_with_pending()
+    before = cal.seen.sum()
+    tracker.forget()  # what the runner does when vLLM skips drafting
+    assert tracker.resolve(["a"], [0], [0]) == 0
+    assert cal.seen.sum() == before
+
+
+def test_outcomes_count_only_the_drafts_the_scheduler_verified():
+    """The scheduler cut the 4 recorded drafts to 2, both accepted: 2 accepted, not 4,
+    and positions 2 and 3 are not judged."""
+    tracker, cal = _tracker_with_pending()
+    assert tracker.resolve(["a"], [2], [0]) == 2
+    seen = cal.seen[0, :, 1] - 1
+    assert seen[:4].tolist() == [1, 1, 0, 0]
+    tracker, _ = _tracker_with_pending()
+    assert tracker.resolve(["a"], [0], [0]) == 0  # nothing scheduled: nothing accepted
 
 
 def test_cost_model_measures_thresholds_from_its_own_timings():
@@ -182,12 +214,14 @@ def test_confidence_is_the_top_probability():
 # ------------------------------------------------------------------ settings
 
 
-def test_draft_settings_parse_and_default(tmp_path):
-    (tmp_path / "config.json").write_text("{}")
-    config = parse({"proposers": ["draft"], "draft_model": str(tmp_path),
+def test_draft_settings_parse_and_default():
+    from specplugin.zoo import zoo_path
+
+    draft = str(zoo_path("draft"))
+    config = parse({"proposers": ["draft"], "draft_model": draft,
                     "draft": {"k": 3, "min_acceptance": 0.5}}, 8)
     assert config.draft == DraftSettings(k=3, min_acceptance=0.5)
-    assert parse({"proposers": ["draft"], "draft_model": str(tmp_path)}, 8).draft == DraftSettings()
+    assert parse({"proposers": ["draft"], "draft_model": draft}, 8).draft == DraftSettings()
 
 
 @pytest.mark.parametrize("options, fragment", [

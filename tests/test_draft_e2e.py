@@ -1,19 +1,26 @@
 """The draft proposer inside real vLLM, on the zoo pair, through the plugin's worker layer.
 
-Two engines for the module: one without speculation, one with
-``additional_config={"specplugin": {"proposers": ["draft"], ...}}`` that runs a
-greedy and a temperature-1 cell. The sampled distribution itself is tested
-statistically by ``specplugin check-lossless`` (tests/test_lossless.py runs it on
-every plugin method, this one included).
+Two engines for the module: one without speculation (the runner's child process), one
+with ``additional_config={"specplugin": {"proposers": ["draft"], ...}}`` that runs a
+greedy and a temperature-1 cell. The second runs vLLM in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, in its own Python process) so that a probe can
+wrap vLLM's ``RejectionSampler.forward`` and see what the plugin hands it: that is
+the only way to prove the draft probabilities reach the sampler (without them vLLM
+silently verifies one-hot drafts, and acceptance stays > 0). The sampled distribution
+itself is tested statistically by ``specplugin check-lossless`` (tests/test_lossless.py
+runs it on every plugin method, this one included).
 """
 
+import json
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
 
-from specplugin.bench.runner import EngineJob, cell_payload, run_job
+from specplugin.bench.runner import (EngineJob, cell_payload, engine_kwargs, plugin_engine_kwargs,
+                                     run_job)
 from specplugin.bench.workloads import QUICK_SIZES, Cell, cell_prompts, source_from_zoo
-from specplugin.engine import ENGINE_DEFAULTS, plugin_engine_kwargs
 from specplugin.zoo import zoo_path
 
 pytestmark = pytest.mark.vllm
@@ -34,9 +41,9 @@ def cells(zoo_root):
             for t in (0.0, 1.0)]
 
 
-def _run(tmp_path_factory, label, target, engine_kwargs, cells):
-    job = EngineJob(label=label, model=target, engine_kwargs={**ENGINE_DEFAULTS, **engine_kwargs},
-                    cells=tuple(cells), return_token_ids=True)
+def _run(tmp_path_factory, label, target, overrides, cells):
+    job = EngineJob(label=label, model=target, engine_kwargs=overrides, cells=tuple(cells),
+                    eager=True, return_token_ids=True)
     return run_job(job, tmp_path_factory.mktemp(label)).cells
 
 
@@ -45,11 +52,85 @@ def baseline(tmp_path_factory, models, cells):
     return _run(tmp_path_factory, "none", models[0], {}, cells[:1])
 
 
+# Runs in a fresh Python process: vLLM in-process, RejectionSampler.forward wrapped.
+PROBE = r"""
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+import torch
+from vllm.v1.sample import rejection_sampler
+
+seen = []  # one record per verification call that had drafts
+original = rejection_sampler.RejectionSampler.forward
+
+def forward(self, metadata, draft_probs, logits, sampling_metadata):
+    draft_ids = metadata.draft_token_ids.long()  # [num_draft_tokens]
+    record = {"num_draft_tokens": int(draft_ids.numel()),
+              "all_greedy": bool(sampling_metadata.all_greedy), "has_probs": draft_probs is not None}
+    if draft_probs is not None:
+        # [num_draft_tokens, vocab_size]: rows are distributions that drew the drafted tokens
+        q = draft_probs[torch.arange(draft_ids.numel()), draft_ids]
+        record.update(rows=int(draft_probs.shape[0]),
+                      max_row_sum_error=float((draft_probs.sum(-1) - 1).abs().max()),
+                      min_q_of_draft=float(q.min()), mean_q_of_draft=float(q.mean()))
+    seen.append(record)
+    return original(self, metadata, draft_probs, logits, sampling_metadata)
+
+rejection_sampler.RejectionSampler.forward = forward
+
+# CUDA graphs run padded batches; CPU never pads. Pad every draft decode pass by PAD
+# rows here, and check that the padding rows' slots are the padding slot id (a real
+# slot there would let dummy rows overwrite real draft KV).
+from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
+from specplugin.vllm_layer.draft_proposer import PluginDraftProposer as P
+
+PAD, state, pad_checks = 3, {"decode": False}, []
+orig_switch, orig_pad, orig_forward = (P._switch_to_decode,
+    P._determine_batch_execution_and_padding, P._forward)
+
+def switch(self, *args):
+    orig_switch(self, *args)
+    state["decode"] = True
+
+def padded(self, num_tokens, *args, **kwargs):
+    mode, num_input, across = orig_pad(self, num_tokens, *args, **kwargs)
+    if state["decode"]:
+        state["decode"] = False
+        return mode, num_input + PAD, across
+    return mode, num_input, across
+
+def forward_pass(self, cad, num_tokens, draft_index, padding=None):
+    if draft_index > 0:
+        rows = self._slot_mapping_buffer[num_tokens : padding[1]]
+        pad_checks.append(padding[1] == num_tokens + PAD and bool((rows == PADDING_SLOT_ID).all()))
+    return orig_forward(self, cad, num_tokens, draft_index, padding)
+
+P._switch_to_decode, P._determine_batch_execution_and_padding, P._forward = (
+    switch, padded, forward_pass)
+job = json.loads(sys.argv[1])
+from specplugin.bench.engine import run_cell
+from vllm import LLM
+
+llm = LLM(model=job["model"], **job["engine_kwargs"])
+results = {}
+for cell in job["cells"]:
+    seen.clear()
+    pad_checks.clear()
+    results[cell["key"]] = {**run_cell(llm, cell, True), "probe": list(seen),
+                            "pad_checks": list(pad_checks)}
+print("PROBE-RESULT " + json.dumps(results))
+"""
+
+
 @pytest.fixture(scope="module")
-def with_draft(tmp_path_factory, models, cells):
+def with_draft(models, cells):
     options = {"proposers": ["draft"], "draft_model": models[1]}
-    return _run(tmp_path_factory, "plugin-draft", models[0], plugin_engine_kwargs(K_MAX, options),
-                cells)
+    job = {"model": models[0], "cells": cells,
+           "engine_kwargs": engine_kwargs(plugin_engine_kwargs(K_MAX, options), eager=True)}
+    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(job)], capture_output=True,
+                          text=True, timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE-RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(lines[-1][len("PROBE-RESULT "):])
 
 
 def test_greedy_output_is_identical_token_for_token(baseline, with_draft, cells):
@@ -59,6 +140,13 @@ def test_greedy_output_is_identical_token_for_token(baseline, with_draft, cells)
     for i, (a, b) in enumerate(zip(want, got)):
         first_diff = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
         assert a == b, f"request {i}: first difference at output position {first_diff}"
+
+
+def test_padded_draft_passes_give_padding_rows_the_padding_slot(with_draft, cells):
+    """The module's draft engine pads every draft decode pass by 3 rows, as CUDA graphs
+    would; greedy output stays identical (above) and no padding row holds a real slot."""
+    checks = [c for cell in cells for c in with_draft[cell["key"]]["pad_checks"]]
+    assert checks and all(checks), checks.count(False)
 
 
 def test_drafts_are_accepted_and_their_length_adapts(with_draft, cells):
@@ -72,9 +160,21 @@ def test_drafts_are_accepted_and_their_length_adapts(with_draft, cells):
 
 
 def test_temperature_one_drafts_are_verified_against_draft_probabilities(with_draft, cells):
+    """Every verification at temperature 1 gets the draft's probabilities, one row per
+    draft token, each row a distribution under which its drafted token was likely."""
     sampled = with_draft[cells[1]["key"]]
-    assert all(len(t) == cells[1]["max_tokens"] for t in sampled["token_ids"])
+    assert len(sampled["token_ids"]) == len(cells[1]["prompts"])
     assert sampled["num_accepted_tokens"] > 0
+    calls = [c for c in sampled["probe"] if c["num_draft_tokens"] > 0]
+    assert calls and all(not c["all_greedy"] for c in calls)
+    assert all(c["has_probs"] for c in calls), [c for c in calls if not c["has_probs"]][:3]
+    assert all(c["rows"] == c["num_draft_tokens"] for c in calls)
+    assert max(c["max_row_sum_error"] for c in calls) < 1e-3
+    assert min(c["min_q_of_draft"] for c in calls) > 0  # the drafted token was drawn from q
+    # not one-hot: the draft is uncertain about some tokens it drew
+    assert min(c["mean_q_of_draft"] for c in calls) < 0.99
+    # vLLM's counters agree with what was verified
+    assert sum(c["num_draft_tokens"] for c in calls) == sampled["num_draft_tokens"]
 
 
 def test_a_draft_with_another_vocabulary_is_a_startup_error(models, tmp_path):
@@ -86,7 +186,7 @@ def test_a_draft_with_another_vocabulary_is_a_startup_error(models, tmp_path):
     other = build_tiny_llama(tmp_path / "tiny", TINY_DRAFT)
     options = {"proposers": ["draft"], "draft_model": str(other)}
     with pytest.raises(Exception) as err:
-        LLM(model=models[0], **ENGINE_DEFAULTS, **plugin_engine_kwargs(K_MAX, options))
+        LLM(model=models[0], **engine_kwargs(plugin_engine_kwargs(K_MAX, options), eager=True))
     assert "vocabulary of 12 tokens but the target has 4096" in str(err.value)
 
 
@@ -95,11 +195,15 @@ def test_a_failing_draft_step_costs_its_drafts_not_the_requests():
     drafts for every row (vLLM then decodes plainly) and is counted."""
     from types import SimpleNamespace
 
+    import logging
+
+    from specplugin.metrics import FailureCounter
     from specplugin.proposers.draft import AcceptanceCalibration, OutcomeTracker
     from specplugin.vllm_layer.draft_proposer import PluginDraftProposer
 
     drafter = object.__new__(PluginDraftProposer)  # no vLLM config needed for the guard
-    drafter.num_failures, drafter.device = 0, "cpu"
+    drafter.failures = FailureCounter("draft", logging.getLogger("test"))
+    drafter.device, drafter.union = "cpu", None
     drafter.plugin_runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=["a", "b"]))
     drafter.outcomes = OutcomeTracker(AcceptanceCalibration())
 
@@ -110,4 +214,4 @@ def test_a_failing_draft_step_costs_its_drafts_not_the_requests():
     for _ in range(2):
         drafts = drafter.propose(num_speculative_tokens=8, target_token_ids=None)
         assert drafts.shape == (2, 1) and drafter.last_lengths == [0, 0]
-    assert drafter.num_failures == 2
+    assert drafter.stats() == {"proposer_failures": {"draft": 2}}

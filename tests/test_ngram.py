@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specplugin.proposers import DraftBatch
+from specplugin.proposers import StepBatch
 from specplugin.proposers.ngram import NgramProposer, longest_suffix_match
 
 
@@ -15,11 +15,20 @@ def _batch(contexts: list[list[int]], k: int = 4, max_model_len: int = 64, rows=
     num_tokens = np.array([len(c) for c in contexts])
     max_draft_lens = np.clip(max_model_len - num_tokens, 0, k)
     rows = tuple(range(len(contexts))) if rows is None else tuple(rows)
-    return DraftBatch(token_ids, num_tokens, max_draft_lens, rows)
+    num = len(contexts)
+    return StepBatch(tuple(f"r{i}" for i in range(num)), token_ids, num_tokens,
+                     np.zeros(num, dtype=int), max_draft_lens, np.zeros(num, dtype=bool), rows)
 
 
 def propose(contexts, k=4, min_n=2, max_n=8, **kw):
-    return NgramProposer(min_n, max_n).propose(_batch(contexts, k, **kw))
+    candidates = NgramProposer(min_n, max_n).propose(_batch(contexts, k, **kw))
+    return [[] if c is None else c.token_ids.tolist() for c in candidates]
+
+
+def test_signal_is_match_length_and_halves_past_the_end_of_the_context():
+    [c] = NgramProposer(2, 4).propose(_batch([[1, 2, 3, 9, 1, 2, 3]], k=6))
+    assert c.token_ids.tolist() == [9, 1, 2, 3, 9, 1]
+    assert c.signal.tolist() == [0.75] * 4 + [0.375] * 2  # 9 1 2 3 are in the context
 
 
 def test_no_match_gives_empty_draft():

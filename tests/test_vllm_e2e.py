@@ -7,7 +7,7 @@ both zoo models load in vLLM).
 
 import pytest
 
-from specplugin.engine import ENGINE_DEFAULTS, plugin_engine_kwargs, run_engine
+from specplugin.bench.runner import engine_kwargs, plugin_engine_kwargs, run_engine
 from specplugin.zoo import zoo_path
 
 pytestmark = pytest.mark.vllm
@@ -34,7 +34,7 @@ PROMPTS = [
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
     CODE[:200],
 ]
-GREEDY = {"temperature": 0.0, "max_tokens": 96, "ignore_eos": True}
+GREEDY = {"max_tokens": 96, "eager": True}  # greedy is run_engine's default temperature
 
 
 @pytest.fixture(scope="module")
@@ -43,19 +43,32 @@ def target(zoo_root):
 
 
 @pytest.fixture(scope="module")
-def baseline(target):
-    return run_engine(target, {}, PROMPTS, GREEDY)
+def baseline(target, tmp_path_factory):
+    return run_engine(target, {}, PROMPTS, workdir=tmp_path_factory.mktemp("none"), **GREEDY)
 
 
 @pytest.fixture(scope="module")
-def with_plugin(target):
-    return run_engine(target, plugin_engine_kwargs(8, {"proposers": ["ngram"]}), PROMPTS, GREEDY)
+def with_plugin(target, tmp_path_factory):
+    return run_engine(target, plugin_engine_kwargs(8, {"proposers": ["ngram"]}), PROMPTS,
+                      workdir=tmp_path_factory.mktemp("plugin"), **GREEDY)
+
+
+def first_difference(want: list[list[int]], got: list[list[int]]) -> str:
+    """Where two runs' outputs first differ: the request count, or a request and position."""
+    if len(want) != len(got):
+        return f"{len(got)} requests instead of {len(want)}"
+    for i, (a, b) in enumerate(zip(want, got)):
+        if a != b:
+            pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            return f"request {i}: first difference at output position {pos}"
+    return "none"
 
 
 def test_greedy_output_is_identical_token_for_token(baseline, with_plugin):
-    for i, (want, got) in enumerate(zip(baseline.token_ids, with_plugin.token_ids)):
-        first_diff = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), None)
-        assert want == got, f"prompt {i}: first difference at output position {first_diff}"
+    assert len(baseline.token_ids) == len(PROMPTS)
+    assert all(len(t) == GREEDY["max_tokens"] for t in baseline.token_ids)
+    assert with_plugin.token_ids == baseline.token_ids, first_difference(
+        baseline.token_ids, with_plugin.token_ids)
 
 
 def test_vllm_counters_show_drafts_accepted_on_repeating_text(baseline, with_plugin):
@@ -66,12 +79,12 @@ def test_vllm_counters_show_drafts_accepted_on_repeating_text(baseline, with_plu
     assert sum(with_plugin.accepted_per_pos) == with_plugin.num_accepted_tokens
 
 
-def test_vllm_draft_model_method_loads_the_zoo_pair(zoo_root, target, baseline):
+def test_vllm_draft_model_method_loads_the_zoo_pair(zoo_root, target, baseline, tmp_path):
     """Both zoo models load in vLLM; its own draft_model method is lossless on them too."""
     spec = {"method": "draft_model", "model": str(zoo_path("draft", zoo_root)),
             "num_speculative_tokens": 4}
-    run = run_engine(target, {"speculative_config": spec}, PROMPTS, GREEDY)
-    assert run.token_ids == baseline.token_ids
+    run = run_engine(target, {"speculative_config": spec}, PROMPTS, workdir=tmp_path, **GREEDY)
+    assert run.token_ids == baseline.token_ids, first_difference(baseline.token_ids, run.token_ids)
     assert run.num_accepted_tokens > 0
 
 
@@ -90,5 +103,5 @@ def test_bad_settings_stop_vllm_at_start_with_the_fix_in_the_message(target, opt
     from vllm import LLM
 
     with pytest.raises(Exception) as err:
-        LLM(model=str(target), **ENGINE_DEFAULTS, **plugin_engine_kwargs(k, options))
+        LLM(model=str(target), **engine_kwargs(plugin_engine_kwargs(k, options), eager=True))
     assert fragment in str(err.value)

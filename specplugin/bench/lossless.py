@@ -50,6 +50,7 @@ QUICK_SAMPLING = SamplingPlan(num_prompts=2, prompt_len=24, draws_per_prompt=200
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options only: importing this module must stay cheap (no vLLM, no torch)."""
     from specplugin.bench.methods import METHODS
+    from specplugin.bench.runner import add_eager_argument
 
     parser.add_argument("--zoo", help="zoo folder for the greedy check (default: committed weights)")
     parser.add_argument("--methods", default=None,
@@ -57,15 +58,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{', '.join(m for m in METHODS if m != 'none')}; "
                              "--quick: the plugin's)")
     parser.add_argument("--quick", action="store_true", help="fewer prompts and draws (minutes)")
-    parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA,
-                        help="family-wise false-alarm rate of the sampling check")
-    parser.add_argument("--draws", type=int, default=None, help="draws per prompt (sampling)")
+    parser.add_argument("--alpha", type=_alpha, default=DEFAULT_ALPHA,
+                        help="family-wise false-alarm rate of the sampling check, in (0, 0.5]")
+    parser.add_argument("--draws", type=_draws, default=None,
+                        help="draws per prompt (sampling), at least 100")
     parser.add_argument("--skip-greedy", action="store_true")
     parser.add_argument("--skip-sampling", action="store_true")
     parser.add_argument("--power-check", action=argparse.BooleanOptionalAction, default=None,
                         help="also run a positive control (temperature 0.9) the test must tell apart "
                              "(default: on unless --quick)")
     parser.add_argument("--out-dir", default="bench-out/lossless", help="engine logs")
+    add_eager_argument(parser)
+
+
+def _alpha(text: str) -> float:
+    """--alpha: 0 or less would make the threshold 0 and the check unfailable."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--alpha must be a number; got {text!r}") from None
+    if not 0.0 < value <= 0.5:
+        raise argparse.ArgumentTypeError(
+            f"--alpha must be in (0, 0.5] (a false-alarm rate; default {DEFAULT_ALPHA:g}); "
+            f"got {text}. At 0 or below no p-value could fail the check.")
+    return value
+
+
+MIN_DRAWS = 100
+
+
+def _draws(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--draws must be an integer; got {text!r}") from None
+    if value < MIN_DRAWS:
+        raise argparse.ArgumentTypeError(
+            f"--draws must be at least {MIN_DRAWS} draws per prompt; got {value}. Fewer "
+            "draws cannot tell distributions apart.")
+    return value
 
 
 # ---------------------------------------------------------------- method selection
@@ -104,6 +135,7 @@ class Engines:
 
     workdir: Path
     console: Any
+    eager: bool = False  # enforce_eager (the tests); default vLLM's compiled mode
     warned: set[str] = field(default_factory=set)
 
     def run(self, spec, models, payload: Sequence[Mapping[str, Any]], label: str,
@@ -112,7 +144,7 @@ class Engines:
 
         kwargs = {**spec.engine_kwargs(models), "seed": seed, **(extra or {})}
         job = EngineJob(label=label, model=models.target, engine_kwargs=kwargs,
-                        cells=tuple(payload), return_token_ids=True)
+                        cells=tuple(payload), eager=self.eager, return_token_ids=True)
         with self.console.status(f"{label}: running one engine"):
             result = run_job(job, self.workdir)
         for warning in set(result.warnings) - self.warned:
@@ -140,7 +172,15 @@ def greedy_mismatches(reference: Mapping[str, Any], candidate: Mapping[str, Any]
     """Per cell key, compare token ids request by request; one record per differing request."""
     out = []
     for key, ref in reference.items():
+        if key not in candidate:
+            out.append({"cell": key, "request": None, "position": None, "expected": "cell",
+                        "got": "missing"})
+            continue
         got = candidate[key]["token_ids"]
+        if len(got) != len(ref["token_ids"]):
+            out.append({"cell": key, "request": min(len(got), len(ref["token_ids"])),
+                        "position": None, "expected": f"{len(ref['token_ids'])} requests",
+                        "got": f"{len(got)} requests"})
         for i, (expected, actual) in enumerate(zip(ref["token_ids"], got)):
             pos = first_difference(expected, actual)
             if pos is not None:
@@ -193,8 +233,12 @@ def _greedy_one(spec, models, payload, reference, engines: Engines) -> bool:
     except (EngineFailure, ValueError) as failure:
         return engines.fail(spec.name, failure)
     bad = greedy_mismatches(reference, cells)
-    counts = (f"drafts {sum(c['num_drafts'] for c in cells.values())}, accepted tokens "
-              f"{sum(c['num_accepted_tokens'] for c in cells.values())}")
+    num_drafts = sum(c["num_drafts"] for c in cells.values())
+    num_accepted = sum(c["num_accepted_tokens"] for c in cells.values())
+    counts = f"drafts {num_drafts}, accepted tokens {num_accepted}"
+    if not (num_drafts > 0 and num_accepted > 0):
+        return engines.fail(spec.name, f"no drafts were proposed or accepted ({counts}); "
+                                       "identical outputs prove nothing")
     if bad:
         engines.fail(spec.name, f"{len(bad)} request(s) differ ({counts})")
         for m in bad[:10]:
@@ -233,6 +277,9 @@ def compare_samples(reference: Sequence[Sequence[Sequence[int]]],
     [num_prompts][num_draws][num_tokens] token ids."""
     from specplugin.stats import chi_square_homogeneity
 
+    if len(reference) != len(candidate):
+        raise ValueError(f"{len(candidate)} prompts sampled with speculation against "
+                         f"{len(reference)} without; every prompt must be compared")
     tests = []
     for j, (ref, cand) in enumerate(zip(reference, candidate)):
         for pos in range(num_positions):
@@ -244,6 +291,9 @@ def compare_samples(reference: Sequence[Sequence[Sequence[int]]],
 
 def _split_by_prompt(cell: Mapping[str, Any], num_prompts: int) -> list[list[list[int]]]:
     draws = len(cell["token_ids"]) // num_prompts  # outputs come prompt by prompt, n each
+    if draws == 0 or draws * num_prompts != len(cell["token_ids"]):
+        raise ValueError(f"{len(cell['token_ids'])} sampled outputs do not split into "
+                         f"{num_prompts} prompts of equal draws; requests went missing")
     return [cell["token_ids"][j * draws : (j + 1) * draws] for j in range(num_prompts)]
 
 
@@ -323,8 +373,11 @@ def _sampled_one(spec, label: str, setup: SampledSetup, engines: Engines, seed: 
                            extra=TINY_ENGINE_KWARGS)["sampled"]
     except (EngineFailure, ValueError) as failure:
         return engines.fail(label, failure)
-    tests = compare_samples(setup.reference, _split_by_prompt(cell, setup.plan.num_prompts),
-                            setup.plan.num_positions, TINY_TARGET.vocab_size)
+    try:
+        tests = compare_samples(setup.reference, _split_by_prompt(cell, setup.plan.num_prompts),
+                                setup.plan.num_positions, TINY_TARGET.vocab_size)
+    except ValueError as err:
+        return engines.fail(label, err)
     worst = min(tests, key=lambda t: t.p_value)
     _print_sampled(label, tests, worst, setup.threshold, cell, engines.console)
     return _verdict(label, worst.p_value >= setup.threshold, cell, is_control, engines)
@@ -373,10 +426,10 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"[red]check-lossless: {err}[/red]")
         return 2
     plan = QUICK_SAMPLING if args.quick else FULL_SAMPLING
-    if args.draws:
+    if args.draws is not None:
         plan = replace(plan, draws_per_prompt=args.draws)
     power = (not args.quick) if args.power_check is None else args.power_check
-    engines = Engines(Path(args.out_dir), console)
+    engines = Engines(Path(args.out_dir), console, eager=args.eager)
     console.print(f"check-lossless: methods {', '.join(s.name for s in specs)}")
     ok = True
     if not args.skip_greedy:

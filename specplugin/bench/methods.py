@@ -1,8 +1,9 @@
 """The compared configurations, as one table: ``METHODS[name]`` says how to start vLLM.
 
-A method is a name plus two small functions that turn its settings into vLLM's own
-``speculative_config`` and ``additional_config``. Adding a configuration (say
-``plugin-draft`` once the draft proposer exists) is one entry in ``METHODS``; the
+A method is a name plus one small function that turns its settings into vLLM's own
+``speculative_config`` and ``additional_config``; the rest of vLLM's arguments (dtype,
+memory, seed, eager or compiled) are the runner's, the same for every method
+(``runner.engine_kwargs``). Adding a configuration is one entry in ``METHODS``; the
 bench, the search and the lossless check read nothing else.
 
 Families: ``baseline`` (no speculation), ``builtin`` (vLLM's own methods, the bar to
@@ -17,14 +18,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from specplugin.config import CONFIG_KEY, SPECULATOR_CLASS
+from specplugin.bench.runner import plugin_engine_kwargs
 
 BASELINE, BUILTIN, PLUGIN = "baseline", "builtin", "plugin"
 
 # The built-ins' settings, all in one place. Chosen with
 #   specplugin bench --search-builtins --rounds 1
-# on the committed zoo pair (2-core CPU, fp32, 2026-11-21): each built-in ran every
-# point of its ``search_space`` (below) on search.SEARCH_CELLS, and the setting with
+# on the committed zoo pair (2-core CPU, fp32, eager: the bench's mode then, 2026-11-21;
+# vLLM's compiled default, now the bench's, may rank settings differently): each built-in
+# ran every point of its ``search_space`` (below) on search.SEARCH_CELLS, and the setting with
 # the highest geometric-mean tok/s won (ngram K=4 min 3 max 5: 257 vs 206-244 for
 # the other 8; suffix K=4: 308 vs 280/263; draft K=4 probabilistic: 336 vs 328 for
 # K=2, greedy drafting 178-235). That run had vLLM's CPU expand-kernel bug fixed
@@ -43,16 +45,11 @@ PLUGIN_SETTINGS: dict[str, dict[str, Any]] = {
     },
     # default K 4 like vllm-draft; drafting may go on to 8 while the draft stays confident
     "plugin-draft": {"num_speculative_tokens": 8, "proposers": ["draft"]},
+    # the controller sizes every draft (0 to K) itself: K is only the ceiling
+    "plugin-suffix": {"num_speculative_tokens": 8, "proposers": ["suffix"]},
+    # the README's recommended configuration: every proposer, one controller
+    "plugin-union": {"num_speculative_tokens": 8, "proposers": ["draft", "ngram", "suffix"]},
 }
-
-ENGINE_KWARGS: dict[str, Any] = {
-    "dtype": "float32",  # the zoo's small models; vLLM would pick bf16 on CPU
-    "enforce_eager": True,  # torch.compile would cost minutes per engine on 2 cores
-    "gpu_memory_utilization": 0.1,  # on CPU a fraction of the NUMA node; 0.92 fails when shared
-    "disable_log_stats": False,  # the spec-decode counters come from the stats loggers
-    "seed": 0,  # seeds sampling at temperature 1
-}
-
 
 @dataclass(frozen=True)
 class Models:
@@ -62,15 +59,16 @@ class Models:
     draft: str | None = None
 
 
-SpecBuilder = Callable[[Models, Mapping[str, Any]], "dict[str, Any] | None"]
+# settings -> {"speculative_config": ..., "additional_config": ...}
+SpecBuilder = Callable[[Models, Mapping[str, Any]], "dict[str, Any]"]
 
 
 @dataclass(frozen=True)
 class MethodSpec:
     """One compared configuration.
 
-    ``speculative_config(models, settings)`` gives vLLM's ``speculative_config``
-    (``None``: no speculation); ``additional_config(models, settings)`` its ``additional_config``.
+    ``build(models, settings)`` gives vLLM's ``speculative_config`` (``None``: no
+    speculation) and ``additional_config``.
     ``search_space`` is what ``--search-builtins`` tries: a tuple of axes, each a tuple
     of partial settings; the grid is every combination of one choice per axis (an axis
     can tie settings together, such as n-gram lookup min and max).
@@ -78,24 +76,20 @@ class MethodSpec:
 
     name: str
     family: str
-    speculative_config: SpecBuilder
+    build: SpecBuilder
     settings: Mapping[str, Any] = field(default_factory=dict)
-    additional_config: Callable[[Models, Mapping[str, Any]], dict[str, Any]] = lambda m, s: {}
     search_space: tuple[tuple[dict[str, Any], ...], ...] = ()
     needs_draft: bool = False
 
     def engine_kwargs(self, models: Models, settings: Mapping[str, Any] | None = None) -> dict:
-        """Keyword arguments for ``vllm.LLM`` besides ``model``."""
+        """This method's keyword arguments for ``vllm.LLM``, on top of the runner's defaults."""
         settings = self.settings if settings is None else settings
         if self.needs_draft and not models.draft:
             raise ValueError(f"method {self.name!r} needs a draft model; the zoo has none. "
                              "Build one with `specplugin zoo build` or drop the method.")
-        return {
-            **ENGINE_KWARGS,
-            "speculative_config": self.speculative_config(models, settings),
-            # vLLM rejects None here; an empty dict means "no plugin settings"
-            "additional_config": self.additional_config(models, settings),
-        }
+        # vLLM rejects additional_config=None; an empty dict means "no plugin settings"
+        return {"speculative_config": None, "additional_config": {},
+                **self.build(models, settings)}
 
     def search_grid(self) -> list[dict[str, Any]]:
         """Every combination of one choice per ``search_space`` axis, in a fixed order."""
@@ -108,31 +102,27 @@ class MethodSpec:
         return grid
 
 
-def _no_speculation(models: Models, settings: Mapping[str, Any]) -> None:
-    return None
+def _no_speculation(models: Models, settings: Mapping[str, Any]) -> dict[str, Any]:
+    return {}
 
 
 def _vllm_method(method: str) -> SpecBuilder:
     def build(models: Models, settings: Mapping[str, Any]) -> dict[str, Any]:
-        return {"method": method, **settings}
+        return {"speculative_config": {"method": method, **settings}}
 
     return build
 
 
 def _vllm_draft_model(models: Models, settings: Mapping[str, Any]) -> dict[str, Any]:
-    return {"method": "draft_model", "model": models.draft, **settings}
+    return {"speculative_config": {"method": "draft_model", "model": models.draft, **settings}}
 
 
-def _plugin_spec(models: Models, settings: Mapping[str, Any]) -> dict[str, Any]:
-    return {"method": "custom_class", "model": SPECULATOR_CLASS,
-            "num_speculative_tokens": settings["num_speculative_tokens"]}
-
-
-def _plugin_options(models: Models, settings: Mapping[str, Any]) -> dict[str, Any]:
+def _plugin(models: Models, settings: Mapping[str, Any]) -> dict[str, Any]:
+    """K is vLLM's ``num_speculative_tokens``; every other setting is the plugin's own."""
     options = {k: v for k, v in settings.items() if k != "num_speculative_tokens"}
     if "draft" in options.get("proposers", ()):
         options["draft_model"] = models.draft
-    return {CONFIG_KEY: options}
+    return plugin_engine_kwargs(settings["num_speculative_tokens"], options)
 
 
 _K_AXIS = tuple({"num_speculative_tokens": k} for k in (2, 4, 8))
@@ -151,10 +141,12 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec("vllm-draft", BUILTIN, _vllm_draft_model, BUILTIN_SETTINGS["vllm-draft"],
                    search_space=(_K_AXIS, _DRAFT_SAMPLE_AXIS),
                    needs_draft=True),
-        MethodSpec("plugin-ngram", PLUGIN, _plugin_spec, PLUGIN_SETTINGS["plugin-ngram"],
-                   additional_config=_plugin_options),
-        MethodSpec("plugin-draft", PLUGIN, _plugin_spec, PLUGIN_SETTINGS["plugin-draft"],
-                   additional_config=_plugin_options, needs_draft=True),
+        MethodSpec("plugin-ngram", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-ngram"]),
+        MethodSpec("plugin-draft", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-draft"],
+                   needs_draft=True),
+        MethodSpec("plugin-suffix", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-suffix"]),
+        MethodSpec("plugin-union", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-union"],
+                   needs_draft=True),
     )
 }
 

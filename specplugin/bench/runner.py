@@ -1,23 +1,44 @@
-"""Start engine children one at a time and follow them (parent side of ``engine.py``).
+"""The one way this project starts vLLM: one engine per child process, followed from here.
 
-One engine per method per round, never two at once: the machine is small and shared,
-and two engines would time each other. A child that fails costs its method that
-round, not the run: :class:`EngineFailure` carries the tail of its log.
+Every command and test that runs an engine goes through :func:`run_job` (``specplugin
+bench``, its search, ``check-lossless``) or :func:`run_engine` on top of it (the demo,
+``zoo report``, the end-to-end tests), so all of them measure the same way: the same
+engine defaults (:data:`ENGINE_DEFAULTS`), the same child environment
+(:data:`CHILD_ENV_DEFAULTS`), the same warm-up and timing (``engine.py``, the child).
+
+The default execution mode is vLLM's own (the model compiled with torch.compile), as
+users run it; ``eager=True`` adds ``enforce_eager``, which starts an engine in ~30 s
+instead of ~50 s on 2 cores and is what the test suite uses.
+
+One engine per child, never two at once: the machine is small and shared, and two
+engines would time each other. A child that fails raises :class:`EngineFailure`
+carrying the tail of its log.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from specplugin.bench.workloads import CellPrompts
+from specplugin.config import CONFIG_KEY, SPECULATOR_CLASS
+
+# vLLM's keyword arguments (besides ``model``) for every engine the project starts.
+ENGINE_DEFAULTS: dict[str, Any] = {
+    "dtype": "float32",  # vLLM picks bf16 on CPU for "auto"; the zoo's small models want fp32
+    "gpu_memory_utilization": 0.1,  # on CPU a fraction of the NUMA node; 0.92 fails when shared
+    "disable_log_stats": False,  # the spec-decode counters come from the stats loggers
+    "seed": 0,  # seeds sampling at temperature > 0
+}
 
 # What every engine child gets unless the caller's environment says otherwise.
 CHILD_ENV_DEFAULTS = {
@@ -25,6 +46,32 @@ CHILD_ENV_DEFAULTS = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 POLL_S = 0.5
+
+
+def engine_kwargs(overrides: Mapping[str, Any], eager: bool = False) -> dict[str, Any]:
+    """The complete keyword arguments for ``vllm.LLM`` besides ``model``: the project's
+    defaults, then the caller's ``overrides``, then ``enforce_eager`` when ``eager``."""
+    kwargs = {**ENGINE_DEFAULTS, **overrides}
+    if eager:
+        kwargs["enforce_eager"] = True
+    return kwargs
+
+
+def plugin_engine_kwargs(num_speculative_tokens: int, options: Mapping[str, Any]) -> dict:
+    """The stock vLLM arguments that switch the plugin on, with ``options`` as its settings
+    (``additional_config["specplugin"]``, parsed by ``specplugin.config.parse``)."""
+    return {
+        "speculative_config": {"method": "custom_class", "model": SPECULATOR_CLASS,
+                               "num_speculative_tokens": num_speculative_tokens},
+        "additional_config": {CONFIG_KEY: dict(options)},
+    }
+
+
+def add_eager_argument(parser: argparse.ArgumentParser) -> None:
+    """``--eager`` with one help text for every command that starts engines."""
+    parser.add_argument("--eager", action="store_true",
+                        help="run vLLM eagerly (enforce_eager: engines start in ~30 s instead of "
+                             "~50 s, decoding is slower); default: vLLM's own compiled mode")
 
 
 class EngineFailure(RuntimeError):
@@ -35,12 +82,13 @@ class EngineFailure(RuntimeError):
 class EngineJob:
     """Everything one child needs: the model, vLLM's arguments and the cells to run."""
 
-    label: str  # for logs and messages, e.g. "round 1 vllm-ngram"
+    label: str  # for logs and messages, e.g. "r1-vllm-ngram"
     model: str
-    engine_kwargs: dict[str, Any]
-    cells: tuple[dict[str, Any], ...]
+    engine_kwargs: Mapping[str, Any]  # on top of ENGINE_DEFAULTS
+    cells: tuple[dict[str, Any], ...]  # see cell_payload
+    eager: bool = False
     return_token_ids: bool = False
-    warm_up: bool = True
+    return_texts: bool = False  # decoded after the timed calls, so timing is unchanged
     timeout_s: float = 3600.0
 
 
@@ -49,6 +97,7 @@ class JobResult:
     startup_s: float = 0.0
     cells: dict[str, dict[str, Any]] = field(default_factory=dict)  # by cell key
     warnings: list[str] = field(default_factory=list)  # what the child found wrong with vLLM
+    log_path: Path | None = None
 
 
 def cell_payload(cp: CellPrompts, n: int = 1) -> dict[str, Any]:
@@ -59,7 +108,11 @@ def cell_payload(cp: CellPrompts, n: int = 1) -> dict[str, Any]:
             "prompts": [list(p) for p in cp.prompts]}
 
 
-def _child_env() -> dict[str, str]:
+def cells_payload(cells: Sequence[CellPrompts]) -> tuple[dict[str, Any], ...]:
+    return tuple(cell_payload(cp) for cp in cells)
+
+
+def child_env() -> dict[str, str]:
     env = dict(os.environ)
     for key, value in CHILD_ENV_DEFAULTS.items():
         env.setdefault(key, value)
@@ -100,38 +153,56 @@ def _read_events(path: Path, seen: int) -> tuple[list[dict[str, Any]], int]:
     return [json.loads(line) for line in complete[seen:] if line], len(complete)
 
 
+def _write_job(job: EngineJob, path: Path) -> None:
+    """The child reads complete arguments, so the job file alone says how it ran."""
+    record = asdict(job)
+    record["engine_kwargs"] = engine_kwargs(job.engine_kwargs, job.eager)
+    path.write_text(json.dumps(record))
+
+
 def run_job(job: EngineJob, workdir: Path,
-            on_event: Callable[[dict[str, Any]], None] = lambda e: None) -> JobResult:
-    """Run ``job`` in a fresh ``python -m specplugin.bench.engine`` and collect its lines."""
+            on_event: Callable[[dict[str, Any]], None] = lambda e: None,
+            verbose: bool = False) -> JobResult:
+    """Run ``job`` in a fresh ``python -m specplugin.bench.engine`` and collect its lines.
+
+    The child's output (vLLM's logging) goes to ``workdir/LABEL.log``, or to this
+    process's terminal when ``verbose``."""
     workdir.mkdir(parents=True, exist_ok=True)
     stem = workdir / _slug(job.label)
     job_path, out_path, log_path = (stem.with_suffix(s) for s in (".job.json", ".jsonl", ".log"))
-    job_path.write_text(json.dumps(asdict(job)))
+    _write_job(job, job_path)
     out_path.unlink(missing_ok=True)
-    result, seen = JobResult(), 0
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "specplugin.bench.engine", str(job_path),
-                                 str(out_path)], stdout=log, stderr=subprocess.STDOUT,
-                                env=_child_env())
-        deadline = time.monotonic() + job.timeout_s
-        while True:
-            code = proc.poll()
-            events, seen = _read_events(out_path, seen)
-            for event in events:
-                _record(result, event)
-                on_event(event)
-            if code is not None:
-                break
-            if time.monotonic() > deadline:
-                proc.kill()
-                proc.wait()
-                raise EngineFailure(f"{job.label}: timed out after {job.timeout_s:.0f} s; "
-                                    f"log {log_path}:\n{_log_tail(log_path)}")
-            time.sleep(POLL_S)
+    result = JobResult(log_path=None if verbose else log_path)
+    command = [sys.executable, "-m", "specplugin.bench.engine", str(job_path), str(out_path)]
+    with open(os.devnull if verbose else log_path, "w") as log:
+        sink = {} if verbose else {"stdout": log, "stderr": subprocess.STDOUT}
+        proc = subprocess.Popen(command, env=child_env(), **sink)
+        code = _follow(proc, job, out_path, result, on_event)
+    where = "its output above" if verbose else f"log {log_path}:\n{_log_tail(log_path)}"
+    if code is None:
+        raise EngineFailure(f"{job.label}: timed out after {job.timeout_s:.0f} s; {where}")
     if code != 0:
-        raise EngineFailure(f"{job.label}: engine process exited with {code}; "
-                            f"log {log_path}:\n{_log_tail(log_path)}")
+        raise EngineFailure(f"{job.label}: engine process exited with {code}; {where}")
     return result
+
+
+def _follow(proc: subprocess.Popen, job: EngineJob, out_path: Path, result: JobResult,
+            on_event: Callable[[dict[str, Any]], None]) -> int | None:
+    """Pass the child's events on as they come; its exit code, or None on timeout."""
+    deadline, seen = time.monotonic() + job.timeout_s, 0
+    while True:
+        code = proc.poll()
+        events, seen = _read_events(out_path, seen)
+        for event in events:
+            _record(result, event)
+            on_event(event)
+        if code is not None:
+            return code
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            return None
+        time.sleep(POLL_S)
 
 
 def _record(result: JobResult, event: dict[str, Any]) -> None:
@@ -143,5 +214,68 @@ def _record(result: JobResult, event: dict[str, Any]) -> None:
         result.warnings.append(event["text"])
 
 
-def cells_payload(cells: Sequence[CellPrompts]) -> tuple[dict[str, Any], ...]:
-    return tuple(cell_payload(cp) for cp in cells)
+# ---------------------------------------------------------------- one engine, one call
+
+
+@dataclass
+class EngineRun:
+    """One cell of a job (:func:`run_engine` runs one): outputs in prompt order, vLLM's
+    counters for that cell, and what the job reported."""
+
+    token_ids: list[list[int]]  # [num_prompts][num_output_tokens]
+    texts: list[str] | None  # [num_prompts], when detokenize was asked
+    seconds: float  # wall time of the timed generate() calls
+    startup_s: float = 0.0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [num_speculative_tokens]
+    warnings: list[str] = field(default_factory=list)
+    log_path: Path | None = None
+
+    @classmethod
+    def from_job(cls, result: JobResult, key: str) -> EngineRun:
+        """Cell ``key`` of a job run with ``return_token_ids``."""
+        out = result.cells[key]
+        counters = {k: out[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                                         "accepted_per_pos")}
+        return cls(token_ids=out["token_ids"], texts=out.get("texts"), seconds=out["seconds"],
+                   startup_s=result.startup_s, warnings=list(result.warnings),
+                   log_path=result.log_path, **counters)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(t) for t in self.token_ids)
+
+    @property
+    def tok_s(self) -> float:
+        return self.num_output_tokens / self.seconds
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification step: 1 + accepted / drafts (1.0 with no drafts)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
+def prompt_cell(prompts: Sequence[str | Sequence[int]], max_tokens: int, temperature: float = 0.0,
+                batch_size: int | None = None, key: str = "run") -> dict[str, Any]:
+    """A cell of ``prompts`` (strings, tokenized by the engine's tokenizer, or token ids)
+    submitted ``batch_size`` at a time (default: all at once)."""
+    return {"key": key, "workload": "prompts", "batch_size": batch_size or len(prompts),
+            "temperature": temperature, "max_tokens": max_tokens, "n": 1,
+            "prompts": [p if isinstance(p, str) else list(p) for p in prompts]}
+
+
+def run_engine(model: str | Path, overrides: Mapping[str, Any],
+               prompts: Sequence[str | Sequence[int]], *, max_tokens: int,
+               temperature: float = 0.0, batch_size: int | None = None, eager: bool = False,
+               detokenize: bool = False, workdir: Path | None = None,
+               label: str = "engine") -> EngineRun:
+    """Generate ``prompts`` with one fresh engine (``run_job`` with one cell): every request
+    makes exactly ``max_tokens`` tokens (``ignore_eos``), as in the benchmark. The job file
+    and vLLM's log go to ``workdir`` (default: a new temporary folder, kept for the log)."""
+    cell = prompt_cell(prompts, max_tokens, temperature, batch_size)
+    job = EngineJob(label=label, model=str(model), engine_kwargs=dict(overrides),
+                    cells=(cell,), eager=eager, return_token_ids=True, return_texts=detokenize)
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="specplugin-engine-"))
+    return EngineRun.from_job(run_job(job, workdir), cell["key"])

@@ -76,7 +76,8 @@ def search(specs: Sequence[MethodSpec], models: Models, cells: Sequence[CellProm
         console.print("[red]--search-builtins needs a built-in in --methods and a workload "
                       "other than adversarial[/red]")
         return 2
-    result = run_suite(entries, models, cells, rounds, out_dir / "search-logs", console)
+    result = run_suite(entries, models, cells, rounds, out_dir / "search-logs", console,
+                       eager=args.eager)
     scores = {e.label: score(result, e.label, cells) for e in entries}
     _print_scores(entries, cells, result, scores, stdout_console())
     best = best_settings(entries, scores)

@@ -44,8 +44,9 @@ def rotated(entries: Sequence[Entry], round_index: int) -> list[Entry]:
 
 
 def run_suite(entries: Sequence[Entry], models: Models, cells: Sequence[CellPrompts],
-              rounds: int, workdir: Path, console=None) -> SuiteResult:
-    """Every entry runs every cell once per round, one engine at a time."""
+              rounds: int, workdir: Path, console=None, eager: bool = False) -> SuiteResult:
+    """Every entry runs every cell once per round, one engine at a time (``eager``: see
+    ``runner.engine_kwargs``)."""
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeElapsedColumn)
 
@@ -62,7 +63,10 @@ def run_suite(entries: Sequence[Entry], models: Models, cells: Sequence[CellProm
                     continue
                 where = f"round {r + 1}/{rounds} · {entry.label}"
                 progress.update(task, description=f"{where} · starting engine")
-                _run_entry(entry, models, payload, r, workdir, result,
+                job = EngineJob(label=f"r{r + 1}-{entry.label}", model=models.target,
+                                engine_kwargs=entry.spec.engine_kwargs(models, entry.settings),
+                                cells=payload, eager=eager)
+                _run_entry(entry, job, workdir, result,
                            lambda e: _on_event(progress, task, where, e))
     return result
 
@@ -74,11 +78,8 @@ def _on_event(progress, task, where: str, event: Mapping[str, Any]) -> None:
         progress.update(task, advance=1, description=f"{where} · {event['key']} done")
 
 
-def _run_entry(entry: Entry, models: Models, payload, round_index: int, workdir: Path,
-               result: SuiteResult, on_event) -> None:
-    job = EngineJob(label=f"r{round_index + 1}-{entry.label}", model=models.target,
-                    engine_kwargs=entry.spec.engine_kwargs(models, entry.settings),
-                    cells=payload)
+def _run_entry(entry: Entry, job: EngineJob, workdir: Path, result: SuiteResult,
+               on_event) -> None:
     try:
         job_result = run_job(job, workdir, on_event)
     except EngineFailure as failure:

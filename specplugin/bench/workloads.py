@@ -5,6 +5,10 @@
 - **complete**: a window of unseen code; the continuation is fresh code.
 - **mixed**: edit and complete prompts alternating, so every batch holds both.
 - **adversarial**: uniformly random token ids: nothing to guess, speculation can only cost.
+- **revisit**: an agent working on the same file over several requests: each request is
+  one of a few code windows again, behind a short header of its own, so a later request
+  regenerates what an earlier one produced (cross-request drafting pays; requests of one
+  batch run together, so this workload runs at batch 1).
 
 "Unseen" means the zoo's held-out stdlib files (``specplugin.zoo.heldout_files``),
 tokenized with the zoo's own tokenizer and joined into one stream; prompts are
@@ -108,6 +112,16 @@ def adversarial_prompts(source: PromptSource, sizes: Sizes, count: int,
     return rng.choice(allowed, size=(count, sizes.random_prompt_len)).tolist()
 
 
+def revisit_prompts(source: PromptSource, sizes: Sizes, count: int,
+                    rng: np.random.Generator) -> list[list[int]]:
+    """Request i continues window ``i % num_windows`` (``count // 4`` windows, each asked
+    four times, later asks after earlier ones), behind its own 8-token header."""
+    windows = code_windows(source, sizes.complete_prompt_len, max(1, count // 4), rng)
+    headers = code_windows(source, 8, count, rng)
+    return [np.concatenate([headers[i], windows[i % len(windows)]]).tolist()
+            for i in range(count)]
+
+
 PromptBuilder = Callable[[PromptSource, Sizes, int, np.random.Generator], list[list[int]]]
 
 
@@ -126,6 +140,7 @@ WORKLOADS: dict[str, Workload] = {
         Workload("complete", complete_prompts, (1, 8), (0.0, 1.0)),
         Workload("mixed", mixed_prompts, (1, 8), (0.0, 1.0)),
         Workload("adversarial", adversarial_prompts, (16,), (1.0,)),
+        Workload("revisit", revisit_prompts, (1,), (0.0,)),
     )
 }
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from specplugin.proposers.base import DraftBatch, Proposer
+from specplugin.proposers.base import Candidate, Proposer, StepBatch
 
 if TYPE_CHECKING:
     from specplugin.config import SpecPluginConfig
@@ -21,7 +21,14 @@ def _ngram(config: "SpecPluginConfig") -> Proposer:
     return NgramProposer(min_n=config.ngram.min_n, max_n=config.ngram.max_n)
 
 
-_FACTORIES: dict[str, Callable[["SpecPluginConfig"], Proposer]] = {"ngram": _ngram}
+def _suffix(config: "SpecPluginConfig") -> Proposer:
+    from specplugin.proposers.suffix import SuffixProposer
+
+    return SuffixProposer()
+
+
+_FACTORIES: dict[str, Callable[["SpecPluginConfig"], Proposer]] = {"ngram": _ngram,
+                                                                   "suffix": _suffix}
 
 # Proposers that run a model on vLLM's paged KV cache: they need the plugin's worker
 # layer (``specplugin.vllm_layer.worker``), which builds them, not ``build_proposer``.
@@ -33,7 +40,17 @@ def available_proposers() -> tuple[str, ...]:
 
 
 def build_proposer(name: str, config: "SpecPluginConfig") -> Proposer:
+    """The token-level proposer ``name``; model proposers are refused with where they live."""
+    if name in MODEL_PROPOSERS:
+        raise ValueError(
+            f"proposer {name!r} runs a model on vLLM's paged KV cache and is built by the "
+            "plugin's worker layer (specplugin.vllm_layer.worker), not by build_proposer; "
+            f'select it with additional_config["specplugin"]["proposers"] = ["{name}"].')
+    if name not in _FACTORIES:
+        raise ValueError(f"unknown proposer {name!r}; available: "
+                         f"{', '.join(sorted(available_proposers()))}.")
     return _FACTORIES[name](config)
 
 
-__all__ = ["MODEL_PROPOSERS", "DraftBatch", "Proposer", "available_proposers", "build_proposer"]
+__all__ = ["MODEL_PROPOSERS", "Candidate", "Proposer", "StepBatch", "available_proposers",
+           "build_proposer"]

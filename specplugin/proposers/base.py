@@ -1,12 +1,23 @@
 """The one interface every proposer implements.
 
 A proposer sees the whole batch at once (no per-request Python loop is forced on
-it) and returns one draft per row; an empty draft means "no guess, decode this
-request plainly this step".
+it) and returns at most one candidate per row: the tokens it guesses come next,
+each with its own *signal* in [0, 1] (what the proposer knows about how good the
+guess is: a suffix continuation's frequency, an n-gram match's length, a draft
+model's confidence). The difficulty estimator (:mod:`specplugin.adaptive`) learns
+what a signal is worth; the controller decides how much of which candidate each
+request verifies. ``None`` means "no guess for this row".
+
+Lifecycle: a proposer meets a request the first time it appears in a batch (its
+prompt and output so far are in the batch's token buffer, its id in ``req_ids``),
+sees its accepted tokens as the context grows from step to step, and is told
+when it finished (:meth:`Proposer.finish_requests`), so per-request state can go
+and cross-request state (past outputs) can keep what it needs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -14,16 +25,19 @@ import numpy as np
 
 
 @dataclass(frozen=True)
-class DraftBatch:
+class StepBatch:
     """What a proposer may read this step. Arrays are views into the engine's buffers: read only.
 
     ``rows`` lists the batch rows that want drafts (decoding, with room left under
-    the model's length limit); other rows get an empty draft without asking.
+    their limits); other rows get no candidate without asking.
     """
 
-    token_ids: np.ndarray  # [max_num_reqs, max_model_len] int32: prompt + output per row
+    req_ids: tuple[str, ...]  # [num_reqs]
+    token_ids: np.ndarray  # [max_num_reqs, max_model_len] int: prompt + output per row
     num_tokens: np.ndarray  # [num_reqs] int: valid length of each row of token_ids
+    num_prompt_tokens: np.ndarray  # [num_reqs] int: the prompt's share of it
     max_draft_lens: np.ndarray  # [num_reqs] int: most draft tokens allowed per row (>= 0)
+    sampled: np.ndarray  # [num_reqs] bool: temperature > 0 (else greedy)
     rows: tuple[int, ...]
 
     @property
@@ -34,12 +48,30 @@ class DraftBatch:
         return self.token_ids[row, : self.num_tokens[row]]
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """A guessed continuation: deterministic tokens, verified as one-hot drafts."""
+
+    token_ids: np.ndarray  # [k] int64
+    signal: np.ndarray  # [k] float64 in [0, 1]
+
+    def __post_init__(self):
+        assert self.token_ids.shape == self.signal.shape, (self.token_ids.shape, self.signal.shape)
+
+    def __len__(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
 class Proposer(Protocol):
     """Guesses the next tokens of each request."""
 
     name: str
 
-    def propose(self, batch: DraftBatch) -> list[list[int]]:
-        """One draft per row of the batch (``batch.num_reqs`` lists), each at most
-        ``batch.max_draft_lens[row]`` long; rows not in ``batch.rows`` get ``[]``."""
+    def propose(self, batch: StepBatch) -> list[Candidate | None]:
+        """One entry per row of the batch (``batch.num_reqs``), each at most
+        ``batch.max_draft_lens[row]`` tokens; rows not in ``batch.rows`` get ``None``."""
+        ...
+
+    def finish_requests(self, req_ids: Iterable[str]) -> None:
+        """These requests ended (finished or aborted): drop their per-request state."""
         ...

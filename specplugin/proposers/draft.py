@@ -42,10 +42,13 @@ rejection sampling verifies.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from specplugin.proposers.base import Candidate, StepBatch
 
 
 class CostModel:
@@ -287,8 +290,12 @@ class OutcomeTracker:
         self.calibration = calibration
         self._pending: dict[str, tuple[np.ndarray, bool]] = {}  # req id -> (confidences [n], sampled)
 
-    def record(self, req_ids: list[str], run: DraftRun) -> None:
-        confidences, lengths = run.stacked_confidences(), run.lengths().tolist()
+    def record(self, req_ids: list[str], run: DraftRun,
+               lengths: np.ndarray | None = None) -> None:
+        """``lengths``: draft tokens sent per row, when not the run's own (0: the row
+        verifies another proposer's candidate, so nothing of the draft's is judged)."""
+        confidences = run.stacked_confidences()
+        lengths = (run.lengths() if lengths is None else lengths).tolist()
         self._pending = {
             req_id: (confidences[i, : lengths[i]], bool(run.sampled[i]))
             for i, req_id in enumerate(req_ids) if lengths[i] > 0
@@ -298,21 +305,29 @@ class OutcomeTracker:
         """Drop pending drafts (their step failed: no verification result will match)."""
         self._pending = {}
 
-    def resolve(self, req_ids: list[str], num_rejected: list[int] | None) -> int:
-        """``num_rejected[i]``: rejected drafts of row i's request in the step just verified
-        (``None``: no request had drafts). Returns the number of accepted draft tokens."""
+    def resolve(self, req_ids: list[str], num_scheduled: list[int],
+                num_rejected: list[int] | None) -> int:
+        """Learn from the step just verified; returns its number of accepted draft tokens.
+
+        ``num_scheduled[i]``: draft tokens the scheduler verified for row i in that step
+        (it may cut a draft short of what was recorded); ``num_rejected[i]``: how many of
+        those were rejected (``None``: no request had drafts). Only the scheduled
+        positions up to the first rejection are judged. Pending drafts are consumed either
+        way: a result can only belong to the step right after the drafts were recorded
+        (when vLLM skips drafting in between, the runner calls :meth:`forget`)."""
         pending, self._pending = self._pending, {}
         if num_rejected is None:
             return 0
         confs, accepted, sampled, positions = [], [], [], []
         total = 0
-        for req_id, rejected in zip(req_ids, num_rejected):
-            if req_id not in pending:
+        for req_id, scheduled, rejected in zip(req_ids, num_scheduled, num_rejected):
+            if req_id not in pending or scheduled <= 0:
                 continue
             conf, is_sampled = pending[req_id]
-            num_accepted = max(0, conf.shape[0] - rejected)
+            verified = min(conf.shape[0], scheduled)
+            num_accepted = max(0, verified - rejected)
             total += num_accepted
-            judged = min(conf.shape[0], num_accepted + 1)
+            judged = min(verified, num_accepted + 1)
             confs.append(conf[:judged])
             positions.append(np.arange(judged))
             accepted.append(positions[-1] < num_accepted)
@@ -333,3 +348,33 @@ def truncate_rows(draft_token_ids: list[list[int]], lengths: list[int]) -> list[
     """Cut each row's draft to its length (rows beyond ``lengths`` are left whole)."""
     return [row[: lengths[i]] if i < len(lengths) else row
             for i, row in enumerate(draft_token_ids)]
+
+
+class DraftCandidates:
+    """The draft model as a :class:`~specplugin.proposers.base.Proposer` of the union.
+
+    Its batched forward runs in the vLLM layer (on the paged KV cache, before the
+    union is asked); the layer hands the step's drafts in with :meth:`set`, and
+    :meth:`propose` gives them out like any other proposer's candidates. Signal per
+    token: the draft's own confidence (its top probability), which the estimator
+    calibrates like every other signal.
+    """
+
+    name = "draft"
+
+    def __init__(self):
+        self._candidates: list[Candidate | None] = []
+
+    def set(self, token_ids: np.ndarray,  # [num_reqs, num_positions]
+            confidences: np.ndarray,  # [num_reqs, num_positions]
+            lengths: np.ndarray) -> None:  # [num_reqs]
+        self._candidates = [
+            Candidate(token_ids[r, :n].astype(np.int64), confidences[r, :n].astype(np.float64))
+            if n > 0 else None for r, n in enumerate(lengths.tolist())]
+
+    def propose(self, batch: StepBatch) -> list[Candidate | None]:
+        assert len(self._candidates) == batch.num_reqs, "set() the step's drafts first"
+        return [c if r in batch.rows else None for r, c in enumerate(self._candidates)]
+
+    def finish_requests(self, req_ids: Iterable[str]) -> None:
+        """The draft's per-request state is its KV in vLLM's cache, freed by vLLM."""

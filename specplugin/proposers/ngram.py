@@ -12,13 +12,19 @@ draft then continues the copy periodically (see :func:`continuation`).
 
 The search is vectorised over positions with numpy: ``max_n`` passes of one
 element-wise comparison over the context, no per-token Python loop.
+
+Signal (for the difficulty estimator): ``match_len / max_n`` for every token of the
+draft, lowered to ``0.5 * match_len / max_n`` for tokens copied past the end of the
+context (the periodic continuation of a loop, a guess about a guess).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from specplugin.proposers.base import DraftBatch
+from collections.abc import Iterable
+
+from specplugin.proposers.base import Candidate, StepBatch
 
 
 def longest_suffix_match(
@@ -76,8 +82,8 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, batch: DraftBatch) -> list[list[int]]:
-        drafts: list[list[int]] = [[] for _ in range(batch.num_reqs)]
+    def propose(self, batch: StepBatch) -> list[Candidate | None]:
+        candidates: list[Candidate | None] = [None] * batch.num_reqs
         for row in batch.rows:
             limit = int(batch.max_draft_lens[row])
             if limit <= 0:
@@ -85,5 +91,11 @@ class NgramProposer:
             context = batch.context(row)
             match_len, end = longest_suffix_match(context, self.min_n, self.max_n)
             if match_len:
-                drafts[row] = continuation(context, end + 1, limit).tolist()
-        return drafts
+                token_ids = continuation(context, end + 1, limit).astype(np.int64)
+                signal = np.full(limit, match_len / self.max_n)
+                signal[len(context) - end - 1:] *= 0.5  # copied from the draft itself
+                candidates[row] = Candidate(token_ids, signal)
+        return candidates
+
+    def finish_requests(self, req_ids: Iterable[str]) -> None:
+        """Stateless: everything it reads is in the batch."""

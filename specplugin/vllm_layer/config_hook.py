@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from specplugin.config import (
@@ -57,8 +58,73 @@ def check_vllm_config(vllm_config) -> None:
             )
         return
     config = plugin_config(vllm_config)
-    if "draft" in config.proposers and vllm_config.speculative_config.method == "custom_class":
+    ensure_sync_scheduling(vllm_config)
+    if vllm_config.speculative_config.method != "custom_class":
+        return  # already the draft-model form built below
+    if "draft" in config.proposers:
         use_worker_layer(vllm_config, config)
+    else:
+        select_plugin_worker(vllm_config)
+
+
+def select_plugin_worker(vllm_config) -> None:
+    """Every proposer runs in the plugin's worker, whose runner gives proposers request
+    ids, sampling parameters and verification results (vLLM's hook gives token ids only)."""
+    from vllm.platforms import current_platform
+
+    parallel = vllm_config.parallel_config
+    worker = CPU_WORKER if current_platform.is_cpu() else GPU_WORKER
+    if parallel.worker_cls not in ("auto", worker):
+        raise SpecPluginConfigError(
+            f"specplugin runs its proposers in its own worker, but worker_cls is set to "
+            f"{parallel.worker_cls!r}; leave worker_cls unset (\"auto\") when "
+            f'speculative_config selects {SPECULATOR_CLASS}.'
+        )
+    parallel.worker_cls = worker
+
+
+def ensure_sync_scheduling(vllm_config) -> None:
+    """The plugin needs synchronous scheduling: its per-row draft cuts and the draft
+    probabilities it hands the rejection sampler line up with the batch rows of the
+    step that drafted them, which async scheduling (drafting step N+1 while step N
+    is still being scheduled) does not guarantee. Switched off here, with a log
+    line; the plugin's runner refuses to start if it is on anyway."""
+    scheduler = vllm_config.scheduler_config
+    if scheduler.async_scheduling:
+        logger.warning("specplugin: async scheduling is not supported with the plugin's "
+                       "proposers; switching it off (scheduler_config.async_scheduling=False).")
+        scheduler.async_scheduling = False
+
+
+# Fields of the user's SpeculativeConfig that use_worker_layer carries into the draft-model
+# config it builds, and those vLLM derives itself (never set by the user).
+_CARRIED = frozenset({"method", "model", "num_speculative_tokens", "enforce_eager",
+                      "target_model_config", "target_parallel_config"})
+_DERIVED = frozenset({"draft_model_config", "draft_parallel_config"})
+
+
+def dropped_settings(spec) -> list[str]:
+    """User settings of ``spec`` (a ``SpeculativeConfig``) that differ from vLLM's defaults
+    and that the plugin would not carry over: each would be silently ignored."""
+    dropped = []
+    for f in dataclasses.fields(spec):
+        if f.name in _CARRIED | _DERIVED:
+            continue
+        value = getattr(spec, f.name)
+        if value == _default_of(f):
+            continue
+        if f.name.startswith("prompt_lookup_") and value in (0, None):  # vLLM zeroes these
+            continue
+        dropped.append(f"{f.name}={value!r}")
+    return dropped
+
+
+def _default_of(f: dataclasses.Field):
+    default = f.default
+    if default is dataclasses.MISSING:
+        return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+    inner = getattr(default, "default", default)  # pydantic Field(default=...)
+    return None if inner is dataclasses.MISSING or type(inner).__name__ == "PydanticUndefinedType" else inner
 
 
 def use_worker_layer(vllm_config, config: SpecPluginConfig) -> None:
@@ -72,17 +138,17 @@ def use_worker_layer(vllm_config, config: SpecPluginConfig) -> None:
     worker, whose runner puts the plugin's drafter in place of vLLM's.
     """
     from vllm.config import SpeculativeConfig
-    from vllm.platforms import current_platform
 
     user_spec = vllm_config.speculative_config
-    parallel = vllm_config.parallel_config
-    worker = CPU_WORKER if current_platform.is_cpu() else GPU_WORKER
-    if parallel.worker_cls not in ("auto", worker):
+    dropped = dropped_settings(user_spec)
+    if dropped:
         raise SpecPluginConfigError(
-            f"the draft proposer runs in specplugin's own worker, but worker_cls is set to "
-            f"{parallel.worker_cls!r}; leave worker_cls unset (\"auto\") to use "
-            f'additional_config["{CONFIG_KEY}"]["proposers"] = ["draft"].'
+            f"speculative_config sets {', '.join(dropped)}, which the plugin's draft proposer "
+            "does not carry over to the draft model it runs (it keeps only method, model, "
+            "num_speculative_tokens and enforce_eager); remove "
+            f"{'it' if len(dropped) == 1 else 'them'} from speculative_config."
         )
+    select_plugin_worker(vllm_config)
     from transformers import AutoConfig
 
     # before vLLM builds the draft's config, whose own check would not name our setting
@@ -101,4 +167,3 @@ def use_worker_layer(vllm_config, config: SpecPluginConfig) -> None:
         target_model_config=user_spec.target_model_config,
         target_parallel_config=user_spec.target_parallel_config,
     )
-    parallel.worker_cls = worker

@@ -22,6 +22,7 @@ batch, never a per-request Python loop over tokens, never a recompute of the con
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 
@@ -32,15 +33,20 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.sample.sampler import _SAMPLING_EPS
 from vllm.v1.spec_decode.llm_base_proposer import compute_probs_and_sample_next_token
 
+from specplugin.adaptive.cost import StepCostModel
 from specplugin.config import SpecPluginConfig
+from specplugin.metrics import FailureCounter
+from specplugin.proposers import MODEL_PROPOSERS, StepBatch, build_proposer
 from specplugin.proposers.draft import (
     AcceptanceCalibration,
     CostModel,
+    DraftCandidates,
     DraftRun,
     OutcomeTracker,
     StopRule,
     confidence_of,
 )
+from specplugin.proposers.union import Union, Verified
 
 logger = logging.getLogger("specplugin")
 
@@ -65,28 +71,56 @@ class PluginDraftProposer(DraftModelProposer):
         self.costs = CostModel()
         self._last_call: float | None = None  # perf_counter() of the previous propose()
         self._last_forwards = self._last_draft_tokens = 0  # of the previous propose()
-        self.num_failures = 0
+        self.failures = FailureCounter("draft", logger)
         # [num_reqs] draft tokens kept per row of the last propose(); the runner cuts
         # the rows of the returned [num_reqs, positions] tensor to these lengths.
         self.last_lengths: list[int] | None = None
+        # With token-level proposers too, the union picks per request among their
+        # candidates and the draft's (see _finish_union).
+        self.union: Union | None = None
+        token_level = [n for n in plugin_config.proposers if n not in MODEL_PROPOSERS]
+        if token_level:
+            self.draft_candidates = DraftCandidates()
+            proposers = [build_proposer(n, plugin_config) for n in token_level]
+            max_tokens = max(2, vllm_config.scheduler_config.max_num_batched_tokens)
+            self.union = Union([*proposers, self.draft_candidates],
+                               cost=StepCostModel(max_tokens=max_tokens))
+            self._union_last_call: float | None = None
+
+    def calibrate(self, num_tokens: np.ndarray, seconds: np.ndarray) -> None:
+        """Timed target forwards from engine start (see the worker)."""
+        if self.union is not None:
+            self.union.cost.calibrate(num_tokens, seconds)
+
+    def finish_requests(self, req_ids) -> None:
+        if self.union is not None:
+            self.union.finish_requests(list(req_ids))
 
     def propose(self, num_speculative_tokens: int, *args, **kwargs) -> torch.Tensor:
         """vLLM's drafting call (arguments as :meth:`_propose`). A failure here costs the
         batch this step's drafts (it decodes plainly, still exactly the target's output),
-        never a request; it is logged once."""
+        never a request; it is counted and logged (:class:`FailureCounter`)."""
         try:
             return self._propose(num_speculative_tokens, *args, **kwargs)
         except Exception:
-            self.num_failures += 1
-            if self.num_failures == 1:
-                logger.exception("specplugin: the draft proposer failed; this step decodes "
-                                 "without drafts (logged once)")
+            self.failures.record()
             num_reqs = len(self.plugin_runner.input_batch.req_ids)
             self.last_lengths = [0] * num_reqs
             self._last_draft_probs = None
-            self.outcomes.forget()
+            self.forget_pending()
             self._last_call = None
             return torch.zeros((num_reqs, 1), dtype=torch.int64, device=self.device)
+
+    def forget_pending(self) -> None:
+        """vLLM skipped drafting for a step: the drafts recorded before it were verified
+        in that step, whose results never reach this drafter."""
+        self.outcomes.forget()
+        if self.union is not None:
+            self.union.forget_pending()
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """The plugin's own counters (read by the metrics exporters)."""
+        return {"proposer_failures": self.failures.snapshot()}
 
     def _propose(
         self,
@@ -119,29 +153,40 @@ class PluginDraftProposer(DraftModelProposer):
         # plus the newest token, whose output is draft position 0.
         hidden = self._forward(cad, num_tokens, draft_index=0)
         positions = self.positions[token_indices_to_sample]
-        run = DraftRun(rule, self.calibration, _sampled_rows(sampling_metadata, num_reqs),
-                       caps=_caps(context.remaining_tokens[:num_reqs], num_speculative_tokens))
+        sampled = _sampled_rows(sampling_metadata, num_reqs)
+        caps = _caps(context.remaining_tokens[:num_reqs], num_speculative_tokens)
+        finish = self._finish
+        if self.union is not None:  # token-level candidates first: they may spare drafting
+            batch, offers, draft_caps = self._union_offers(
+                context, sampled, caps, next_token_ids, num_rejected_tokens_gpu)
+            finish = functools.partial(self._finish_union, batch=batch, offers=offers)
+            caps = draft_caps
+        run = DraftRun(rule, self.calibration, sampled, caps=caps)
         more = self._sample_into(run, hidden[token_indices_to_sample], sampling_metadata)
         if not more:
-            return self._finish(run, context.req_ids)
+            return finish(run, context.req_ids)
 
         self._switch_to_decode(cad, num_reqs, num_rejected_tokens_gpu)
+        # One padded size for every decode pass (CUDA graphs run a captured batch size):
+        # the slot mapping's padding rows must get the padding slot id, or the dummy rows
+        # would write over real draft KV.
+        padding = self._determine_batch_execution_and_padding(num_reqs)
         for draft_index in range(1, rule.k_max):
             start = time.perf_counter()
             positions = self._update_positions_dependent_metadata(
-                positions, cad, num_reqs, num_reqs, self.block_size)
+                positions, cad, num_reqs, padding[1], self.block_size)
             self.input_ids[:num_reqs] = run.token_ids[-1].int()
-            hidden = self._forward(cad, num_reqs, draft_index)
+            hidden = self._forward(cad, num_reqs, draft_index, padding)
             more = self._sample_into(run, hidden[:num_reqs], sampling_metadata)
             self.costs.observe_forward(time.perf_counter() - start)
             if not more:
                 break
-        return self._finish(run, context.req_ids)
+        return finish(run, context.req_ids)
 
     def _rule_for_this_step(self, context, num_reqs: int, num_rejected_tokens_gpu) -> StopRule:
         """Learn from the step just verified, then set this step's threshold."""
         num_accepted = self.outcomes.resolve(
-            context.req_ids,
+            context.req_ids, context.num_scheduled_drafts[:num_reqs],
             None if num_rejected_tokens_gpu is None else num_rejected_tokens_gpu[:num_reqs].tolist())
         now = time.perf_counter()
         if self._last_call is not None:  # every row emitted one token plus its accepted drafts
@@ -153,12 +198,15 @@ class PluginDraftProposer(DraftModelProposer):
         row, per_pass = self.costs.thresholds()
         return dataclasses.replace(self.rule, row_threshold=row, pass_threshold=per_pass)
 
-    def _forward(self, cad, num_tokens: int, draft_index: int) -> torch.Tensor:
+    def _forward(self, cad, num_tokens: int, draft_index: int,
+                 padding: tuple | None = None) -> torch.Tensor:
         """One draft-model forward over ``num_tokens`` query tokens on the paged cache;
-        ``draft_index`` 0 is the first pass (many tokens per request), then one each."""
+        ``draft_index`` 0 is the first pass (many tokens per request), then one each.
+        ``padding``: vLLM's (cudagraph mode, padded token count, tokens across DP ranks)
+        for this pass, computed here when not given."""
         _, attn_metadata = self.build_per_group_and_layer_attn_metadata(cad, draft_index)
-        mode, num_input_tokens, across_dp = self._determine_batch_execution_and_padding(
-            num_tokens)
+        mode, num_input_tokens, across_dp = (
+            padding or self._determine_batch_execution_and_padding(num_tokens))
         if draft_index == 0:
             kwargs, slot_size = self.build_model_inputs_first_pass(
                 num_tokens, num_input_tokens, None)
@@ -201,6 +249,92 @@ class PluginDraftProposer(DraftModelProposer):
         self.outcomes.record(req_ids, run)
         self._last_draft_probs = run.stacked_draft_probs()
         return run.stacked_token_ids()
+
+
+    def _union_offers(self, context, sampled, caps, next_token_ids, num_rejected_tokens_gpu):
+        """Learn from the step just verified, ask the token-level proposers, and decide
+        which rows still need the draft model: a row whose best token-level candidate is
+        expected to bring more accepted tokens than the draft's candidates have brought on
+        average skips drafting (its forwards would be wasted)."""
+        num_reqs = len(caps)
+        rejected = (np.zeros(num_reqs, dtype=np.int64) if num_rejected_tokens_gpu is None
+                    else num_rejected_tokens_gpu[:num_reqs].cpu().numpy())
+        scheduled = np.asarray(context.num_scheduled_drafts[:num_reqs])
+        batch = _step_batch(self.plugin_runner.input_batch, context, sampled, caps,
+                            np.maximum(scheduled - rejected, 0), next_token_ids[:num_reqs])
+        now = time.perf_counter()
+        last, self._union_last_call = self._union_last_call, now
+        verified = Verified(batch.req_ids, scheduled, scheduled - rejected + 1,
+                            None if last is None else now - last, context.num_query_tokens)
+        draft_index = len(self.union.proposers) - 1
+        offers = self.union.collect(batch, verified, range(draft_index))
+        draft_mean = self.union.mean_accepted(draft_index)
+        if draft_mean is None:  # no evidence yet: let the draft compete everywhere
+            return batch, offers, caps
+        covered = self.union.expected_accepted(batch, offers) > draft_mean
+        return batch, offers, np.where(covered, 0, caps)
+
+    def _finish_union(self, run: DraftRun, req_ids: list[str], batch: StepBatch,
+                      offers) -> torch.Tensor:
+        """The union chooses, per request, the draft's candidate or a token-level one (and
+        how much of it). Draft rows keep their draft probabilities; token-level rows are
+        deterministic guesses and get one-hot ones, so at temperature > 0 both kinds are
+        verified losslessly in the same batch."""
+        token_ids = run.stacked_token_ids()  # [num_reqs, num_positions]
+        self.draft_candidates.set(token_ids.cpu().numpy(), run.stacked_confidences(),
+                                  run.lengths())
+        draft_index = len(self.union.proposers) - 1
+        drafts = self.union.choose(batch, offers + self.union.ask(batch, [draft_index]))
+        draft_rows = [source == draft_index for source in self.union.last_sources]
+        lengths = np.array([len(d) for d in drafts])
+        self.outcomes.record(req_ids, run, np.where(draft_rows, lengths, 0))
+        self.last_lengths = lengths.tolist()
+        self._last_forwards = run.num_positions - 1
+        self._last_draft_tokens = int(lengths.sum())
+        return self._mixed_output(run, token_ids, drafts, draft_rows)
+
+    def _mixed_output(self, run: DraftRun, token_ids: torch.Tensor, drafts, draft_rows):
+        """[num_reqs, k_out] token ids (and [num_reqs, k_out, vocab] probabilities when
+        sampling) holding each row's chosen draft."""
+        num_reqs, k_out = run.num_reqs, max(1, max(len(d) for d in drafts))
+        out = torch.zeros((num_reqs, k_out), dtype=token_ids.dtype, device=token_ids.device)
+        draft_probs = run.stacked_draft_probs()  # [num_reqs, num_positions, vocab] or None
+        probs = None
+        if draft_probs is not None:
+            probs = torch.zeros((num_reqs, k_out, draft_probs.shape[-1]),
+                                dtype=draft_probs.dtype, device=draft_probs.device)
+        for r, draft in enumerate(drafts):
+            k = len(draft)
+            if k == 0:
+                continue
+            if draft_rows[r]:
+                out[r, :k] = token_ids[r, :k]
+                if probs is not None:
+                    probs[r, :k] = draft_probs[r, :k]
+            else:
+                chosen = torch.tensor(draft, dtype=out.dtype, device=out.device)
+                out[r, :k] = chosen
+                if probs is not None:  # a deterministic guess: q is one-hot on it
+                    probs[r, torch.arange(k, device=out.device), chosen] = 1.0
+        self._last_draft_probs = probs
+        return out
+
+
+def _step_batch(input_batch, context, sampled: np.ndarray, caps: np.ndarray,
+                num_accepted: np.ndarray, next_token_ids: torch.Tensor) -> StepBatch:
+    """The batch as token-level proposers see it, before vLLM's bookkeeping: each row's
+    context is its tokens so far, the drafts it just had accepted (already in the token
+    buffer, where the scheduler put them) and the token this step sampled."""
+    num_reqs = len(caps)
+    known = input_batch.num_tokens_no_spec[:num_reqs] + num_accepted  # [num_reqs]
+    num_tokens = known + 1
+    token_ids = np.zeros((num_reqs, int(num_tokens.max())), dtype=np.int64)
+    for r in range(num_reqs):
+        token_ids[r, : known[r]] = input_batch.token_ids_cpu[r, : known[r]]
+    token_ids[np.arange(num_reqs), known] = next_token_ids.cpu().numpy()
+    rows = tuple(int(r) for r in np.flatnonzero(caps > 0))
+    return StepBatch(tuple(context.req_ids[:num_reqs]), token_ids, num_tokens,
+                     np.asarray(context.num_prompt_tokens[:num_reqs]), caps, sampled, rows)
 
 
 def _sampled_rows(sampling_metadata, num_reqs: int) -> np.ndarray:  # [num_reqs] bool

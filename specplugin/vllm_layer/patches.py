@@ -98,11 +98,3 @@ def swapped(owner: Any, name: str, replacement: Any) -> Iterator[None]:
         setattr(owner, name, applied.original)
         del _APPLIED[(owner, name)]
 
-
-def undo_all() -> None:
-    """Restore every patched attribute (for tests)."""
-    for (owner, name), applied in list(_APPLIED.items()):
-        if name in owner.__dict__ and applied.original is owner.__dict__.get(name):
-            continue
-        setattr(owner, name, applied.original)
-        del _APPLIED[(owner, name)]

@@ -1,22 +1,36 @@
-"""``specplugin.Speculator``: the object vLLM's ``custom_class`` hook builds in each worker.
+"""``specplugin.Speculator``: the drafter of the plugin's token-level proposers inside vLLM.
 
-vLLM calls ``propose(...)`` once per engine step with the batch's token buffers and
-verifies whatever drafts come back with its own rejection sampler, so output stays
-exactly the target's. This adapter turns vLLM's arguments into a
-:class:`~specplugin.proposers.base.DraftBatch` and shields the engine from
-proposer failures: an exception costs that step its drafts, never a request.
+vLLM's ``custom_class`` hook builds it in each worker from the user's switch
+(``speculative_config.model = "specplugin.Speculator"``); the plugin's model runner
+(:mod:`specplugin.vllm_layer.worker`, which the config hook always selects) then
+attaches itself, so that each step the Speculator sees what the hook alone does not
+give: request ids, sampling parameters, the tokens each request may still emit,
+which drafts the scheduler verified and when requests finish. It turns those into
+the vLLM-free :class:`~specplugin.proposers.base.StepBatch` and
+:class:`~specplugin.proposers.union.Verified` records and lets the
+:class:`~specplugin.proposers.union.Union` of proposers, the difficulty estimator and
+the K controller choose each request's draft. vLLM verifies the drafts with its own
+rejection sampler (one-hot drafts), so output stays exactly the target's.
+
+A failure anywhere in drafting costs that step its drafts, never a request.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 
-from specplugin.proposers import DraftBatch, build_proposer
+from specplugin.adaptive.cost import StepCostModel
+from specplugin.metrics import FailureCounter
+from specplugin.proposers import MODEL_PROPOSERS, StepBatch, build_proposer
+from specplugin.proposers.union import Union, Verified
 from specplugin.vllm_layer.config_hook import plugin_config
 
 logger = logging.getLogger("specplugin")
+
+_SAMPLING_EPS = 1e-5  # vLLM's own: a temperature below this is greedy
 
 
 class Speculator:
@@ -24,30 +38,76 @@ class Speculator:
         self.config = plugin_config(vllm_config)
         self.max_model_len = vllm_config.model_config.max_model_len
         self.num_speculative_tokens = self.config.num_speculative_tokens
-        self.proposer = build_proposer(self.config.proposers[0], self.config)
-        self.num_failures = 0
+        proposers = [build_proposer(name, self.config) for name in self.config.proposers
+                     if name not in MODEL_PROPOSERS]
+        max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        self.union = Union(proposers, cost=StepCostModel(max_tokens=max(2, max_tokens)))
+        self.failures = FailureCounter("union", logger)
+        self.runner = None
+        self._last_call: float | None = None
+
+    def attach(self, runner) -> None:
+        """The plugin's model runner: the source of each step's request context."""
+        self.runner = runner
 
     def load_model(self, target_model) -> None:
-        """The n-gram proposer needs no weights; the target model is not used."""
+        """Token-level proposers need no weights; the target model is not used."""
+
+    def calibrate(self, num_tokens: np.ndarray, seconds: np.ndarray) -> None:
+        """Timed target forwards from engine start (see the worker)."""
+        self.union.cost.calibrate(num_tokens, seconds)
 
     def propose(
         self,
-        sampled_token_ids: list[list[int]],  # [num_reqs][num_sampled] tokens of the last step
+        sampled_token_ids: list[list[int]],  # [num_reqs][num_emitted] tokens of the last step
         num_tokens_no_spec: np.ndarray,  # [max_num_reqs] context length per row
         token_ids_cpu: np.ndarray,  # [max_num_reqs, max_model_len]
         slot_mappings=None,
     ) -> list[list[int]]:
         num_reqs = len(sampled_token_ids)
-        num_tokens = num_tokens_no_spec[:num_reqs]
-        # room left: context + draft must stay within max_model_len
-        max_draft_lens = np.clip(self.max_model_len - num_tokens, 0, self.num_speculative_tokens)
-        rows = tuple(i for i, s in enumerate(sampled_token_ids) if s and max_draft_lens[i] > 0)
-        batch = DraftBatch(token_ids_cpu, num_tokens, max_draft_lens, rows)
+        if self.runner is None:
+            raise RuntimeError("specplugin.Speculator runs inside specplugin's worker; the "
+                               "config hook selects it (leave worker_cls unset)")
         try:
-            return self.proposer.propose(batch)
-        except Exception:  # a proposer bug must not fail requests: decode plainly
-            self.num_failures += 1
-            if self.num_failures == 1:
-                logger.exception("specplugin: proposer %r failed; this step decodes without "
-                                 "drafts (logged once)", self.proposer.name)
+            context = self.runner.step_context()
+            batch = self._batch(context, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+            return self.union.step(batch, self._verified(context, sampled_token_ids))
+        except Exception:  # a bug in drafting must not fail requests: decode plainly
+            self.failures.record()
+            self.union.forget_pending()
             return [[] for _ in range(num_reqs)]
+
+    def _verified(self, context, sampled_token_ids) -> Verified:
+        now = time.perf_counter()
+        seconds = None if self._last_call is None else now - self._last_call
+        self._last_call = now
+        return Verified(tuple(context.req_ids), np.asarray(context.num_scheduled_drafts),
+                        np.array([len(s) for s in sampled_token_ids]), seconds,
+                        context.num_query_tokens)
+
+    def _batch(self, context, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> StepBatch:
+        num_reqs = len(sampled_token_ids)
+        num_tokens = num_tokens_no_spec[:num_reqs]
+        # a request that may emit r more tokens gains nothing from drafts past r - 1
+        # (the last comes as the bonus); the context must stay within max_model_len
+        remaining = np.asarray(context.remaining_tokens[:num_reqs]) - 1
+        limit = np.minimum(self.max_model_len - num_tokens, remaining)
+        max_draft_lens = np.clip(limit, 0, self.num_speculative_tokens)
+        rows = tuple(i for i, s in enumerate(sampled_token_ids) if s and max_draft_lens[i] > 0)
+        sampled = np.array([p is not None and p.temperature >= _SAMPLING_EPS
+                            for p in context.sampling_params[:num_reqs]], dtype=bool)
+        return StepBatch(tuple(context.req_ids[:num_reqs]), token_ids_cpu, num_tokens,
+                         np.asarray(context.num_prompt_tokens[:num_reqs]), max_draft_lens,
+                         sampled, rows)
+
+    def finish_requests(self, req_ids) -> None:
+        self.union.finish_requests(list(req_ids))
+
+    def forget_pending(self) -> None:
+        self.union.forget_pending()
+
+    def stats(self) -> dict:
+        """The plugin's own counters (read by the metrics exporters)."""
+        failures = {f.name: f.count for f in self.union.failures}
+        failures[self.failures.name] = self.failures.count
+        return {"proposer_failures": failures, "union": self.union.stats}

@@ -23,11 +23,15 @@ and a worker that builds that runner.
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from vllm.v1.worker import cpu_worker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from specplugin.proposers.draft import truncate_rows
@@ -35,6 +39,7 @@ from specplugin.vllm_layer import patches
 from specplugin.vllm_layer.config_hook import plugin_config
 
 _NO_LIMIT = 1 << 30
+logger = logging.getLogger("specplugin")
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,11 @@ class StepContext:
     # tokens are sampled but not yet counted when the drafter runs)
     remaining_tokens: list[int]
     block_table: torch.Tensor  # [num_reqs, max_num_blocks_per_req] the target's KV blocks
+    # [num_reqs] draft tokens the scheduler verified for each row in this step (it may
+    # have cut a row's draft short of what the drafter proposed, e.g. near max_model_len)
+    num_scheduled_drafts: list[int]
+    num_prompt_tokens: np.ndarray  # [num_reqs]
+    num_query_tokens: int  # tokens the target ran in this step, every row's drafts included
 
 
 class PluginRunnerMixin:
@@ -55,11 +65,23 @@ class PluginRunnerMixin:
     def _install_plugin_drafter(self) -> None:
         from specplugin.vllm_layer.draft_proposer import PluginDraftProposer
 
+        if self.use_async_scheduling:  # the config hook switches it off; never run with it
+            raise RuntimeError(
+                "specplugin's worker needs synchronous scheduling: its per-row draft lengths "
+                "and draft probabilities must line up with the rows of the step that drafted "
+                "them. Start vLLM with async_scheduling=False (--no-async-scheduling).")
         config = plugin_config(self.vllm_config)
         self._draft_lengths: list[int] | None = None
+        self._scheduler_output = None
         if "draft" in config.proposers:
             self.drafter = PluginDraftProposer(self.vllm_config, self.device, self, config)
-
+        else:  # vLLM built specplugin.Speculator through its custom_class hook
+            self.drafter.attach(self)
+        # Steps without any draft can skip vLLM's speculative bookkeeping (see
+        # _prepare_inputs) unless the model keeps recurrent state that relies on it.
+        model = self.vllm_config.model_config
+        self._plain_steps_allowed = not (model.is_hybrid or model.is_attention_free
+                                         or model.has_inner_state)
     def step_context(self) -> StepContext:
         batch = self.input_batch
         req_ids = list(batch.req_ids)
@@ -70,12 +92,77 @@ class PluginRunnerMixin:
             for p, s in zip(params, states)
         ]
         block_table = batch.block_table[0].get_device_tensor(len(req_ids))
-        return StepContext(req_ids, params, remaining, block_table)
+        so = self._scheduler_output
+        scheduled = getattr(so, "scheduled_spec_decode_tokens", None) or {}
+        num_scheduled = [len(scheduled.get(r, ())) for r in req_ids]
+        return StepContext(req_ids, params, remaining, block_table, num_scheduled,
+                           batch.num_prompt_tokens[: len(req_ids)],
+                           getattr(so, "total_num_scheduled_tokens", 0))
+
+    @torch.inference_mode()
+    def calibrate_step_cost(self, repeats: int = 5) -> None:
+        """Time target forwards of 1, 2, 4, ... query tokens before the first request, so
+        the cost model knows what verifying a token costs on this machine from the start
+        (``repeats`` runs each after one discarded; the fastest is kept, since on a shared
+        machine every disturbance only adds time)."""
+        calibrate = getattr(self.drafter, "calibrate", None)
+        if calibrate is None:
+            return
+        limit = min(64, self.scheduler_config.max_num_batched_tokens)
+        knots = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= limit]
+        seconds = []
+        for n in knots:
+            times = []
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                self._dummy_run(n)
+                self._sync_device()
+                times.append(time.perf_counter() - start)
+            seconds.append(min(times[1:]))
+        # more tokens never cost less: a later knot that ran faster bounds earlier ones
+        seconds = np.minimum.accumulate(np.array(seconds)[::-1])[::-1]
+        calibrate(np.array(knots), seconds)
+        logger.info("specplugin: target forward seconds by query tokens %s",
+                    dict(zip(knots, (round(float(t) * 1e3, 2) for t in seconds))))
+
+    def _update_states(self, scheduler_output):
+        finished = scheduler_output.finished_req_ids
+        if finished and hasattr(self.drafter, "finish_requests"):
+            self.drafter.finish_requests(finished)
+        return super()._update_states(scheduler_output)
+
+    def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+        """A step in which no request has a draft runs as a plain decoding step.
+
+        With a speculative config vLLM builds spec-decode metadata and runs its
+        rejection sampler every step, drafts or not: measured at batch 16, a proposer
+        that never drafts ran at 0.86x of no speculation. When the controller chose
+        K = 0 for every request, the step skips that machinery (vLLM's own
+        non-speculative path: plain sampler, one logit per request)."""
+        if not self._plain_steps_allowed or any(
+                scheduler_output.scheduled_spec_decode_tokens.values()):
+            return super()._prepare_inputs(scheduler_output, *args, **kwargs)
+        spec, self.speculative_config = self.speculative_config, None
+        try:
+            return super()._prepare_inputs(scheduler_output, *args, **kwargs)
+        finally:
+            self.speculative_config = spec
+
+    def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
+        # kept for step_context(): which drafts the scheduler verified in this step
+        self._scheduler_output = scheduler_output
+        try:
+            return super().propose_draft_token_ids(scheduler_output, *args, **kwargs)
+        finally:
+            self._scheduler_output = None
 
     def _copy_draft_token_ids_to_cpu(self, scheduler_output, zeros_only: bool = False) -> None:
         super()._copy_draft_token_ids_to_cpu(scheduler_output, zeros_only=zeros_only)
         if zeros_only:  # the drafter did not run this step: no drafts at all
             self._draft_lengths = [0] * self.input_batch.num_reqs
+            # drafts verified in this step were never resolved: drop them, or the next
+            # step's resolve would count them as all accepted
+            self.drafter.forget_pending()
         else:
             self._draft_lengths = getattr(self.drafter, "last_lengths", None)
 
@@ -92,11 +179,22 @@ class PluginCPUModelRunner(PluginRunnerMixin, CPUModelRunner):
         self._install_plugin_drafter()
 
 
+def _warm_up_then_calibrate(worker, warm_up) -> object:
+    times = warm_up()
+    worker.model_runner.calibrate_step_cost()
+    # vLLM reseeds after warm-up so that start-up work leaves no trace in sampling
+    set_random_seed(worker.model_config.seed, worker.parallel_config.data_parallel_index)
+    return times
+
+
 class PluginCPUWorker(CPUWorker):
     def init_device(self) -> None:
         # vLLM's CPU worker builds its runner inline from this module-level name
         with patches.swapped(cpu_worker, "CPUModelRunner", PluginCPUModelRunner):
             super().init_device()
+
+    def compile_or_warm_up_model(self):
+        return _warm_up_then_calibrate(self, super().compile_or_warm_up_model)
 
 
 def __getattr__(name: str):
@@ -119,5 +217,8 @@ def _cuda_classes() -> dict[str, type]:
     class PluginGPUWorker(Worker):
         def _make_model_runner(self):
             return PluginGPUModelRunner(self.vllm_config, self.device)
+
+        def compile_or_warm_up_model(self):
+            return _warm_up_then_calibrate(self, super().compile_or_warm_up_model)
 
     return {"PluginGPUWorker": PluginGPUWorker, "PluginGPUModelRunner": PluginGPUModelRunner}

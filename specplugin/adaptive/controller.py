@@ -1,0 +1,88 @@
+"""The K controller: for the whole batch, which candidate and how many of its tokens to verify.
+
+Request r verifying the first k tokens of a candidate whose tokens have conditional
+acceptance estimates a_1, a_2, ... emits on average::
+
+    E_r(k) = 1 + sum_{j <= k} P_j,    P_j = a_1 * ... * a_j
+
+(the 1 is the recovered or bonus token). A step that verifies n query tokens in all
+takes T(n) seconds (:mod:`~specplugin.adaptive.cost`), so the batch emits
+``sum_r E_r / T(n)`` tokens per second. Starting from plain decoding (every
+request k = 0, n = num_reqs), adding draft token j of request r raises that rate
+exactly when::
+
+    P_j / (T(n + 1) - T(n))  >  sum_r E_r / T(n)
+
+its gain per second beats the rate already reached. Tokens are offered in
+decreasing order of P (a request's own tokens come in order, since P falls along
+a draft), and the first one that does not pay ends the step's choice: with T
+convex or linear in n nothing after it would pay either. A request none of whose
+tokens pays decodes plainly (k = 0), and a large batch, whose rate is already
+high, backs off by itself.
+
+Among one request's candidates, the one chosen is the one worth most at the
+step's starting price ``theta = (T(n0 + 1) - T(n0)) * num_reqs / T(n0)``:
+``sum_j max(0, P_j - theta)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+NO_CANDIDATE = -1
+
+
+@dataclass(frozen=True)
+class Choice:
+    candidate: int  # index into the request's candidates; NO_CANDIDATE: decode plainly
+    num_tokens: int  # draft tokens to verify (0 with NO_CANDIDATE)
+
+
+def plan(acceptance: Sequence[Sequence[np.ndarray]],  # [num_reqs][num_candidates] -> [k]
+         step_seconds: Callable[[np.ndarray], np.ndarray],
+         num_base_tokens: int | None = None) -> list[Choice]:
+    """``acceptance[r][c]``: conditional acceptance of each token of candidate c of request r
+    (already cut to the request's limit). ``step_seconds(n)``: T(n), vectorised.
+    ``num_base_tokens``: query tokens the step runs without drafts (default num_reqs)."""
+    num_reqs = len(acceptance)
+    n0 = num_reqs if num_base_tokens is None else num_base_tokens
+    if num_reqs == 0:
+        return []
+    t0 = float(step_seconds(np.array([n0]))[0])
+    theta = (float(step_seconds(np.array([n0 + 1]))[0]) - t0) * num_reqs / t0
+    chosen = [_best_candidate(cands, theta) for cands in acceptance]
+    # every offered token: (P, request, position), in decreasing P
+    offers = [(p, r, j) for r, (c, probs) in enumerate(chosen) if c != NO_CANDIDATE
+              for j, p in enumerate(probs)]
+    if not offers:
+        return [Choice(NO_CANDIDATE, 0)] * num_reqs
+    offers.sort(key=lambda o: (-o[0], o[1], o[2]))
+    gains = np.array([o[0] for o in offers])
+    n = n0 + np.arange(len(offers) + 1)
+    times = step_seconds(n)  # [num_offers + 1]
+    expected = num_reqs + np.concatenate([[0.0], np.cumsum(gains)])
+    rates = expected / times
+    # take offers while each one raises the rate; the first that does not ends it
+    pays = rates[1:] > rates[:-1]
+    num_taken = int(np.argmin(pays)) if not pays.all() else len(offers)
+    counts = np.zeros(num_reqs, dtype=int)
+    for _, r, _ in offers[:num_taken]:
+        counts[r] += 1
+    return [Choice(chosen[r][0], int(counts[r])) if counts[r] else Choice(NO_CANDIDATE, 0)
+            for r in range(num_reqs)]
+
+
+def _best_candidate(candidates: Sequence[np.ndarray], theta: float) -> tuple[int, np.ndarray]:
+    """(index, cumulative P) of the candidate worth most at price theta."""
+    best, best_value, best_p = NO_CANDIDATE, 0.0, np.empty(0)
+    for c, a in enumerate(candidates):
+        if len(a) == 0:
+            continue
+        p = np.cumprod(np.asarray(a, dtype=float))
+        value = float(np.maximum(p - theta, 0.0).sum())
+        if value > best_value:
+            best, best_value, best_p = c, value, p
+    return best, best_p

@@ -1,0 +1,104 @@
+"""The cost model: seconds of one engine step as a function of the tokens it runs.
+
+A step's wall time is modelled as::
+
+    T(n) = overhead + F(n)
+
+``n`` is the number of query tokens the target runs in the step (one per request
+plus every draft token verified), ``F`` the target's forward time, piecewise-linear
+between knots ``n = 1, 2, 4, ..., max_tokens`` and ``overhead`` everything else an
+engine step does (scheduling, sampling, drafting). At engine start the vLLM layer
+times a few forwards per knot (:meth:`StepCostModel.calibrate`): ``F`` is then known
+before the first request. While serving, every step's wall time is observed
+(:meth:`observe`): the residual ``wall - F(n)`` updates ``overhead`` (exponential
+average) and, scaled, the two knots around ``n`` (so ``F`` follows a machine that
+got busier or a model compiled after start). Without calibration the knots start
+from the first observations (a line through the origin and the first step).
+
+What the controller asks: :meth:`step_seconds` (``T(n)``) and
+:meth:`marginal_seconds` (``T(n + k) - T(n)``: what verifying ``k`` more tokens
+costs). On a GPU ``F`` is flat until the batch stops being memory-bound; on a CPU it
+grows from the first token: the same rule then drafts less.
+
+``draft_forward_s``: seconds of one batched draft-model forward (for model proposers).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def default_knots(max_tokens: int) -> np.ndarray:  # [num_knots] int
+    knots = [1]
+    while knots[-1] < max_tokens:
+        knots.append(min(knots[-1] * 2, max_tokens))
+    return np.array(knots)
+
+
+class StepCostModel:
+    def __init__(self, max_tokens: int = 512, smoothing: float = 0.05):
+        self.knots = default_knots(max_tokens)
+        self.forward_s = np.full(self.knots.shape, np.nan)  # [num_knots] F at each knot
+        self.overhead_s = 0.0
+        self.smoothing = smoothing
+        self.draft_forward_s: float | None = None
+        self.num_observed = 0
+
+    @property
+    def calibrated(self) -> bool:
+        return not np.isnan(self.forward_s).any()
+
+    def calibrate(self, num_tokens: np.ndarray, seconds: np.ndarray) -> None:
+        """Timed forwards (start-up): ``seconds[i]`` for ``num_tokens[i]`` query tokens.
+        Knots between measured points are interpolated, beyond them extrapolated
+        linearly from the last two."""
+        n, s = np.asarray(num_tokens, float), np.asarray(seconds, float)
+        order = np.argsort(n)
+        n, s = n[order], s[order]
+        if n.size == 1:
+            self.forward_s = s[0] * self.knots / n[0]
+            return
+        slope = max(0.0, (s[-1] - s[-2]) / (n[-1] - n[-2]))
+        inside = np.interp(self.knots, n, s)
+        beyond = s[-1] + slope * (self.knots - n[-1])
+        self.forward_s = np.where(self.knots > n[-1], beyond, inside)
+
+    def forward_seconds(self, num_tokens) -> np.ndarray:
+        """F(n); linear beyond the last knot."""
+        n = np.asarray(num_tokens, dtype=float)
+        f = np.interp(n, self.knots, self.forward_s)
+        slope = (self.forward_s[-1] - self.forward_s[-2]) / (self.knots[-1] - self.knots[-2])
+        return np.where(n > self.knots[-1], self.forward_s[-1] + slope * (n - self.knots[-1]), f)
+
+    def step_seconds(self, num_tokens) -> np.ndarray:
+        return self.overhead_s + self.forward_seconds(num_tokens)
+
+    def marginal_seconds(self, num_tokens: int, extra) -> np.ndarray:
+        return self.forward_seconds(num_tokens + np.asarray(extra)) - self.forward_seconds(num_tokens)
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """One engine step's wall time. A step over 20x the model's estimate is an idle
+        gap (no requests), not a step, and is ignored."""
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        if not self.calibrated:  # first sight: a line through the origin
+            self.forward_s = seconds * self.knots / num_tokens
+        predicted = float(self.step_seconds(num_tokens))
+        if self.num_observed and seconds > 20 * predicted:
+            return
+        self.num_observed += 1
+        residual = seconds - predicted
+        # the fixed part takes the residual's average; the knots take what varies with n
+        self.overhead_s = max(0.0, self.overhead_s + self.smoothing * residual)
+        self._nudge_knots(num_tokens, 0.5 * self.smoothing * residual)
+
+    def _nudge_knots(self, num_tokens: int, delta: float) -> None:
+        i = int(np.clip(np.searchsorted(self.knots, num_tokens), 1, self.knots.size - 1))
+        lo, hi = self.knots[i - 1], self.knots[i]
+        w = float(np.clip((num_tokens - lo) / (hi - lo), 0.0, 1.0))
+        self.forward_s[i - 1] = max(1e-6, self.forward_s[i - 1] + (1 - w) * delta)
+        self.forward_s[i] = max(self.forward_s[i - 1], self.forward_s[i] + w * delta)
+
+    def observe_draft_forward(self, seconds: float) -> None:
+        old = self.draft_forward_s
+        self.draft_forward_s = seconds if old is None else old + self.smoothing * (seconds - old)

@@ -1,0 +1,118 @@
+"""The difficulty estimator: P(a draft token is accepted), learned from verification.
+
+A candidate's token j is described by a *cell*: (proposer, greedy or sampled
+request, position group of j, bucket of the proposer's own per-token signal in
+[0, 1], bucket of the request's recent acceptance). The signal is whatever the
+proposer knows (a suffix continuation's frequency, an n-gram match's length, a
+draft model's top probability); the estimator never assumes it is a probability:
+it learns what each bucket is worth on this model and this text.
+
+Each cell counts judged tokens ``n`` and accepted ones ``s`` (a token is judged
+when every token before it in its draft was accepted: its acceptance is then the
+conditional ``P(accept j | accepted < j)`` that the controller multiplies). The
+estimate shrinks the cell toward its parent (same proposer, mode and position,
+pooled over signal and history), and the parent toward the prior ``prior_mean``::
+
+    parent = (s_p + m0 * prior_mean) / (n_p + m0)
+    a      = (s + m * parent) / (n + m)
+
+so a cell with no evidence says what its parent says, and a parent with no
+evidence says ``prior_mean`` (0.5: a coin flip, then the cost model decides
+whether even that pays). Counts decay by ``1 - 1 / memory`` per step, so a cell
+that stopped being drafted (because it looked bad) drifts back toward its parent
+and is tried again: the estimator keeps up with text that changes.
+
+The request's recent acceptance is an exponential average of its own judged
+tokens (accepted = 1, rejected = 0), bucketed; a new request has its own bucket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+POSITION_EDGES = np.array([1, 2, 3, 4, 8])  # groups: 0, 1, 2, 3, 4-7, 8+
+HISTORY_EDGES = np.array([0.3, 0.7])  # recent acceptance: low, mid, high (+ "new")
+
+
+@dataclass(frozen=True)
+class TokenCells:
+    """Flat arrays, one entry per candidate token (all candidates of a step concatenated)."""
+
+    proposer: np.ndarray  # [num_tokens] int: index into the estimator's proposer names
+    sampled: np.ndarray  # [num_tokens] bool
+    position: np.ndarray  # [num_tokens] int: 0-based position in its draft
+    signal: np.ndarray  # [num_tokens] float in [0, 1]
+    history: np.ndarray  # [num_tokens] int: history bucket (see history_bucket)
+
+
+class AcceptanceEstimator:
+    def __init__(self, proposers: tuple[str, ...], num_signal_buckets: int = 8,
+                 prior_mean: float = 0.5, parent_strength: float = 4.0,
+                 prior_strength: float = 2.0, memory: float = 4000.0):
+        self.proposers = proposers
+        self.num_signal_buckets = num_signal_buckets
+        self.prior_mean, self.m, self.m0 = prior_mean, parent_strength, prior_strength
+        self.decay = 1.0 - 1.0 / memory
+        shape = (len(proposers), 2, len(POSITION_EDGES) + 1, num_signal_buckets,
+                 len(HISTORY_EDGES) + 2)
+        self.judged = np.zeros(shape)  # n per cell
+        self.accepted = np.zeros(shape)  # s per cell
+
+    def index(self, name: str) -> int:
+        return self.proposers.index(name)
+
+    def _cells(self, t: TokenCells) -> tuple[np.ndarray, ...]:
+        position = np.searchsorted(POSITION_EDGES, t.position, side="right")
+        signal = np.clip((np.asarray(t.signal) * self.num_signal_buckets).astype(int), 0,
+                         self.num_signal_buckets - 1)
+        return (np.asarray(t.proposer), np.asarray(t.sampled, dtype=int), position, signal,
+                np.asarray(t.history))
+
+    def estimate(self, t: TokenCells) -> np.ndarray:  # [num_tokens] in (0, 1)
+        cell = self._cells(t)
+        parent_n = self.judged.sum(axis=(3, 4))[cell[:3]]
+        parent_s = self.accepted.sum(axis=(3, 4))[cell[:3]]
+        parent = (parent_s + self.m0 * self.prior_mean) / (parent_n + self.m0)
+        return (self.accepted[cell] + self.m * parent) / (self.judged[cell] + self.m)
+
+    def update(self, t: TokenCells, accepted: np.ndarray) -> None:
+        """``accepted``: [num_tokens] bool for judged tokens only."""
+        cell = self._cells(t)
+        np.add.at(self.judged, cell, 1.0)
+        np.add.at(self.accepted, cell, np.asarray(accepted, dtype=float))
+
+    def step(self) -> None:
+        """Once per engine step: old evidence fades."""
+        self.judged *= self.decay
+        self.accepted *= self.decay
+
+
+def history_bucket(recent_acceptance: float | None) -> int:
+    """Bucket of a request's recent acceptance; ``None`` (no evidence yet) has its own."""
+    if recent_acceptance is None:
+        return len(HISTORY_EDGES) + 1
+    return int(np.searchsorted(HISTORY_EDGES, recent_acceptance, side="right"))
+
+
+class RequestHistory:
+    """Per-request exponential average of judged tokens' acceptance (weight ``alpha``)."""
+
+    def __init__(self, alpha: float = 0.3):
+        self.alpha = alpha
+        self._recent: dict[str, float] = {}
+
+    def get(self, req_id: str) -> float | None:
+        return self._recent.get(req_id)
+
+    def update(self, req_id: str, accepted: np.ndarray) -> None:
+        value = self._recent.get(req_id)
+        for a in np.asarray(accepted, dtype=float):
+            value = a if value is None else value + self.alpha * (a - value)
+        if value is not None:
+            self._recent[req_id] = value
+
+    def forget(self, req_ids) -> None:
+        for req_id in req_ids:
+            self._recent.pop(req_id, None)

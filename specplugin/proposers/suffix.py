@@ -1,0 +1,529 @@
+"""Suffix drafting: continue the context the way it most often continued before.
+
+**Where it looks.** Two texts: the request's own context (prompt + output so far), and a
+bounded *store* of the outputs (not prompts) of requests that already finished: a server
+answering similar prompts repeats itself across requests. In each text the longest
+suffix of the context is found, at most ``max_match`` and at least ``min_match`` tokens
+long, that occurred before and was followed by at least one token. The longer match
+wins; at equal length the request's own context does (same document, so the better
+predictor). ``num_occurrences`` counts the places where the winning suffix occurred.
+
+**What it drafts.** The draft grows greedily, one token at a time, as a walk down a
+suffix tree would: the matched suffix plus the draft so far is the current context;
+among the places whose text agrees with it and goes on by at least one token, the next
+draft token is the one that follows most often::
+
+    support[j]     = places agreeing with draft[:j] that have a (j+1)-th token
+    confidence[j]  = (places among them followed by draft[j]) / support[j]
+
+A tie goes to the token of the most recent place (recent text predicts best, as in
+``ngram.py``). The walk stops at ``max_tokens``, when ``support[j] < min_support``, or
+when ``confidence[j] < min_confidence``. Both floors are off by default (1 and 0.0):
+whether a token of confidence 0.3 is worth verifying depends on the machine's costs,
+which the adaptive-K controller knows and this module does not; it reports
+``confidences`` and ``support`` for that controller to weigh (``support`` tells a
+frequency of 1.0 seen once from one seen fifty times). Only the ``max_counted`` most
+recent places (default 64) are counted: that bounds the work per call, and a frequency
+from 64 samples is already within 1/16 (one standard error) of the full count's.
+
+**Loops.** In the request's own context a place close to the end runs into the end
+before the draft is done; its text then goes on with the draft itself, as the context
+will if the draft is accepted, so the copy continues periodically (a loop repeats its
+last turn, exactly as in ``ngram.py``). In the store a place's text ends with its output.
+
+**Index.** Each text keeps, for four *anchor* lengths (``min_match`` times 1, 2, 4, 8,
+at most ``max_match``: 1, 2, 4, 8 by default), a hash table from an n-gram to the
+ascending positions where it ends. Adding a token costs one hash and one append per
+anchor length; a lookup takes the longest anchor length with a hit, then extends the
+match to the left, up to just below the next anchor length (or ``max_match``), by
+comparing the tokens before every place at once (one numpy gather). A proposal thus
+costs a few dict lookups plus work in the number of places of the matched n-grams, not
+in the length of the context or the store. Keys are Python's 64-bit hashes of token
+tuples; two different n-grams sharing a hash (odds about 2**-64 per pair) can only cost
+a rejected draft, never a wrong output. Texts are numpy buffers with a separator (-1,
+never a token id) before each output, so matches and continuations never cross from one
+output into another. The store evicts whole outputs, oldest first (the order
+``stop_request`` was called), beyond ``store_max_tokens`` tokens or
+``store_max_outputs`` outputs, deleting their index entries; nothing is ever rebuilt.
+"""
+
+from __future__ import annotations
+
+from array import array
+from bisect import bisect_left
+from collections import Counter, deque
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from specplugin.proposers.base import Candidate, StepBatch
+
+SEP = -1  # separator between texts in a buffer: never a token id, so it never matches
+_NO_IDS = np.zeros(0, dtype=np.int64)
+_NO_IDS.setflags(write=False)
+
+
+@dataclass(frozen=True)
+class SuffixConfig:
+    """Matching, drafting and store limits; see the module docstring for what each does."""
+
+    min_match: int = 1
+    max_match: int = 32
+    min_confidence: float = 0.0
+    min_support: int = 1
+    max_counted: int = 64
+    store_max_tokens: int = 100_000
+    store_max_outputs: int = 1_000
+
+    def __post_init__(self):
+        for key in ("min_match", "max_match", "min_support", "max_counted"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key} must be an integer >= 1; got {value!r}.")
+        if self.min_match > self.max_match:
+            raise ValueError(f"min_match ({self.min_match}) must be <= max_match "
+                             f"({self.max_match}); lower min_match or raise max_match.")
+        for key in ("store_max_tokens", "store_max_outputs"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{key} must be an integer >= 0 (0 disables the store); "
+                                 f"got {value!r}.")
+        c = self.min_confidence
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c <= 1.0:
+            raise ValueError(f"min_confidence must be a number from 0 to 1 (0: never stop "
+                             f"on confidence); got {c!r}.")
+
+    @property
+    def anchor_lens(self) -> tuple[int, ...]:
+        """Indexed n-gram lengths, ascending: ``min_match`` times 1, 2, 4, 8, at most
+        ``max_match``. Dense where n-grams are common (a short one may end thousands of
+        places, too many to extend by comparison), none past 8x: longer n-grams mostly
+        occur once, so each would cost an index entry (~100 bytes) per token for places
+        that comparison finds as fast."""
+        lens = (self.min_match * factor for factor in (1, 2, 4, 8))
+        return tuple(n for n in lens if n <= self.max_match)
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: arrays have no single truth value
+class SuffixCandidate:
+    """One draft with the evidence behind it (read-only arrays).
+
+    ``confidences[j] = count / support[j]``: of the ``support[j]`` places that agree with
+    the matched suffix + ``token_ids[:j]`` and go on, the fraction that go on with
+    ``token_ids[j]``. ``match_len`` and ``num_occurrences`` describe the matched suffix;
+    ``source`` is ``"request"``, ``"store"``, or ``"none"`` when nothing matched.
+    """
+
+    token_ids: np.ndarray  # [num_tokens] int64
+    confidences: np.ndarray  # [num_tokens] float64, each in (0, 1]
+    support: np.ndarray  # [num_tokens] int64, each >= 1, non-increasing
+    match_len: int
+    num_occurrences: int
+    source: str
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+def _frozen(values: list, dtype) -> np.ndarray:
+    out = np.array(values, dtype=dtype)
+    out.setflags(write=False)
+    return out
+
+
+NO_CANDIDATE = SuffixCandidate(_NO_IDS, _frozen([], np.float64), _NO_IDS, 0, 0, "none")
+
+
+def _add_end(table: dict[int, int | array], key: int, end: int) -> None:
+    """Record that the n-gram ``key`` ends at ``end`` (after all its earlier ends). One
+    place is stored as a plain int: most long n-grams occur once, and an array would
+    cost ~80 bytes more."""
+    ends = table.get(key)
+    if ends is None:
+        table[key] = end
+    elif type(ends) is int:
+        table[key] = array("q", (ends, end))
+    else:
+        ends.append(end)
+
+
+def _drop_ends_before(table: dict[int, int | array], key: int, stop: int) -> None:
+    """Forget the ends of the n-gram ``key`` before position ``stop`` (evicted)."""
+    ends = table.get(key)
+    if ends is None:
+        return
+    if type(ends) is int:
+        if ends < stop:
+            del table[key]
+        return
+    del ends[: bisect_left(ends, stop)]
+    if not ends:
+        del table[key]
+
+
+class _IndexedText:
+    """Token ids in a growing buffer, with where each anchor-length n-gram ends.
+
+    Positions are global and never reused: position p lives at ``_buf[p - _base]``.
+    Segments start after a ``SEP``, and the first live position is always one;
+    n-grams are indexed only inside one segment.
+    Invariant: the buffer holds ``SEP`` past the last token, so reading one past the
+    end is safe and reads "no token".
+    """
+
+    def __init__(self, anchor_lens: tuple[int, ...]):
+        self.anchor_lens = anchor_lens
+        self._ends: dict[int, dict[int, int | array]] = {n: {} for n in anchor_lens}
+        self._buf = np.full(64, SEP, dtype=np.int64)  # [capacity]
+        self._base = 0  # global position of _buf[0]
+        self.num_positions = 0  # global position the next token will take
+        self.segment_start = 0  # global position of the current segment's first token
+
+    def tokens(self, positions: np.ndarray) -> np.ndarray:  # same shape as positions
+        return self._buf[positions - self._base]
+
+    def span(self, start: int, stop: int) -> np.ndarray:  # [stop - start]
+        return self._buf[start - self._base : stop - self._base]
+
+    def start_segment(self) -> None:
+        self._write(np.array([SEP], dtype=np.int64))
+        self.segment_start = self.num_positions
+
+    def extend(self, token_ids: np.ndarray, index_last: bool = True) -> None:
+        """Append ``token_ids`` [num_new] to the current segment and index them.
+        ``index_last=False`` leaves the last one out: nothing will ever follow it."""
+        start = self.num_positions
+        self._write(token_ids)
+        stop = self.num_positions if index_last else self.num_positions - 1
+        for n, first_end, keys in self._grams(start, stop, self.segment_start):
+            table = self._ends[n]
+            for end, key in enumerate(keys, first_end):
+                _add_end(table, key, end)
+
+    def ends(self, n: int, key: int, keep_last: int | None = None) -> tuple[int, np.ndarray]:
+        """``(num_ends, ends)``: how many places end the n-gram hashed to ``key`` with a
+        token after them, and their positions, ascending: [num_ends], or only the last
+        ``keep_last`` of them when given (a common 1-gram may end 10,000 places)."""
+        found = self._ends[n].get(key)
+        if found is None:
+            return 0, _NO_IDS
+        if type(found) is int:
+            if found == self.num_positions - 1:
+                return 0, _NO_IDS
+            return 1, np.array([found], dtype=np.int64)
+        num = len(found) - (found[-1] == self.num_positions - 1)
+        first = 0 if keep_last is None else max(0, num - keep_last)
+        # a copy: the array's buffer must stay free to grow
+        return num, np.frombuffer(found, np.int64, num - first, 8 * first).copy()
+
+    def tokens_before(self, ends: np.ndarray, back: np.ndarray) -> np.ndarray:
+        """``[num_ends, num_back]``: the token ``back[j]`` positions before ``ends[i]``;
+        ``SEP`` before the first live position (``_buf[0]`` always holds a ``SEP``). A
+        match never runs past a ``SEP``, so what is read beyond one is never used."""
+        rel = ends[:, None] - back[None, :] - self._base
+        return self._buf[np.maximum(rel, 0)]
+
+    def forget(self, start: int, stop: int) -> None:
+        """Drop positions before ``stop`` from the index; ``[start, stop)`` must be the
+        oldest live segment (its leading SEP included)."""
+        for n, _, keys in self._grams(start + 1, stop, start + 1):
+            table = self._ends[n]
+            for key in keys:
+                _drop_ends_before(table, key, stop)
+        live = self.num_positions - stop
+        if stop - self._base > live:  # compact: amortised O(1) per token
+            self._buf[:live] = self.span(stop, self.num_positions)
+            self._buf[live:] = SEP
+            self._base = stop
+
+    def windows(self, ends: np.ndarray, num_steps: int, periodic: bool) -> np.ndarray:
+        """The ``num_steps`` tokens after each place in ``ends`` [num_ends]:
+        [num_ends, num_steps]; a place's text ends at its first ``SEP`` (what follows
+        belongs to another output). ``periodic``: a place that runs into the end of the
+        text goes on repeating its own copy."""
+        steps = np.arange(num_steps)
+        if periodic:
+            period = self.num_positions - 1 - ends  # [num_ends], >= 1
+            return self.tokens(ends[:, None] + 1 + steps[None, :] % period[:, None])
+        rel = np.minimum(ends[:, None] + 1 + steps[None, :] - self._base,
+                         self.num_positions - self._base)  # one past the end reads SEP
+        return self._buf[rel]
+
+    def _write(self, token_ids: np.ndarray) -> None:
+        used = self.num_positions - self._base
+        need = used + len(token_ids) + 1  # + 1: keep a SEP past the end
+        if need > len(self._buf):
+            grown = np.full(max(need, 2 * len(self._buf)), SEP, dtype=np.int64)
+            grown[:used] = self._buf[:used]
+            self._buf = grown
+        self._buf[used : used + len(token_ids)] = token_ids
+        self.num_positions += len(token_ids)
+
+    def _grams(self, start: int, stop: int, segment_start: int):
+        """Per anchor length n, ``(n, first_end, keys)``: the keys of the n-grams ending
+        at ``first_end``, ``first_end + 1``, ... ``stop - 1``, all inside the segment
+        that starts at ``segment_start``. Many n-grams (a prompt) are built and hashed in
+        C by zip and map; a step's few tokens are sliced directly (zip's setup costs more)."""
+        first = max(segment_start, start - self.anchor_lens[-1] + 1)
+        ids = self.span(first, stop).tolist()
+        for n in self.anchor_lens:
+            first_end = max(start, segment_start + n - 1)
+            if first_end >= stop:
+                break
+            lo = first_end - n + 1 - first  # ids[lo : lo + n] is the first n-gram
+            if stop - first_end <= 4:
+                keys = [hash(tuple(ids[i : i + n])) for i in range(lo, len(ids) - n + 1)]
+            else:
+                keys = map(hash, zip(*(ids[lo + j : len(ids) - n + 1 + j] for j in range(n))))
+            yield n, first_end, keys
+
+
+class _OutputStore:
+    """Outputs of finished requests, each its own segment, oldest evicted first."""
+
+    def __init__(self, config: SuffixConfig):
+        self.config = config
+        self.text = _IndexedText(config.anchor_lens)
+        self._segments: deque[tuple[int, int]] = deque()  # (start, stop), oldest first
+        self.num_tokens = 0
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self._segments)
+
+    def add(self, token_ids: np.ndarray) -> None:  # [num_tokens]
+        """Store one output (its last ``store_max_tokens`` tokens), then evict the
+        oldest outputs until both limits hold."""
+        max_tokens, max_outputs = self.config.store_max_tokens, self.config.store_max_outputs
+        if len(token_ids) == 0 or max_tokens == 0 or max_outputs == 0:
+            return
+        token_ids = token_ids[-max_tokens:]
+        start = self.text.num_positions
+        self.text.start_segment()
+        self.text.extend(token_ids, index_last=False)
+        self._segments.append((start, self.text.num_positions))
+        self.num_tokens += len(token_ids)
+        while self.num_tokens > max_tokens or len(self._segments) > max_outputs:
+            old_start, old_stop = self._segments.popleft()
+            self.text.forget(old_start, old_stop)
+            self.num_tokens -= old_stop - old_start - 1
+
+
+def _as_token_ids(token_ids: np.ndarray | Sequence[int], what: str) -> np.ndarray:
+    ids = np.asarray(token_ids, dtype=np.int64)  # [num_tokens]
+    if ids.ndim != 1:
+        raise ValueError(f"{what} must be a flat sequence of token ids; got shape {ids.shape}.")
+    if ids.size and ids.min() < 0:
+        raise ValueError(f"{what} must be token ids >= 0; got {int(ids.min())}.")
+    return ids
+
+
+def _extend_left(text: _IndexedText, ends: np.ndarray, back_ids: np.ndarray, match_len: int,
+                 limit: int) -> tuple[int, np.ndarray]:
+    """Lengthen a match of ``match_len`` tokens ending at ``ends`` [num_ends] to at most
+    ``limit`` tokens, comparing the tokens before every place with the context's at
+    once (``back_ids`` [>= limit]: the context's tokens, last first): the longest
+    agreement wins, and the places that reach it stay."""
+    back = np.arange(match_len, limit)  # [width]: distances before a place's last token
+    agree = text.tokens_before(ends, back) == back_ids[match_len:limit]  # [num_ends, width]
+    run = np.where(agree.all(axis=1), len(back), agree.argmin(axis=1))  # [num_ends]
+    best = int(run.max())
+    return match_len + best, ends[run == best] if best else ends
+
+
+def _longest_match(text: _IndexedText, back_ids: np.ndarray, keys: dict[int, int],
+                   min_len: int, keep_last: int) -> tuple[int, int, np.ndarray]:
+    """``(match_len, num_occurrences, ends)``: the longest suffix of the context (its
+    tokens last first in ``back_ids``) that occurs in ``text`` with a token after it,
+    how often, and the last ``keep_last`` places where it ends; ``(0, 0, [])`` when
+    none is at least ``min_len`` tokens long."""
+    lens, limit = text.anchor_lens, len(back_ids)
+    for i in range(len(lens) - 1, -1, -1):
+        n = lens[i]
+        # the next anchor length did not match, so the match is shorter than it
+        upper = min(lens[i + 1] - 1, limit) if i + 1 < len(lens) else limit
+        if upper < min_len:
+            break
+        if n > limit:
+            continue
+        num, ends = text.ends(n, keys[n], None if upper > n else keep_last)
+        if num and upper > n:
+            match_len, ends = _extend_left(text, ends, back_ids, n, upper)
+            return match_len, len(ends), ends[-keep_last:]
+        if num:
+            return n, num, ends
+    return 0, 0, _NO_IDS
+
+
+def _most_frequent(values: list[int]) -> tuple[int, int]:
+    """``(token, count)``: the most frequent of ``values`` (in order of occurrence); a
+    tie goes to the token that occurs last."""
+    counts = Counter(values)
+    top = max(counts.values())
+    return next(t for t in reversed(values) if counts[t] == top), top
+
+
+def _greedy_walk(windows: np.ndarray, min_confidence: float, min_support: int):
+    """Walk ``windows`` [num_places, num_steps] (a place ends at its first ``SEP``) column
+    by column, keeping the places that agree with the draft; returns the draft's lists
+    ``(token_ids, confidences, support)``. Plain Python: there are at most
+    ``max_counted`` places and usually a handful, where numpy's per-call cost dominates
+    (measured: 3-4x slower for a few places, no faster for a hundred)."""
+    rows = windows.tolist()
+    token_ids, confidences, support = [], [], []
+    for step in range(windows.shape[1]):
+        if len(rows) == 1:  # one place left: the rest is a plain copy
+            rest = rows[0][step:]
+            rest = rest[: rest.index(SEP)] if SEP in rest else rest
+            if min_support <= 1:
+                token_ids += rest
+                confidences += [1.0] * len(rest)
+                support += [1] * len(rest)
+            break
+        column = [row[step] for row in rows]
+        if column[0] != SEP and column.count(column[0]) == len(column):  # all agree
+            token, count, num_values = column[0], len(column), len(column)
+        else:
+            values = [v for v in column if v != SEP]
+            if not values:
+                break
+            (token, count), num_values = _most_frequent(values), len(values)
+        if num_values < min_support or count / num_values < min_confidence:
+            break
+        token_ids.append(token)
+        confidences.append(count / num_values)
+        support.append(num_values)
+        if count < len(rows):
+            rows = [row for row, value in zip(rows, column) if value == token]
+    return token_ids, confidences, support
+
+
+class SuffixCache:
+    """Per-request suffix indexes plus the cross-request store of finished outputs.
+
+    Lifecycle, per request id: :meth:`start_request` with the prompt, :meth:`add_tokens`
+    after every step with the newly emitted tokens, :meth:`propose` before a step,
+    :meth:`stop_request` when the request finishes or is aborted (its output then joins
+    the store). Not thread-safe; one instance per engine.
+    """
+
+    def __init__(self, config: SuffixConfig | None = None):
+        self.config = config or SuffixConfig()
+        # request id -> (its context, global position where its output starts)
+        self._requests: dict[Hashable, tuple[_IndexedText, int]] = {}
+        self._store = _OutputStore(self.config)
+
+    @property
+    def num_stored_outputs(self) -> int:
+        return self._store.num_outputs
+
+    @property
+    def num_stored_tokens(self) -> int:
+        return self._store.num_tokens
+
+    def has_request(self, req_id: Hashable) -> bool:
+        return req_id in self._requests
+
+    def start_request(self, req_id: Hashable,
+                      prompt_token_ids: np.ndarray | Sequence[int]) -> None:
+        """Index the prompt; a request id that is still active is refused."""
+        if req_id in self._requests:
+            raise ValueError(f"request {req_id!r} is already started; call stop_request "
+                             "before starting it again.")
+        text = _IndexedText(self.config.anchor_lens)
+        text.start_segment()
+        text.extend(_as_token_ids(prompt_token_ids, "prompt_token_ids"))
+        self._requests[req_id] = (text, text.num_positions)
+
+    def add_tokens(self, req_id: Hashable, token_ids: np.ndarray | Sequence[int]) -> None:
+        """Append newly emitted output tokens (one or more) to the request's context."""
+        self._text(req_id).extend(_as_token_ids(token_ids, "token_ids"))
+
+    def stop_request(self, req_id: Hashable) -> bool:
+        """Forget the request and move its output into the store. An id that is not
+        active is ignored (aborted before its first step, or stopped twice); returns
+        whether the request was active."""
+        entry = self._requests.pop(req_id, None)
+        if entry is None:
+            return False
+        text, output_start = entry
+        self._store.add(text.span(output_start, text.num_positions).copy())
+        return True
+
+    def propose(self, req_id: Hashable, max_tokens: int) -> SuffixCandidate:
+        """At most ``max_tokens`` draft tokens for the request, with their evidence
+        (:data:`NO_CANDIDATE` when nothing matched or ``max_tokens <= 0``)."""
+        text = self._text(req_id)
+        if max_tokens <= 0:
+            return NO_CANDIDATE
+        tail = text.span(max(text.segment_start, text.num_positions - self.config.max_match),
+                         text.num_positions)  # [<= max_match]
+        tail_ids = tail.tolist()
+        keys = {n: hash(tuple(tail_ids[-n:])) for n in text.anchor_lens if n <= len(tail)}
+        back_ids, keep = tail[::-1], self.config.max_counted  # [<= max_match]: last first
+        match = _longest_match(text, back_ids, keys, self.config.min_match, keep)
+        source, source_text = "request", text
+        store_match = _longest_match(self._store.text, back_ids, keys, match[0] + 1, keep)
+        if store_match[0] > match[0]:  # the longer match wins; a tie goes to the request
+            match, source, source_text = store_match, "store", self._store.text
+        match_len, num_occurrences, ends = match
+        if match_len == 0:
+            return NO_CANDIDATE
+        windows = source_text.windows(ends, max_tokens, periodic=source == "request")
+        ids, confidences, support = _greedy_walk(windows, self.config.min_confidence,
+                                                 self.config.min_support)
+        return SuffixCandidate(_frozen(ids, np.int64), _frozen(confidences, np.float64),
+                               _frozen(support, np.int64), match_len, num_occurrences, source)
+
+    def _text(self, req_id: Hashable) -> _IndexedText:
+        entry = self._requests.get(req_id)
+        if entry is None:
+            raise ValueError(f"request {req_id!r} was never started (or already stopped); "
+                             "call start_request with its prompt first.")
+        return entry[0]
+
+
+class SuffixProposer:
+    """The :class:`SuffixCache` behind the one :class:`~specplugin.proposers.base.Proposer`
+    interface: feeds it each request's prompt and new tokens from the batch, asks it for
+    the rows that want drafts, and hands finished requests' outputs to its store.
+
+    Signal per token: the rule-of-succession estimate ``(count + 1) / (support + 2)``
+    that the next token is the drafted one, where ``count = confidence * support``: a
+    continuation seen 1 time in 1 scores 2/3, 50 times in 50 scores 0.98.
+    """
+
+    name = "suffix"
+
+    def __init__(self, config: SuffixConfig | None = None):
+        self.cache = SuffixCache(config)
+        self._fed: dict[str, int] = {}  # req id -> context tokens the cache has seen
+
+    def propose(self, batch: StepBatch) -> list[Candidate | None]:
+        for row, req_id in enumerate(batch.req_ids):
+            self._feed(req_id, batch.context(row), int(batch.num_prompt_tokens[row]))
+        candidates: list[Candidate | None] = [None] * batch.num_reqs
+        for row in batch.rows:
+            found = self.cache.propose(batch.req_ids[row], int(batch.max_draft_lens[row]))
+            if len(found):
+                count = found.confidences * found.support
+                signal = (count + 1.0) / (found.support + 2.0)
+                candidates[row] = Candidate(np.array(found.token_ids, dtype=np.int64), signal)
+        return candidates
+
+    def _feed(self, req_id: str, context: np.ndarray, num_prompt_tokens: int) -> None:
+        fed = self._fed.get(req_id)
+        if fed is None or fed > len(context):  # new (or restarted from its prompt)
+            if fed is not None:
+                self.cache.stop_request(req_id)
+            fed = min(num_prompt_tokens, len(context))
+            self.cache.start_request(req_id, context[:fed])
+        if len(context) > fed:
+            self.cache.add_tokens(req_id, context[fed:])
+        self._fed[req_id] = len(context)
+
+    def finish_requests(self, req_ids: Iterable[str]) -> None:
+        for req_id in req_ids:
+            if self._fed.pop(req_id, None) is not None:
+                self.cache.stop_request(req_id)

@@ -1,0 +1,223 @@
+"""The union: every configured proposer is asked each step; the controller picks per request.
+
+One step of :meth:`Union.step`, in order:
+
+1. **learn** from the step just verified (:class:`Verified`): for each request that
+   had drafts, which of them were accepted -> the difficulty estimator, the request's
+   recent acceptance, and the step's wall time -> the cost model;
+2. **ask** every proposer for candidates (a proposer that raises is counted and
+   costs its own candidates only, never a request);
+3. **estimate** each candidate token's acceptance probability;
+4. **choose**, for the whole batch, which candidate and how many of its tokens
+   each request verifies (:func:`specplugin.adaptive.controller.plan`; none where
+   nothing pays);
+5. **remember** what was proposed, to learn from it next step.
+
+Everything here is vLLM-free; the vLLM layer builds the :class:`StepBatch` and the
+:class:`Verified` record from the engine's buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specplugin.adaptive.controller import NO_CANDIDATE, plan
+from specplugin.adaptive.cost import StepCostModel
+from specplugin.adaptive.estimator import (AcceptanceEstimator, RequestHistory, TokenCells,
+                                           history_bucket)
+from specplugin.metrics import FailureCounter
+from specplugin.proposers.base import Candidate, Proposer, StepBatch
+
+logger = logging.getLogger("specplugin")
+
+
+@dataclass(frozen=True)
+class Verified:
+    """The engine step that just ran, for the requests of the current batch rows."""
+
+    req_ids: tuple[str, ...]  # [num_reqs]
+    num_scheduled_drafts: np.ndarray  # [num_reqs] draft tokens the target verified per row
+    num_emitted: np.ndarray  # [num_reqs] tokens the row emitted (accepted drafts + 1)
+    seconds: float | None  # wall time of the step (None: unknown, e.g. the first one)
+    num_query_tokens: int  # tokens the target ran in it (all rows, drafts included)
+
+
+@dataclass
+class _Pending:
+    proposer: int  # index of the proposer whose candidate was sent
+    sampled: bool
+    history: int  # the request's history bucket when it was sent
+    signal: np.ndarray  # [k] signals of the k tokens sent for verification
+
+
+@dataclass
+class UnionStats:
+    """Counters for metrics: per proposer, and for the controller's choices."""
+
+    chosen: Counter = field(default_factory=Counter)  # proposer -> requests drafted by it
+    draft_tokens: Counter = field(default_factory=Counter)  # proposer -> tokens verified
+    accepted_tokens: Counter = field(default_factory=Counter)  # proposer -> tokens accepted
+    verified_candidates: Counter = field(default_factory=Counter)  # proposer -> candidates judged
+    k_histogram: Counter = field(default_factory=Counter)  # k -> requests (0: no drafts)
+    steps: int = 0
+    steps_without_drafts: int = 0
+
+
+class Union:
+    def __init__(self, proposers: Sequence[Proposer], cost: StepCostModel | None = None,
+                 estimator: AcceptanceEstimator | None = None):
+        self.proposers = list(proposers)
+        names = tuple(p.name for p in self.proposers)
+        self.estimator = estimator or AcceptanceEstimator(names)
+        self.cost = cost or StepCostModel()
+        self.history = RequestHistory()
+        self.failures = [FailureCounter(name, logger) for name in names]
+        self.stats = UnionStats()
+        self._pending: dict[str, _Pending] = {}
+        # [num_reqs] index of the proposer whose candidate each row of the last step
+        # verifies (None: no draft); the vLLM layer needs it to attach draft probabilities
+        self.last_sources: list[int | None] = []
+
+    def step(self, batch: StepBatch, verified: Verified | None) -> list[list[int]]:
+        """Learn from ``verified``, then one draft per row of ``batch`` (``[]``: none)."""
+        return self.choose(batch, self.collect(batch, verified))
+
+    def collect(self, batch: StepBatch, verified: Verified | None,
+                proposers: Sequence[int] | None = None) -> list[tuple[int, int, Candidate]]:
+        """Learn from ``verified``, then ask ``proposers`` (indices; default all): every
+        (row, proposer, candidate) of the step, flat."""
+        if verified is not None:
+            self._learn(verified)
+        self.estimator.step()
+        return self.ask(batch, range(len(self.proposers)) if proposers is None else proposers)
+
+    def ask(self, batch: StepBatch, proposers: Sequence[int]) -> list[tuple[int, int, Candidate]]:
+        per_proposer = {i: self._ask(i, batch) for i in proposers}
+        return [(r, i, c) for i, cands in per_proposer.items()
+                for r, c in enumerate(cands) if c is not None]
+
+    def expected_accepted(self, batch: StepBatch, offers) -> np.ndarray:  # [num_reqs]
+        """Per request, the most accepted tokens any of its offers is expected to bring if
+        verified whole: ``max_c sum_j prod_{i <= j} a_i``."""
+        best = np.zeros(batch.num_reqs)
+        histories = self._histories(batch)
+        for (r, _, _), a in zip(offers, self._estimate(offers, batch, histories)):
+            best[r] = max(best[r], float(np.cumprod(a).sum()))
+        return best
+
+    def mean_accepted(self, index: int) -> float | None:
+        """Accepted tokens per verified candidate of proposer ``index`` so far (None: none yet)."""
+        name = self.proposers[index].name
+        chosen = self.stats.verified_candidates[name]
+        return self.stats.accepted_tokens[name] / chosen if chosen else None
+
+    def choose(self, batch: StepBatch, offers) -> list[list[int]]:
+        """The controller's choice among ``offers``: one draft per row."""
+        histories = self._histories(batch)
+        acceptance: list[list[np.ndarray]] = [[] for _ in range(batch.num_reqs)]
+        order = sorted(range(len(offers)), key=lambda o: offers[o][0])  # by row, stable
+        offers = [offers[o] for o in order]
+        for (r, _, _), a in zip(offers, self._estimate(offers, batch, histories)):
+            acceptance[r].append(a)
+        choices = plan(acceptance, self.cost.step_seconds)
+        return self._remember(batch, offers, histories, choices)
+
+    def _histories(self, batch: StepBatch) -> list[int]:
+        return [history_bucket(self.history.get(req_id)) for req_id in batch.req_ids]
+
+    def forget_pending(self) -> None:
+        """The engine skipped drafting for a step: the drafts proposed before it were
+        verified in a step whose results never reach :meth:`step`."""
+        self._pending = {}
+
+    def finish_requests(self, req_ids: Sequence[str]) -> None:
+        for proposer in self.proposers:
+            proposer.finish_requests(req_ids)
+        self.history.forget(req_ids)
+        for req_id in req_ids:
+            self._pending.pop(req_id, None)
+
+    def _ask(self, index: int, batch: StepBatch) -> list[Candidate | None]:
+        try:
+            candidates = self.proposers[index].propose(batch)
+        except Exception:  # a proposer bug costs its drafts, never a request
+            self.failures[index].record()
+            return [None] * batch.num_reqs
+        return [c if c is not None and len(c) else None for c in candidates]
+
+    def _estimate(self, offers, batch: StepBatch, histories: list[int]) -> list[np.ndarray]:
+        """Acceptance of every offered token in one estimator call, split per offer."""
+        if not offers:
+            return []
+        lengths = np.array([len(c) for _, _, c in offers])  # [num_offers]
+        rows = np.array([r for r, _, _ in offers])
+        starts = np.cumsum(lengths) - lengths
+        cells = TokenCells(
+            proposer=np.repeat([i for _, i, _ in offers], lengths),
+            sampled=np.repeat(np.asarray(batch.sampled)[rows], lengths),
+            position=np.arange(lengths.sum()) - np.repeat(starts, lengths),
+            signal=np.concatenate([c.signal for _, _, c in offers]),
+            history=np.repeat(np.asarray(histories)[rows], lengths))
+        return np.split(self.estimator.estimate(cells), starts[1:])
+
+    def _remember(self, batch: StepBatch, offers, histories, choices) -> list[list[int]]:
+        self._pending = {}
+        drafts: list[list[int]] = []
+        self.last_sources = [None] * len(choices)
+        self.stats.steps += 1
+        by_row: dict[int, list] = {}
+        for r, i, c in offers:
+            by_row.setdefault(r, []).append((i, c))
+        for r, choice in enumerate(choices):
+            self.stats.k_histogram[choice.num_tokens] += 1
+            if choice.candidate == NO_CANDIDATE:
+                drafts.append([])
+                continue
+            index, candidate = by_row[r][choice.candidate]
+            k = choice.num_tokens
+            self.last_sources[r] = index
+            drafts.append(candidate.token_ids[:k].tolist())
+            self._pending[batch.req_ids[r]] = _Pending(
+                index, bool(batch.sampled[r]), histories[r], candidate.signal[:k])
+            self.stats.chosen[self.proposers[index].name] += 1
+        if not any(drafts):
+            self.stats.steps_without_drafts += 1
+        return drafts
+
+    def _learn(self, verified: Verified) -> None:
+        """One estimator update for every judged token of the step just verified."""
+        if verified.seconds is not None:
+            self.cost.observe(verified.num_query_tokens, verified.seconds)
+        pending, self._pending = self._pending, {}
+        judged_parts: list[tuple[_Pending, int, int]] = []  # (sent, judged, accepted)
+        for r, req_id in enumerate(verified.req_ids):
+            sent = pending.get(req_id)
+            scheduled = int(verified.num_scheduled_drafts[r])
+            if sent is None or scheduled <= 0:
+                continue
+            k = min(len(sent.signal), scheduled)
+            num_accepted = int(min(max(verified.num_emitted[r] - 1, 0), k))
+            judged = min(k, num_accepted + 1)
+            judged_parts.append((sent, judged, num_accepted))
+            self.history.update(req_id, np.arange(judged) < num_accepted)
+            name = self.proposers[sent.proposer].name
+            self.stats.draft_tokens[name] += k
+            self.stats.accepted_tokens[name] += num_accepted
+            self.stats.verified_candidates[name] += 1
+        if judged_parts:
+            lengths = np.array([j for _, j, _ in judged_parts])
+            starts = np.cumsum(lengths) - lengths
+            position = np.arange(lengths.sum()) - np.repeat(starts, lengths)
+            cells = TokenCells(
+                proposer=np.repeat([p.proposer for p, _, _ in judged_parts], lengths),
+                sampled=np.repeat([p.sampled for p, _, _ in judged_parts], lengths),
+                position=position,
+                signal=np.concatenate([p.signal[:j] for p, j, _ in judged_parts]),
+                history=np.repeat([p.history for p, _, _ in judged_parts], lengths))
+            accepted = position < np.repeat([a for _, _, a in judged_parts], lengths)
+            self.estimator.update(cells, accepted)

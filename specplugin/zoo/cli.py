@@ -1,0 +1,42 @@
+"""``specplugin zoo``: build the model pair, print its folders, measure it under vLLM."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from specplugin.zoo import report
+
+    zsub = parser.add_subparsers(dest="zoo_command", required=True)
+    b = zsub.add_parser("build", help="train tokenizer, target and draft (deterministic)")
+    b.add_argument("--quick", action="store_true", help="tiny pair in seconds (for tests)")
+    b.add_argument("--out", help="output folder (default: the package's committed weights)")
+    b.add_argument("--time-budget", type=float, default=None,
+                   help="stop training after this many seconds (breaks bit-exact reproduction)")
+    q = zsub.add_parser("path", help="print the folder of a zoo model")
+    q.add_argument("name", choices=["target", "draft"])
+    q.add_argument("--root", help="zoo folder (default: the committed weights)")
+    report.add_arguments(zsub.add_parser("report",
+                                         help="measure the pair under vLLM (README figures)"))
+
+
+def run(args: argparse.Namespace) -> int:
+    from specplugin import zoo
+
+    if args.zoo_command == "path":
+        print(zoo.zoo_path(args.name, Path(args.root) if args.root else None))
+        return 0
+    if args.zoo_command == "report":
+        from specplugin.zoo import report
+
+        return report.run(args)
+    built = zoo.build(Path(args.out) if args.out else None, quick=args.quick,
+                      time_budget_s=args.time_budget)
+    for name in ("target", "draft"):
+        r = built[name]
+        print(f"{name}: {r['params'] / 1e6:.2f}M params, held-out loss {r['heldout_loss']:.3f}, "
+              f"{r['steps_done']} steps")
+    print(f"seconds: {built['seconds']}")
+    return 0

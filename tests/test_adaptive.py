@@ -1,0 +1,216 @@
+"""Difficulty estimator, cost model, controller and the union, on constructed cases."""
+
+import numpy as np
+import pytest
+
+from specplugin.adaptive.controller import NO_CANDIDATE, Choice, plan
+from specplugin.adaptive.cost import StepCostModel
+from specplugin.adaptive.estimator import AcceptanceEstimator, TokenCells, history_bucket
+from specplugin.proposers.base import Candidate, StepBatch
+from specplugin.proposers.union import Union, Verified
+
+
+def linear(t0: float, per_token: float):
+    return lambda n: t0 + per_token * np.asarray(n, dtype=float)
+
+
+# ------------------------------------------------------------------ controller
+
+
+def test_confident_long_match_is_verified_whole_and_no_match_decodes_plainly():
+    choices = plan([[np.full(8, 0.95)], []], linear(0.010, 0.001))
+    assert choices == [Choice(0, 8), Choice(NO_CANDIDATE, 0)]
+
+
+def test_adversarial_text_gets_no_drafts():
+    assert plan([[np.full(4, 0.05)]] * 4, linear(0.010, 0.001)) == [Choice(NO_CANDIDATE, 0)] * 4
+
+
+def test_a_draft_stops_where_its_next_token_no_longer_pays():
+    # P = 0.9, 0.45, 0.09, ...; at batch 1 a token costs 1 ms of a 10 ms step:
+    # worth it while P > 1/11 * ... i.e. the rate 1/T(1) times the marginal cost
+    [choice] = plan([[np.array([0.9, 0.5, 0.2, 0.5])]], linear(0.010, 0.001))
+    assert choice == Choice(0, 2)
+
+
+def test_large_batch_backs_off_where_batch_one_drafts():
+    candidate = [np.full(4, 0.6)]
+    cheap_fixed = linear(0.002, 0.001)  # a step is mostly per-token work
+    assert plan([candidate], cheap_fixed)[0].num_tokens > 0
+    assert all(c.num_tokens == 0 for c in plan([candidate] * 16, cheap_fixed))
+
+
+def test_the_better_candidate_of_a_request_is_chosen():
+    weak, strong = np.full(4, 0.3), np.full(3, 0.95)
+    assert plan([[weak, strong]], linear(0.010, 0.001))[0] == Choice(1, 3)
+
+
+def test_the_batch_shares_one_budget_best_tokens_first():
+    # two requests, one confident, one middling: the step verifies more of the first
+    choices = plan([[np.full(6, 0.95)], [np.full(6, 0.5)]], linear(0.004, 0.001))
+    assert choices[0].num_tokens > choices[1].num_tokens >= 0
+
+
+# ------------------------------------------------------------------ estimator
+
+
+def _cells(n, proposer=0, sampled=False, signal=0.9, history=3):
+    return TokenCells(np.full(n, proposer), np.full(n, sampled), np.arange(n) % 4,
+                      np.full(n, signal), np.full(n, history))
+
+
+def test_estimator_cold_start_is_the_prior_and_learns_per_mode():
+    est = AcceptanceEstimator(("ngram",))
+    assert est.estimate(_cells(3)) == pytest.approx(0.5)
+    for _ in range(200):
+        est.update(_cells(4), np.array([True, True, True, False]))
+        est.update(_cells(4, sampled=True), np.array([False, False, False, False]))
+    greedy, sampled = est.estimate(_cells(4)), est.estimate(_cells(4, sampled=True))
+    assert greedy[0] > 0.95 and greedy[3] < 0.05
+    assert sampled.max() < 0.05
+
+
+def test_estimator_tells_signal_buckets_apart_and_forgets_slowly():
+    est = AcceptanceEstimator(("suffix",), memory=50)
+    for _ in range(300):
+        est.update(_cells(1, signal=0.95), np.array([True]))
+        est.update(_cells(1, signal=0.15), np.array([False]))
+    assert est.estimate(_cells(1, signal=0.95))[0] > 0.8
+    assert est.estimate(_cells(1, signal=0.15))[0] < 0.2
+    low = est.estimate(_cells(1, signal=0.15))[0]
+    for _ in range(500):  # no new evidence: back toward the prior, so it gets tried again
+        est.step()
+    assert est.estimate(_cells(1, signal=0.15))[0] > low + 0.2
+
+
+def test_history_buckets():
+    assert history_bucket(None) == 3
+    assert [history_bucket(x) for x in (0.0, 0.5, 0.9)] == [0, 1, 2]
+
+
+# ------------------------------------------------------------------ cost model
+
+
+def test_cost_model_calibrates_then_tracks_observed_steps():
+    cost = StepCostModel(max_tokens=64)
+    cost.calibrate(np.array([1, 4, 16]), np.array([0.005, 0.008, 0.020]))
+    assert cost.forward_seconds(4) == pytest.approx(0.008)
+    assert cost.marginal_seconds(4, 12) == pytest.approx(0.012)
+    assert cost.forward_seconds(64) == pytest.approx(0.020 + 48 * 0.001)  # extrapolated
+    for _ in range(400):  # the engine adds 3 ms of its own per step
+        cost.observe(4, 0.011)
+    assert cost.step_seconds(4) == pytest.approx(0.011, rel=0.05)
+    assert cost.marginal_seconds(4, 12) == pytest.approx(0.012, rel=0.3)
+
+
+def test_cost_model_without_calibration_starts_from_the_first_step():
+    cost = StepCostModel(max_tokens=16)
+    cost.observe(2, 0.010)
+    assert cost.step_seconds(2) == pytest.approx(0.010)
+    cost.observe(2, 10.0)  # an idle gap, not a step
+    assert cost.step_seconds(2) < 0.02
+
+
+# ------------------------------------------------------------------ union
+
+
+class Fixed:
+    """A proposer that always guesses the same tokens with the same signal."""
+
+    def __init__(self, name, tokens, signal, fail=False):
+        self.name, self.tokens, self.signal, self.fail = name, tokens, signal, fail
+        self.finished = []
+
+    def propose(self, batch):
+        if self.fail:
+            raise RuntimeError("boom")
+        return [Candidate(np.array(self.tokens[: batch.max_draft_lens[r]], dtype=np.int64),
+                          np.full(min(len(self.tokens), batch.max_draft_lens[r]), self.signal))
+                if r in batch.rows else None for r in range(batch.num_reqs)]
+
+    def finish_requests(self, req_ids):
+        self.finished += list(req_ids)
+
+
+def _batch(req_ids, k=8, sampled=False):
+    n = len(req_ids)
+    return StepBatch(tuple(req_ids), np.zeros((n, 32), dtype=np.int32), np.full(n, 10),
+                     np.full(n, 5), np.full(n, k), np.full(n, sampled), tuple(range(n)))
+
+
+def _union(*proposers):
+    cost = StepCostModel(max_tokens=64)
+    cost.calibrate(np.array([1, 2, 64]), np.array([0.010, 0.011, 0.073]))
+    return Union(list(proposers), cost=cost)
+
+
+def test_union_learns_which_proposer_to_trust():
+    good, bad = Fixed("good", [1, 2, 3, 4], 0.5), Fixed("bad", [9, 9, 9, 9], 0.5)
+    union = _union(bad, good)
+    verified = None
+    for _ in range(60):
+        drafts = union.step(_batch(["a"]), verified)
+        # the target always continues 1, 2, 3, 4: "good" is fully accepted, "bad" never
+        num_accepted = 4 if drafts[0] == [1, 2, 3, 4][: len(drafts[0])] and drafts[0] else 0
+        verified = Verified(("a",), np.array([len(drafts[0])]), np.array([num_accepted + 1]),
+                            0.012, 1 + len(drafts[0]))
+    assert drafts == [[1, 2, 3, 4]]
+    assert union.stats.accepted_tokens["good"] > 0 and union.stats.accepted_tokens["bad"] == 0
+
+
+def test_union_never_drafts_what_is_always_rejected():
+    union = _union(Fixed("ngram", [7, 7, 7], 0.9))
+    verified, sent = None, 0
+    for step in range(300):
+        drafts = union.step(_batch(["a", "b"]), verified)
+        sent += sum(map(len, drafts)) if step >= 100 else 0
+        verified = Verified(("a", "b"), np.array([len(d) for d in drafts]), np.ones(2, int),
+                            0.012, 2 + sum(map(len, drafts)))
+    assert sent == 0  # after learning: K = 0 for both
+    assert union.stats.steps_without_drafts > 150
+
+
+def test_a_failing_proposer_costs_its_candidates_only():
+    union = _union(Fixed("broken", [1], 0.9, fail=True), Fixed("ok", [5, 6], 0.99))
+    for _ in range(3):
+        assert union.step(_batch(["a"]), None) == [[5, 6]]
+    assert union.failures[0].count == 3
+
+
+def test_unverified_or_cut_drafts_are_not_learned_as_accepted():
+    union = _union(Fixed("p", [1, 2, 3, 4], 0.9))
+    union.step(_batch(["a"]), None)
+    before = union.estimator.judged.sum()
+    # the scheduler verified none of them (e.g. cut at max_model_len)
+    union.step(_batch(["a"]), Verified(("a",), np.array([0]), np.array([1]), 0.01, 1))
+    assert union.estimator.judged.sum() == pytest.approx(before * union.estimator.decay)
+    # 4 sent, 2 scheduled, both accepted: 2 accepted tokens, not 4
+    union.step(_batch(["a"]), Verified(("a",), np.array([2]), np.array([3]), 0.01, 3))
+    assert union.stats.accepted_tokens["p"] == 2 and union.stats.draft_tokens["p"] == 2
+
+
+def test_finished_requests_reach_every_proposer():
+    p = Fixed("p", [1], 0.9)
+    union = _union(p)
+    union.step(_batch(["a"]), None)
+    union.finish_requests(["a"])
+    assert p.finished == ["a"] and union._pending == {}
+
+
+def test_two_phase_collect_then_choose_matches_one_step_and_reports_expectations():
+    """The draft path asks token-level proposers first, the draft model later: the union's
+    two phases must choose what one step would."""
+    good = Fixed("good", [1, 2, 3], 0.9)
+    union = _union(good, Fixed("late", [4, 5], 0.9))
+    batch = _batch(["a", "b"])
+    offers = union.collect(batch, None, [0])
+    expected = union.expected_accepted(batch, offers)
+    assert expected.shape == (2,) and np.all(expected > 0)
+    drafts = union.choose(batch, offers + union.ask(batch, [1]))
+    assert union.last_sources in ([0, 0], [1, 1])
+    assert all(len(d) > 0 for d in drafts)
+    assert union.mean_accepted(0) is None  # nothing verified yet
+    union.step(batch, Verified(("a", "b"), np.array([len(d) for d in drafts]),
+                               np.array([2, 2]), 0.012, 2 + sum(map(len, drafts))))
+    # each request had 1 of its draft accepted
+    assert 1.0 in (union.mean_accepted(0), union.mean_accepted(1))
