@@ -138,10 +138,28 @@ def _batch(req_ids, k=8, sampled=False):
                      np.full(n, 5), np.full(n, k), np.full(n, sampled), tuple(range(n)))
 
 
-def _union(*proposers):
+def _union(*proposers, explore=False):
     cost = StepCostModel(max_tokens=64)
     cost.calibrate(np.array([1, 2, 64]), np.array([0.010, 0.011, 0.073]))
-    return Union(list(proposers), cost=cost)
+    return Union(list(proposers), cost=cost, explore=explore)
+
+
+def test_exploration_tries_again_a_proposer_rejected_by_bad_luck():
+    """Two early rejections must not switch a proposer off: with posterior draws it is
+    tried again and, being good, comes back; with posterior means it would stay off."""
+    results = {}
+    for explore in (False, True):
+        union = _union(Fixed("p", [1, 2, 3, 4], 0.5), explore=explore)
+        verified, accepted = None, 0
+        for step in range(200):
+            drafts = union.step(_batch([f"r{j}" for j in range(8)]), verified)
+            lucky = step >= 2  # the first two steps reject everything
+            emitted = [len(d) + 1 if lucky else 1 for d in drafts]
+            accepted += sum(e - 1 for e in emitted)
+            verified = Verified(tuple(f"r{j}" for j in range(8)), np.array([len(d) for d in drafts]),
+                                np.array(emitted), 0.012, 8 + sum(map(len, drafts)))
+        results[explore] = accepted
+    assert results[True] > 10 * max(1, results[False])
 
 
 def test_union_learns_which_proposer_to_trust():

@@ -22,6 +22,13 @@ whether even that pays). Counts decay by ``1 - 1 / memory`` per step, so a cell
 that stopped being drafted (because it looked bad) drifts back toward its parent
 and is tried again: the estimator keeps up with text that changes.
 
+**Exploration.** A point estimate learnt from two unlucky rejections would switch a
+good proposer off for thousands of steps (a cell that is never drafted learns
+nothing). :meth:`AcceptanceEstimator.sample` therefore draws each token's acceptance
+from the cell's posterior, ``Beta(s + m * parent, n - s + m * (1 - parent))``
+(Thompson sampling): a cell with little evidence is sometimes tried, one with much
+evidence behaves like its mean. Draws are seeded, so runs repeat.
+
 The request's recent acceptance is an exponential average of its own judged
 tokens (accepted = 1, rejected = 0), bucketed; a new request has its own bucket.
 """
@@ -50,7 +57,7 @@ class TokenCells:
 class AcceptanceEstimator:
     def __init__(self, proposers: tuple[str, ...], num_signal_buckets: int = 8,
                  prior_mean: float = 0.5, parent_strength: float = 4.0,
-                 prior_strength: float = 2.0, memory: float = 4000.0):
+                 prior_strength: float = 2.0, memory: float = 4000.0, seed: int = 0):
         self.proposers = proposers
         self.num_signal_buckets = num_signal_buckets
         self.prior_mean, self.m, self.m0 = prior_mean, parent_strength, prior_strength
@@ -59,6 +66,7 @@ class AcceptanceEstimator:
                  len(HISTORY_EDGES) + 2)
         self.judged = np.zeros(shape)  # n per cell
         self.accepted = np.zeros(shape)  # s per cell
+        self._rng = np.random.default_rng(seed)
 
     def index(self, name: str) -> int:
         return self.proposers.index(name)
@@ -76,6 +84,17 @@ class AcceptanceEstimator:
         parent_s = self.accepted.sum(axis=(3, 4))[cell[:3]]
         parent = (parent_s + self.m0 * self.prior_mean) / (parent_n + self.m0)
         return (self.accepted[cell] + self.m * parent) / (self.judged[cell] + self.m)
+
+    def sample(self, t: TokenCells) -> np.ndarray:  # [num_tokens] in (0, 1)
+        """One draw per token from its cell's posterior (see the module docstring)."""
+        cell = self._cells(t)
+        parent_n = self.judged.sum(axis=(3, 4))[cell[:3]]
+        parent_s = self.accepted.sum(axis=(3, 4))[cell[:3]]
+        parent = (parent_s + self.m0 * self.prior_mean) / (parent_n + self.m0)
+        n, s = self.judged[cell], self.accepted[cell]
+        alpha = s + self.m * parent
+        beta = np.maximum(n - s, 0.0) + self.m * (1.0 - parent)
+        return np.clip(self._rng.beta(alpha, beta), 1e-6, 1.0 - 1e-6)
 
     def update(self, t: TokenCells, accepted: np.ndarray) -> None:
         """``accepted``: [num_tokens] bool for judged tokens only."""

@@ -70,7 +70,10 @@ class UnionStats:
 
 class Union:
     def __init__(self, proposers: Sequence[Proposer], cost: StepCostModel | None = None,
-                 estimator: AcceptanceEstimator | None = None):
+                 estimator: AcceptanceEstimator | None = None, explore: bool = True):
+        """``explore``: choose with posterior draws (Thompson sampling), not posterior
+        means, so that a proposer unlucky early on is tried again (see the estimator)."""
+        self.explore = explore
         self.proposers = list(proposers)
         names = tuple(p.name for p in self.proposers)
         self.estimator = estimator or AcceptanceEstimator(names)
@@ -163,7 +166,8 @@ class Union:
             position=np.arange(lengths.sum()) - np.repeat(starts, lengths),
             signal=np.concatenate([c.signal for _, _, c in offers]),
             history=np.repeat(np.asarray(histories)[rows], lengths))
-        return np.split(self.estimator.estimate(cells), starts[1:])
+        estimate = self.estimator.sample if self.explore else self.estimator.estimate
+        return np.split(estimate(cells), starts[1:])
 
     def _remember(self, batch: StepBatch, offers, histories, choices) -> list[list[int]]:
         self._pending = {}
