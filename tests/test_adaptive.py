@@ -232,3 +232,35 @@ def test_two_phase_collect_then_choose_matches_one_step_and_reports_expectations
                                np.array([2, 2]), 0.012, 2 + sum(map(len, drafts))))
     # each request had 1 of its draft accepted
     assert 1.0 in (union.mean_accepted(0), union.mean_accepted(1))
+
+
+def test_the_speculative_machinery_is_charged_once_per_step():
+    # 1 ms per token, 10 ms per step; drafting at all costs 4 ms more: one 0.3 token
+    # does not pay for it, but a long confident draft does
+    step = linear(0.010, 0.001)
+    assert plan([[np.array([0.3])]], step, spec_overhead=0.004)[0] == Choice(NO_CANDIDATE, 0)
+    assert plan([[np.array([0.3])]], step)[0] == Choice(0, 1)
+    assert plan([[np.full(6, 0.95)]], step, spec_overhead=0.004)[0] == Choice(0, 6)
+
+
+def test_cost_model_learns_the_speculative_overhead_from_the_two_kinds_of_steps():
+    cost = StepCostModel(max_tokens=64)
+    cost.calibrate(np.array([1, 64]), np.array([0.005, 0.068]))
+    assert cost.spec_overhead_s == 0.0
+    for _ in range(300):
+        cost.observe(8, 0.012 + 0.001, speculative=False)  # 8 tokens: F = 12 ms, +1 ms
+        cost.observe(8, 0.012 + 0.004, speculative=True)  # +3 ms more when verifying
+    assert cost.spec_overhead_s == pytest.approx(0.003, rel=0.1)
+
+
+def test_one_pathological_speculative_step_cannot_switch_speculation_off():
+    """The first steps with drafts may compile new shapes (seconds): clipped, and the
+    average is not trusted before both kinds of steps were seen often enough."""
+    cost = StepCostModel(max_tokens=64)
+    cost.calibrate(np.array([1, 64]), np.array([0.005, 0.068]))
+    cost.observe(8, 1.5, speculative=True)  # a compile
+    assert cost.spec_overhead_s == 0.0
+    for _ in range(100):
+        cost.observe(8, 0.013, speculative=False)
+        cost.observe(8, 0.014, speculative=True)
+    assert cost.spec_overhead_s < 0.003

@@ -15,8 +15,14 @@ exactly when::
 
 its gain per second beats the rate already reached. Tokens are offered in
 decreasing order of P (a request's own tokens come in order, since P falls along
-a draft), and the first one that does not pay ends the step's choice: with T
-convex or linear in n nothing after it would pay either. A request none of whose
+a draft). A step that verifies any draft also pays the engine's speculative
+machinery once (``spec_overhead`` seconds, measured by the cost model), so the
+step verifies the prefix of offers with the highest rate::
+
+    j* = argmax_j (num_reqs + P_(1) + ... + P_(j)) / (T(n0 + j) + spec_overhead * [j > 0])
+
+(with T convex or linear in n the rate rises then falls along j, so this is the
+point where the next offer stops paying). A request none of whose
 tokens pays decodes plainly (k = 0), and a large batch, whose rate is already
 high, backs off by itself.
 
@@ -43,7 +49,7 @@ class Choice:
 
 def plan(acceptance: Sequence[Sequence[np.ndarray]],  # [num_reqs][num_candidates] -> [k]
          step_seconds: Callable[[np.ndarray], np.ndarray],
-         num_base_tokens: int | None = None) -> list[Choice]:
+         num_base_tokens: int | None = None, spec_overhead: float = 0.0) -> list[Choice]:
     """``acceptance[r][c]``: conditional acceptance of each token of candidate c of request r
     (already cut to the request's limit). ``step_seconds(n)``: T(n), vectorised.
     ``num_base_tokens``: query tokens the step runs without drafts (default num_reqs)."""
@@ -62,12 +68,9 @@ def plan(acceptance: Sequence[Sequence[np.ndarray]],  # [num_reqs][num_candidate
     offers.sort(key=lambda o: (-o[0], o[1], o[2]))
     gains = np.array([o[0] for o in offers])
     n = n0 + np.arange(len(offers) + 1)
-    times = step_seconds(n)  # [num_offers + 1]
+    times = step_seconds(n) + spec_overhead * (n > n0)  # [num_offers + 1]
     expected = num_reqs + np.concatenate([[0.0], np.cumsum(gains)])
-    rates = expected / times
-    # take offers while each one raises the rate; the first that does not ends it
-    pays = rates[1:] > rates[:-1]
-    num_taken = int(np.argmin(pays)) if not pays.all() else len(offers)
+    num_taken = int(np.argmax(expected / times))  # the first best prefix
     counts = np.zeros(num_reqs, dtype=int)
     for _, r, _ in offers[:num_taken]:
         counts[r] += 1

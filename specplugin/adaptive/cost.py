@@ -15,6 +15,14 @@ average) and, scaled, the two knots around ``n`` (so ``F`` follows a machine tha
 got busier or a model compiled after start). Without calibration the knots start
 from the first observations (a line through the origin and the first step).
 
+A step that verifies any draft at all also pays the engine's speculative machinery
+(spec-decode metadata, the rejection sampler), which a step without drafts skips:
+``spec_overhead_s`` is that difference, the exponential average of wall-time
+residuals of steps with drafts minus that of steps without (0 until both kinds were
+seen ``warmup`` times; each residual clipped to one forward's time, so that a step
+that compiled a new shape cannot make speculation look too dear to ever try again).
+The controller charges it once per step, to the first draft token.
+
 What the controller asks: :meth:`step_seconds` (``T(n)``) and
 :meth:`marginal_seconds` (``T(n + k) - T(n)``: what verifying ``k`` more tokens
 costs). On a GPU ``F`` is flat until the batch stops being memory-bound; on a CPU it
@@ -36,13 +44,23 @@ def default_knots(max_tokens: int) -> np.ndarray:  # [num_knots] int
 
 
 class StepCostModel:
-    def __init__(self, max_tokens: int = 512, smoothing: float = 0.05):
+    def __init__(self, max_tokens: int = 512, smoothing: float = 0.05, warmup: int = 32):
         self.knots = default_knots(max_tokens)
         self.forward_s = np.full(self.knots.shape, np.nan)  # [num_knots] F at each knot
         self.overhead_s = 0.0
         self.smoothing = smoothing
+        self.warmup = warmup
         self.draft_forward_s: float | None = None
         self.num_observed = 0
+        self._residual = {False: None, True: None}  # plain / speculative steps
+        self._counts = {False: 0, True: 0}
+
+    @property
+    def spec_overhead_s(self) -> float:
+        """0 until both kinds of steps were seen ``warmup`` times (averages start at 0)."""
+        if min(self._counts.values()) < self.warmup:
+            return 0.0
+        return max(0.0, self._residual[True] - self._residual[False])
 
     @property
     def calibrated(self) -> bool:
@@ -76,9 +94,9 @@ class StepCostModel:
     def marginal_seconds(self, num_tokens: int, extra) -> np.ndarray:
         return self.forward_seconds(num_tokens + np.asarray(extra)) - self.forward_seconds(num_tokens)
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        """One engine step's wall time. A step over 20x the model's estimate is an idle
-        gap (no requests), not a step, and is ignored."""
+    def observe(self, num_tokens: int, seconds: float, speculative: bool = False) -> None:
+        """One engine step's wall time (``speculative``: it verified drafts). A step over
+        20x the model's estimate is an idle gap (no requests), not a step, and is ignored."""
         if num_tokens <= 0 or seconds <= 0:
             return
         if not self.calibrated:  # first sight: a line through the origin
@@ -88,6 +106,15 @@ class StepCostModel:
             return
         self.num_observed += 1
         residual = seconds - predicted
+        # a step that compiled a new shape or waited on the host says nothing about the
+        # machinery's steady cost: each residual counts at most one forward's worth
+        bound = float(self.forward_seconds(num_tokens))
+        clipped = float(np.clip(residual, -bound, bound))
+        old = self._residual[speculative] or 0.0
+        self._residual[speculative] = old + self.smoothing * (clipped - old)
+        self._counts[speculative] += 1
+        if speculative:  # the fixed part and the knots learn from plain steps' terms only
+            residual -= self.spec_overhead_s
         # the fixed part takes the residual's average; the knots take what varies with n
         self.overhead_s = max(0.0, self.overhead_s + self.smoothing * residual)
         self._nudge_knots(num_tokens, 0.5 * self.smoothing * residual)

@@ -127,7 +127,8 @@ class Union:
         offers = [offers[o] for o in order]
         for (r, _, _), a in zip(offers, self._estimate(offers, batch, histories)):
             acceptance[r].append(a)
-        choices = plan(acceptance, self.cost.step_seconds)
+        choices = plan(acceptance, self.cost.step_seconds,
+                       spec_overhead=self.cost.spec_overhead_s)
         return self._remember(batch, offers, histories, choices)
 
     def _histories(self, batch: StepBatch) -> list[int]:
@@ -196,7 +197,8 @@ class Union:
     def _learn(self, verified: Verified) -> None:
         """One estimator update for every judged token of the step just verified."""
         if verified.seconds is not None:
-            self.cost.observe(verified.num_query_tokens, verified.seconds)
+            self.cost.observe(verified.num_query_tokens, verified.seconds,
+                              speculative=bool(np.any(verified.num_scheduled_drafts > 0)))
         pending, self._pending = self._pending, {}
         judged_parts: list[tuple[_Pending, int, int]] = []  # (sent, judged, accepted)
         for r, req_id in enumerate(verified.req_ids):
