@@ -70,6 +70,7 @@ class PluginDraftProposer(DraftModelProposer):
         self.outcomes = OutcomeTracker(self.calibration)
         self.costs = CostModel()
         self._last_call: float | None = None  # perf_counter() of the previous propose()
+        self._step_seconds: float | None = None  # wall time of the step just run
         self._last_forwards = self._last_draft_tokens = 0  # of the previous propose()
         self.failures = FailureCounter("draft", logger)
         # [num_reqs] draft tokens kept per row of the last propose(); the runner cuts
@@ -85,7 +86,6 @@ class PluginDraftProposer(DraftModelProposer):
             max_tokens = max(2, vllm_config.scheduler_config.max_num_batched_tokens)
             self.union = Union([*proposers, self.draft_candidates],
                                cost=StepCostModel(max_tokens=max_tokens))
-            self._union_last_call: float | None = None
 
     def calibrate(self, num_tokens: np.ndarray, seconds: np.ndarray) -> None:
         """Timed target forwards from engine start (see the worker)."""
@@ -189,8 +189,10 @@ class PluginDraftProposer(DraftModelProposer):
             context.req_ids, context.num_scheduled_drafts[:num_reqs],
             None if num_rejected_tokens_gpu is None else num_rejected_tokens_gpu[:num_reqs].tolist())
         now = time.perf_counter()
-        if self._last_call is not None:  # every row emitted one token plus its accepted drafts
-            self.costs.observe_step(now - self._last_call, num_reqs + num_accepted,
+        # wall time of the step just run (None: first step, or the last one failed)
+        self._step_seconds = None if self._last_call is None else now - self._last_call
+        if self._step_seconds is not None:  # every row emitted one token plus its accepted drafts
+            self.costs.observe_step(self._step_seconds, num_reqs + num_accepted,
                                     self._last_forwards, self._last_draft_tokens)
         self._last_call = now
         if self.fixed_min_acceptance is not None:
@@ -262,10 +264,8 @@ class PluginDraftProposer(DraftModelProposer):
         scheduled = np.asarray(context.num_scheduled_drafts[:num_reqs])
         batch = _step_batch(self.plugin_runner.input_batch, context, sampled, caps,
                             np.maximum(scheduled - rejected, 0), next_token_ids[:num_reqs])
-        now = time.perf_counter()
-        last, self._union_last_call = self._union_last_call, now
         verified = Verified(batch.req_ids, scheduled, scheduled - rejected + 1,
-                            None if last is None else now - last, context.num_query_tokens)
+                            self._step_seconds, context.num_query_tokens)
         draft_index = len(self.union.proposers) - 1
         offers = self.union.collect(batch, verified, range(draft_index))
         draft_mean = self.union.mean_accepted(draft_index)

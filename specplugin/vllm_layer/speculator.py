@@ -21,6 +21,7 @@ import logging
 import time
 
 import numpy as np
+from vllm.v1.sample.sampler import _SAMPLING_EPS  # a temperature below it is greedy
 
 from specplugin.adaptive.cost import StepCostModel
 from specplugin.metrics import FailureCounter
@@ -30,7 +31,6 @@ from specplugin.vllm_layer.config_hook import plugin_config
 
 logger = logging.getLogger("specplugin")
 
-_SAMPLING_EPS = 1e-5  # vLLM's own: a temperature below this is greedy
 
 
 class Speculator:

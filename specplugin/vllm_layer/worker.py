@@ -48,8 +48,9 @@ class StepContext:
 
     req_ids: list[str]  # [num_reqs]
     sampling_params: list  # [num_reqs] vllm.SamplingParams (None for pooling requests)
-    # [num_reqs] max_tokens minus tokens emitted before this step (this step's own
-    # tokens are sampled but not yet counted when the drafter runs)
+    # [num_reqs] max_tokens minus tokens emitted so far. The draft model drafts before
+    # vLLM's bookkeeping (this step's tokens not counted yet), specplugin.Speculator after
+    # it (counted): each drafter bounds its drafts accordingly.
     remaining_tokens: list[int]
     block_table: torch.Tensor  # [num_reqs, max_num_blocks_per_req] the target's KV blocks
     # [num_reqs] draft tokens the scheduler verified for each row in this step (it may
