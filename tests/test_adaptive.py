@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from specplugin.adaptive.arbiter import StepArbiter
 from specplugin.adaptive.controller import NO_CANDIDATE, Choice, plan
 from specplugin.adaptive.cost import StepCostModel
 from specplugin.adaptive.estimator import AcceptanceEstimator, TokenCells, history_bucket
@@ -162,6 +163,26 @@ def test_exploration_tries_again_a_proposer_rejected_by_bad_luck():
     assert results[True] > 10 * max(1, results[False])
 
 
+def test_exploration_at_large_batch_does_not_make_most_steps_speculative():
+    """16 requests whose candidates are always rejected: exploring every row would let
+    some row's optimistic draw make nearly every step speculative (the whole batch then
+    pays the speculative machinery); one exploring row per step keeps that rare."""
+    rng = np.random.default_rng(0)
+    proposer = Fixed("p", [7, 7, 7], 0.5)
+    cost = StepCostModel(max_tokens=64)  # CPU-like: a verified token costs ~0.13 ms
+    cost.calibrate(np.array([1, 16, 64]), np.array([0.010, 0.012, 0.030]))
+    union = Union([proposer], cost=cost, explore=True)
+    req_ids = [f"r{j}" for j in range(16)]
+    verified, speculative = None, 0
+    for _ in range(300):
+        proposer.signal = rng.random(3)  # spread over the estimator's signal cells
+        drafts = union.step(_batch(req_ids), verified)
+        speculative += any(drafts)
+        verified = Verified(tuple(req_ids), np.array([len(d) for d in drafts]),
+                            np.ones(16, int), 0.012, 16 + sum(map(len, drafts)))
+    assert speculative <= 10, speculative  # exploring every row: 19 here
+
+
 def test_union_learns_which_proposer_to_trust():
     good, bad = Fixed("good", [1, 2, 3, 4], 0.5), Fixed("bad", [9, 9, 9, 9], 0.5)
     union = _union(bad, good)
@@ -215,13 +236,14 @@ def test_finished_requests_reach_every_proposer():
     assert p.finished == ["a"] and union._pending == {}
 
 
-def test_two_phase_collect_then_choose_matches_one_step_and_reports_expectations():
+def test_two_phase_begin_ask_then_choose_matches_one_step_and_reports_expectations():
     """The draft path asks token-level proposers first, the draft model later: the union's
     two phases must choose what one step would."""
     good = Fixed("good", [1, 2, 3], 0.9)
     union = _union(good, Fixed("late", [4, 5], 0.9))
     batch = _batch(["a", "b"])
-    offers = union.collect(batch, None, [0])
+    assert union.begin(None, batch.num_reqs, sampled=False)
+    offers = union.ask(batch, [0])
     expected = union.expected_accepted(batch, offers)
     assert expected.shape == (2,) and np.all(expected > 0)
     drafts = union.choose(batch, offers + union.ask(batch, [1]))
@@ -264,3 +286,82 @@ def test_one_pathological_speculative_step_cannot_switch_speculation_off():
         cost.observe(8, 0.013, speculative=False)
         cost.observe(8, 0.014, speculative=True)
     assert cost.spec_overhead_s < 0.003
+
+
+# ------------------------------------------------------------------ step arbiter
+
+
+def _arbitrate(arbiter, steps, spec_rate, plain_rate, num_reqs=16, rng=None):
+    """Run ``steps`` engine steps whose tokens per second depend on the arbiter's choice
+    (with 10% noise); returns the choices."""
+    rng = rng or np.random.default_rng(0)
+    choices = []
+    for _ in range(steps):
+        choice = arbiter.speculate(num_reqs)
+        rate = (spec_rate if choice else plain_rate) * rng.uniform(0.9, 1.1)
+        arbiter.observe(num_reqs, num_reqs / rate)
+        choices.append(choice)
+    return np.array(choices)
+
+
+def test_arbiter_decodes_plainly_where_speculation_measures_slower():
+    arbiter = StepArbiter()
+    choices = _arbitrate(arbiter, 2000, spec_rate=600.0, plain_rate=1000.0)
+    late = choices[400:]
+    assert late.mean() < 0.05  # nearly every step plain...
+    assert late.any()  # ...but speculation is measured again now and then
+    assert arbiter.rate(16, True) == pytest.approx(600, rel=0.1)
+    assert arbiter.rate(16, False) == pytest.approx(1000, rel=0.1)
+
+
+def test_arbiter_speculates_where_it_pays_and_rarely_pays_to_check():
+    choices = _arbitrate(StepArbiter(), 2000, spec_rate=2000.0, plain_rate=1000.0)
+    late = choices[400:]
+    assert late.mean() > 0.97 and not late.all()
+
+
+def test_arbiter_remeasures_often_when_the_choices_are_close():
+    choices = _arbitrate(StepArbiter(), 2000, spec_rate=1020.0, plain_rate=1000.0)
+    assert 0.1 < choices[400:].mean() < 0.95
+
+
+def test_arbiter_keeps_rates_per_batch_size_and_ignores_idle_gaps():
+    arbiter = StepArbiter()
+    _arbitrate(arbiter, 400, spec_rate=600.0, plain_rate=1000.0, num_reqs=16)
+    _arbitrate(arbiter, 400, spec_rate=300.0, plain_rate=100.0, num_reqs=1)
+    assert arbiter.speculate(1) and arbiter.rate(1, True) == pytest.approx(300, rel=0.1)
+    assert arbiter.rate(16, False) == pytest.approx(1000, rel=0.1)
+    arbiter.observe(1, 60.0)  # a minute without requests is not a slow step
+    assert arbiter.rate(1, True) == pytest.approx(300, rel=0.1)
+
+
+def test_union_with_an_arbiter_asks_no_proposer_in_a_plain_step():
+    class Counting(Fixed):
+        asked = 0
+
+        def propose(self, batch):
+            Counting.asked += 1
+            return super().propose(batch)
+
+    class Plain(StepArbiter):
+        def speculate(self, num_reqs, sampled=False):
+            return False
+
+    union = _union(Counting("p", [1, 2], 0.9))
+    assert union.step(_batch(["a"]), None) == [[1, 2]] and Counting.asked == 1
+    union.arbiter = Plain()
+    assert union.step(_batch(["a"]), None) == [[]] and Counting.asked == 1
+    assert not union.speculating and union.stats.steps_without_drafts == 1
+
+
+def test_arbiter_keeps_greedy_and_sampled_batches_apart():
+    arbiter = StepArbiter()
+    rng = np.random.default_rng(0)
+    for step in range(1200):  # greedy and sampled batches take turns, 40 steps each
+        sampled = (step // 40) % 2 == 1
+        choice = arbiter.speculate(8, sampled=sampled)
+        rate = {(False, True): 2000.0, (False, False): 1000.0,
+                (True, True): 500.0, (True, False): 1000.0}[(sampled, choice)]
+        arbiter.observe(8, 8 / (rate * rng.uniform(0.9, 1.1)))
+    assert arbiter.rate(8, True, sampled=False) > arbiter.rate(8, False, sampled=False)
+    assert arbiter.rate(8, True, sampled=True) < arbiter.rate(8, False, sampled=True)

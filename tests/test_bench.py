@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from specplugin.bench import report
-from specplugin.bench.methods import BASELINE, BUILTIN, METHODS, PLUGIN, Models, resolve
+from specplugin.bench.methods import (BASELINE, BUILTIN, METHODS, PLUGIN, Models, listed_names,
+                                      resolve)
 from specplugin.bench.runner import engine_kwargs, plugin_engine_kwargs
 from specplugin.bench.workloads import QUICK_CELLS, QUICK_SIZES, Cell
 from specplugin.config import CONFIG_KEY, SPECULATOR_CLASS
@@ -17,8 +18,11 @@ MODELS = Models(target="/zoo/target", draft="/zoo/draft")
 
 
 def test_method_names_are_the_issues():
-    assert list(METHODS) == ["none", "vllm-ngram", "vllm-suffix", "vllm-draft", "plugin-ngram",
-                            "plugin-draft", "plugin-suffix", "plugin-union"]
+    assert listed_names() == ["none", "vllm-ngram", "vllm-suffix", "vllm-draft", "plugin-ngram",
+                              "plugin-draft", "plugin-suffix", "plugin-union"]
+    # every other subset of proposers, for check-lossless
+    assert [m for m in METHODS if m not in listed_names()] == [
+        "plugin-ngram+suffix", "plugin-draft+ngram", "plugin-draft+suffix"]
     assert METHODS["none"].family == BASELINE
     assert {m for m, s in METHODS.items() if s.family == BUILTIN} == {
         "vllm-ngram", "vllm-suffix", "vllm-draft"}
@@ -150,7 +154,7 @@ def test_quick_bench_runs_every_method_on_real_vllm(quick_zoo, tmp_path):
     assert "specplugin bench" in proc.stdout  # the table went to stdout
     assert (tmp_path / "bench" / "throughput.png").stat().st_size > 1000
     results = json.loads(out.read_text())["results"]
-    assert {r["method"] for r in results} == set(METHODS)
+    assert {r["method"] for r in results} == set(listed_names())
     assert {(r["workload"], r["batch_size"], r["temperature"]) for r in results} == {
         (c.workload, c.batch_size, c.temperature) for c in QUICK_CELLS}
     for r in results:

@@ -19,12 +19,15 @@ from specplugin.config import (
 from specplugin.proposers.draft import (
     AcceptanceCalibration,
     CostModel,
+    DraftKVCursor,
     DraftRun,
     OutcomeTracker,
     StopRule,
     confidence_of,
+    sample_draft_tokens,
     truncate_rows,
 )
+from specplugin.stats import chi_square_gof
 
 
 class Identity(AcceptanceCalibration):
@@ -209,6 +212,48 @@ def test_truncate_rows_cuts_to_lengths():
 def test_confidence_is_the_top_probability():
     probs = torch.tensor([[0.1, 0.7, 0.2], [0.5, 0.25, 0.25]])
     assert confidence_of(probs).tolist() == pytest.approx([0.7, 0.5])
+
+
+def test_the_draft_rereads_only_what_its_kv_cache_misses():
+    cursor = DraftKVCursor()
+    # new requests read their whole context (prompt, newest token included)
+    assert cursor.starts(["a", "b"], np.array([10, 7]), budget=100).tolist() == [0, 0]
+    cursor.advance(["a", "b"], np.array([10, 7]))
+    # "a" drafted every step (2 new tokens), "b" was skipped for 5 steps: a longer re-read
+    assert cursor.starts(["a", "b"], np.array([12, 13]), budget=100).tolist() == [10, 7]
+    # what would overflow the draft's input buffers waits for a later step
+    assert cursor.starts(["a", "b"], np.array([12, 13]), budget=4).tolist() == [10, -1]
+    # a context that shrank (preempted and restarted elsewhere) is read again from 0
+    assert cursor.starts(["a"], np.array([5]), budget=100).tolist() == [0]
+    cursor.forget(["a"])
+    assert cursor.starts(["a"], np.array([12]), budget=100).tolist() == [0]
+
+
+def test_draft_tokens_follow_the_draft_probabilities_they_return():
+    """Lossless verification needs the token drawn from exactly the returned distribution:
+    chi-square over 40,000 draws, at two temperatures, with a token of probability 0."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.tensor([2.0, 1.0, 0.5, -float("inf"), 0.0, -1.0, 3.0, -3.0])
+    for temp in (1.0, 0.7):
+        num_rows = 40_000
+        token_ids, draft_probs = sample_draft_tokens(
+            logits.expand(num_rows, -1), torch.full((num_rows,), temp),
+            torch.ones(num_rows, dtype=torch.bool), generator)
+        expected = (logits / temp).softmax(-1)
+        torch.testing.assert_close(draft_probs[0], expected)
+        counts = torch.bincount(token_ids, minlength=logits.numel())
+        assert counts[3] == 0  # probability 0: never drawn
+        assert chi_square_gof(counts, expected).p_value > 1e-3
+
+
+def test_greedy_rows_draft_the_argmax_beside_sampled_rows():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 5.0, 1.0]])
+    sampled = torch.tensor([False, True])
+    draws = {int(sample_draft_tokens(logits, torch.tensor([0.0, 50.0]), sampled)[0][1])
+             for _ in range(50)}
+    assert len(draws) > 1  # temperature 50 is nearly uniform
+    for _ in range(20):
+        assert int(sample_draft_tokens(logits, torch.tensor([0.0, 50.0]), sampled)[0][0]) == 1
 
 
 # ------------------------------------------------------------------ settings

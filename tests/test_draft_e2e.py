@@ -106,6 +106,32 @@ def forward_pass(self, cad, num_tokens, draft_index, padding=None):
 
 P._switch_to_decode, P._determine_batch_execution_and_padding, P._forward = (
     switch, padded, forward_pass)
+
+# The draft runs only for rows that use it: force odd rows to skip every third step and
+# record what each first pass re-reads, per request: [start, end) position ranges.
+from specplugin.vllm_layer import draft_proposer
+
+reads, calls = [], {"n": 0}
+orig_caps, orig_inputs = draft_proposer._caps, P._first_pass_inputs
+
+def caps(remaining, k):
+    out = orig_caps(remaining, k)
+    calls["n"] += 1
+    if calls["n"] % 3 == 0:
+        out[1::2] = 0
+    return out
+
+def first_pass_inputs(self, batch, rows, starts, cad):
+    reads.extend([batch.req_ids[r], int(a), int(batch.num_tokens[r]), calls["n"]]
+                 for r, a in zip(rows, starts))
+    return orig_inputs(self, batch, rows, starts, cad)
+
+draft_proposer._caps, P._first_pass_inputs = caps, first_pass_inputs
+
+# These cells are short: every step speculates (the step arbiter, which would switch some
+# to plain decoding, is tested on its own), so the draft's own rule has steps to learn from.
+from specplugin.adaptive.arbiter import StepArbiter
+StepArbiter.speculate = lambda self, num_reqs, sampled=False: True
 job = json.loads(sys.argv[1])
 from specplugin.bench.engine import run_cell
 from vllm import LLM
@@ -115,8 +141,9 @@ results = {}
 for cell in job["cells"]:
     seen.clear()
     pad_checks.clear()
+    reads.clear()
     results[cell["key"]] = {**run_cell(llm, cell, True), "probe": list(seen),
-                            "pad_checks": list(pad_checks)}
+                            "pad_checks": list(pad_checks), "reads": list(reads)}
 print("PROBE-RESULT " + json.dumps(results))
 """
 
@@ -147,6 +174,25 @@ def test_padded_draft_passes_give_padding_rows_the_padding_slot(with_draft, cell
     would; greedy output stays identical (above) and no padding row holds a real slot."""
     checks = [c for cell in cells for c in with_draft[cell["key"]]["pad_checks"]]
     assert checks and all(checks), checks.count(False)
+
+
+def test_the_draft_rereads_exactly_what_it_skipped(with_draft, cells):
+    """The module's draft engine makes odd rows skip drafting every third step. Each
+    request's first passes must tile its context: each starts where the previous one
+    ended (a skipped step's tokens are read later, none twice, none missed), the first
+    at position 0 (the whole prompt), and some re-reads span skipped steps."""
+    for cell in cells:
+        ranges, steps = {}, {}
+        for req_id, start, end, step in with_draft[cell["key"]]["reads"]:
+            ranges.setdefault(req_id, []).append((start, end))
+            steps.setdefault(req_id, []).append(step)
+        assert len(ranges) == len(cell["prompts"])
+        for req_id, spans in ranges.items():
+            assert spans[0][0] == 0, (req_id, spans[:3])
+            assert all(b[0] == a[1] for a, b in zip(spans, spans[1:])), (req_id, spans)
+        # reads of one request more than one engine step apart: it skipped in between
+        gaps = sum(b - a > 1 for s in steps.values() for a, b in zip(s, s[1:]))
+        assert gaps > 0
 
 
 def test_drafts_are_accepted_and_their_length_adapts(with_draft, cells):
@@ -197,6 +243,7 @@ def test_a_failing_draft_step_costs_its_drafts_not_the_requests():
 
     import logging
 
+    from specplugin.adaptive.arbiter import StepArbiter
     from specplugin.metrics import FailureCounter
     from specplugin.proposers.draft import AcceptanceCalibration, OutcomeTracker
     from specplugin.vllm_layer.draft_proposer import PluginDraftProposer
@@ -206,6 +253,7 @@ def test_a_failing_draft_step_costs_its_drafts_not_the_requests():
     drafter.device, drafter.union = "cpu", None
     drafter.plugin_runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=["a", "b"]))
     drafter.outcomes = OutcomeTracker(AcceptanceCalibration())
+    drafter.arbiter = StepArbiter()
 
     def broken(*args, **kwargs):
         raise RuntimeError("draft model exploded")
@@ -214,4 +262,4 @@ def test_a_failing_draft_step_costs_its_drafts_not_the_requests():
     for _ in range(2):
         drafts = drafter.propose(num_speculative_tokens=8, target_token_ids=None)
         assert drafts.shape == (2, 1) and drafter.last_lengths == [0, 0]
-    assert drafter.stats() == {"proposer_failures": {"draft": 2}}
+    assert drafter.stats()["proposer_failures"] == {"draft": 2}

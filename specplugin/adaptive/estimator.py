@@ -27,7 +27,8 @@ good proposer off for thousands of steps (a cell that is never drafted learns
 nothing). :meth:`AcceptanceEstimator.sample` therefore draws each token's acceptance
 from the cell's posterior, ``Beta(s + m * parent, n - s + m * (1 - parent))``
 (Thompson sampling): a cell with little evidence is sometimes tried, one with much
-evidence behaves like its mean. Draws are seeded, so runs repeat.
+evidence behaves like its mean. Draws are seeded, so runs repeat. (The union
+explores through one request per step; see :class:`~specplugin.proposers.union.Union`.)
 
 The request's recent acceptance is an exponential average of its own judged
 tokens (accepted = 1, rejected = 0), bucketed; a new request has its own bucket.
@@ -53,6 +54,11 @@ class TokenCells:
     signal: np.ndarray  # [num_tokens] float in [0, 1]
     history: np.ndarray  # [num_tokens] int: history bucket (see history_bucket)
 
+    def subset(self, mask: np.ndarray) -> TokenCells:  # mask: [num_tokens] bool
+        return TokenCells(*(np.asarray(a)[mask] for a in
+                            (self.proposer, self.sampled, self.position, self.signal,
+                             self.history)))
+
 
 class AcceptanceEstimator:
     def __init__(self, proposers: tuple[str, ...], num_signal_buckets: int = 8,
@@ -66,7 +72,7 @@ class AcceptanceEstimator:
                  len(HISTORY_EDGES) + 2)
         self.judged = np.zeros(shape)  # n per cell
         self.accepted = np.zeros(shape)  # s per cell
-        self._rng = np.random.default_rng(seed)
+        self.rng = np.random.default_rng(seed)  # draws (seeded: runs repeat)
 
     def index(self, name: str) -> int:
         return self.proposers.index(name)
@@ -94,7 +100,7 @@ class AcceptanceEstimator:
         n, s = self.judged[cell], self.accepted[cell]
         alpha = s + self.m * parent
         beta = np.maximum(n - s, 0.0) + self.m * (1.0 - parent)
-        return np.clip(self._rng.beta(alpha, beta), 1e-6, 1.0 - 1e-6)
+        return np.clip(self.rng.beta(alpha, beta), 1e-6, 1.0 - 1e-6)
 
     def update(self, t: TokenCells, accepted: np.ndarray) -> None:
         """``accepted``: [num_tokens] bool for judged tokens only."""

@@ -19,14 +19,15 @@ DEFAULT_OUT_DIR = "bench-out"  # ignored by .gitignore
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options only: importing this module must stay cheap (no vLLM, no torch)."""
-    from specplugin.bench.methods import METHODS
+    from specplugin.bench.methods import METHODS, listed_names
     from specplugin.bench.runner import add_eager_argument
     from specplugin.bench.workloads import WORKLOADS
 
     parser.add_argument("--zoo", help="zoo folder with target/ and draft/ "
                         "(default: the committed weights)")
-    parser.add_argument("--methods", default=",".join(METHODS),
-                        help=f"comma-separated subset of: {', '.join(METHODS)}")
+    parser.add_argument("--methods", default=",".join(listed_names()),
+                        help=f"comma-separated subset of: {', '.join(METHODS)} "
+                             f"(default: {', '.join(listed_names())})")
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help=f"comma-separated subset of: {', '.join(WORKLOADS)}")
     parser.add_argument("--rounds", type=int, default=None,

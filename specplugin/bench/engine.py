@@ -2,9 +2,11 @@
 
 ``python -m specplugin.bench.engine JOB.json OUT.jsonl``, started by ``runner.run_job``
 (the only way the project starts an engine). The job names the model, vLLM's complete
-keyword arguments and the cells (prompts as token ids or strings, sampling settings);
-the child writes one JSON line when the engine is ready and one per finished cell,
-so the parent can show progress and keep what finished if a later cell crashes.
+keyword arguments, its kind (:data:`JOB_KINDS`) and the cells; the child writes one
+JSON line when the engine is ready and one per finished cell, so the parent can show
+progress and keep what finished if a later cell crashes. Cells of a ``generate`` job
+are prompts (token ids or strings) with sampling settings; cells of a
+``forward_times`` job are forward shapes the plugin's worker times (no requests run).
 
 Timing is fair across methods by construction: the engine is warmed up before the
 first timed call, every request has ``ignore_eos`` and the same ``max_tokens`` (so
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +31,7 @@ _COUNTERS = {
     "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
 }
 _PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+Emit = Callable[[dict[str, Any]], None]  # writes one event line for the parent
 
 
 def spec_counters(llm) -> dict[str, Any]:
@@ -150,8 +154,38 @@ def decode(llm, token_ids: list[list[int]]) -> list[str]:
     return [tokenizer.decode(ids, skip_special_tokens=True) for ids in token_ids]
 
 
+def run_generate(llm, job: dict[str, Any], emit: Emit) -> None:
+    """Cells of prompts: warm up, then generate each cell and report what it did."""
+    cells = [with_token_ids(llm, cell) for cell in job["cells"]]
+    warm_up(llm, cells)
+    for cell in cells:
+        result = run_cell(llm, cell, job["return_token_ids"] or job["return_texts"])
+        if job["return_texts"]:
+            result["texts"] = decode(llm, result["token_ids"])
+        emit({"event": "cell", **result})
+
+
+def run_forward_times(llm, job: dict[str, Any], emit: Emit) -> None:
+    """Cells of forward shapes (``rows``, ``query_len``, ``context_len``, ``repeats``): the
+    plugin's worker times target forwards (``PluginRunnerMixin.time_forward``); the engine
+    needs the plugin switched on. Engine start-up already warmed the model up, and every
+    shape discards its first run. With several workers a step waits for the slowest."""
+    for cell in job["cells"]:
+        shape = (cell["rows"], cell["query_len"], cell["context_len"], cell["repeats"])
+        seconds = llm.collective_rpc("time_forward", args=shape)
+        emit({"event": "cell", "key": cell["key"], "seconds": max(seconds)})
+
+
+# what a job's cells are -> how the child runs them
+JOB_KINDS: dict[str, Callable[[Any, dict[str, Any], Emit], None]] = {
+    "generate": run_generate,
+    "forward_times": run_forward_times,
+}
+
+
 def main(job_path: str, out_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
+    run = JOB_KINDS[job["kind"]]
     from vllm import LLM
 
     started = time.perf_counter()
@@ -164,13 +198,7 @@ def main(job_path: str, out_path: str) -> None:
         emit({"event": "ready", "startup_s": time.perf_counter() - started})
         if cpu_expand_is_broken():
             emit({"event": "warning", "text": CPU_EXPAND_BUG})
-        cells = [with_token_ids(llm, cell) for cell in job["cells"]]
-        warm_up(llm, cells)
-        for cell in cells:
-            result = run_cell(llm, cell, job["return_token_ids"] or job["return_texts"])
-            if job["return_texts"]:
-                result["texts"] = decode(llm, result["token_ids"])
-            emit({"event": "cell", **result})
+        run(llm, job, emit)
         emit({"event": "done"})
 
 

@@ -49,14 +49,15 @@ QUICK_SAMPLING = SamplingPlan(num_prompts=2, prompt_len=24, draws_per_prompt=200
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options only: importing this module must stay cheap (no vLLM, no torch)."""
-    from specplugin.bench.methods import METHODS
+    from specplugin.bench.methods import METHODS, PLUGIN, names_in
     from specplugin.bench.runner import add_eager_argument
 
     parser.add_argument("--zoo", help="zoo folder for the greedy check (default: committed weights)")
     parser.add_argument("--methods", default=None,
                         help="comma-separated speculative methods to check (default: all of "
                              f"{', '.join(m for m in METHODS if m != 'none')}; "
-                             "--quick: the plugin's)")
+                             "--quick: the plugin's listed ones, "
+                             f"{', '.join(names_in(PLUGIN))})")
     parser.add_argument("--quick", action="store_true", help="fewer prompts and draws (minutes)")
     parser.add_argument("--alpha", type=_alpha, default=DEFAULT_ALPHA,
                         help="family-wise false-alarm rate of the sampling check, in (0, 0.5]")
@@ -108,7 +109,8 @@ def _selected(args: argparse.Namespace):
     if args.methods:
         names = [m.strip() for m in args.methods.split(",") if m.strip()]
     else:
-        names = names_in(PLUGIN) if args.quick else [m for m in METHODS if m != "none"]
+        names = (names_in(PLUGIN) if args.quick
+                 else [m for m, spec in METHODS.items() if spec.family != BASELINE])
     specs = resolve(names)
     if any(s.family == BASELINE for s in specs):
         raise ValueError("'none' is the reference every method is compared with; "

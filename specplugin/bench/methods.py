@@ -49,6 +49,10 @@ PLUGIN_SETTINGS: dict[str, dict[str, Any]] = {
     "plugin-suffix": {"num_speculative_tokens": 8, "proposers": ["suffix"]},
     # the README's recommended configuration: every proposer, one controller
     "plugin-union": {"num_speculative_tokens": 8, "proposers": ["draft", "ngram", "suffix"]},
+    # the other unions, for check-lossless (every subset of proposers must be lossless)
+    "plugin-ngram+suffix": {"num_speculative_tokens": 8, "proposers": ["ngram", "suffix"]},
+    "plugin-draft+ngram": {"num_speculative_tokens": 8, "proposers": ["draft", "ngram"]},
+    "plugin-draft+suffix": {"num_speculative_tokens": 8, "proposers": ["draft", "suffix"]},
 }
 
 @dataclass(frozen=True)
@@ -80,6 +84,9 @@ class MethodSpec:
     settings: Mapping[str, Any] = field(default_factory=dict)
     search_space: tuple[tuple[dict[str, Any], ...], ...] = ()
     needs_draft: bool = False
+    # in the default lists of `bench` and `check-lossless --quick` (the other unions are
+    # only checked by the full `check-lossless`, and on request)
+    listed: bool = True
 
     def engine_kwargs(self, models: Models, settings: Mapping[str, Any] | None = None) -> dict:
         """This method's keyword arguments for ``vllm.LLM``, on top of the runner's defaults."""
@@ -147,6 +154,12 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec("plugin-suffix", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-suffix"]),
         MethodSpec("plugin-union", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-union"],
                    needs_draft=True),
+        MethodSpec("plugin-ngram+suffix", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-ngram+suffix"],
+                   listed=False),
+        MethodSpec("plugin-draft+ngram", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-draft+ngram"],
+                   needs_draft=True, listed=False),
+        MethodSpec("plugin-draft+suffix", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-draft+suffix"],
+                   needs_draft=True, listed=False),
     )
 }
 
@@ -159,5 +172,11 @@ def resolve(names: list[str] | tuple[str, ...]) -> list[MethodSpec]:
     return [METHODS[n] for n in names]
 
 
-def names_in(family: str) -> list[str]:
-    return [name for name, spec in METHODS.items() if spec.family == family]
+def names_in(family: str, listed_only: bool = True) -> list[str]:
+    return [name for name, spec in METHODS.items()
+            if spec.family == family and (spec.listed or not listed_only)]
+
+
+def listed_names() -> list[str]:
+    """The methods a run compares unless told otherwise."""
+    return [name for name, spec in METHODS.items() if spec.listed]

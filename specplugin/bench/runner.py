@@ -85,7 +85,8 @@ class EngineJob:
     label: str  # for logs and messages, e.g. "r1-vllm-ngram"
     model: str
     engine_kwargs: Mapping[str, Any]  # on top of ENGINE_DEFAULTS
-    cells: tuple[dict[str, Any], ...]  # see cell_payload
+    cells: tuple[dict[str, Any], ...]  # see cell_payload, or forward shapes for "forward_times"
+    kind: str = "generate"  # how the child runs the cells: a key of engine.JOB_KINDS
     eager: bool = False
     return_token_ids: bool = False
     return_texts: bool = False  # decoded after the timed calls, so timing is unchanged

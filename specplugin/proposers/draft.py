@@ -42,7 +42,7 @@ rejection sampling verifies.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -336,6 +336,68 @@ class OutcomeTracker:
             self.calibration.update(np.concatenate(confs), np.concatenate(accepted),
                                     np.concatenate(sampled), np.concatenate(positions))
         return total
+
+
+class DraftKVCursor:
+    """How far each request's draft KV cache is written, so the draft model can run only
+    for the rows that will use its drafts.
+
+    vLLM's draft pass re-reads, every step, the tokens the target just verified for every
+    request. Here a request the draft skipped (its drafts were not needed: another
+    proposer's candidate was better, or it had no room left) keeps a gap, and the next
+    time it drafts its first pass re-reads the context from where its draft KV ends:
+    positions ``[written, num_tokens)``, the last being the newest token, whose output is
+    draft position 0. A new request starts at 0 (its whole prompt); a preempted one is
+    reset (:meth:`forget`), since its blocks were freed.
+    """
+
+    def __init__(self):
+        self._written: dict[str, int] = {}  # req id -> context positions with draft KV
+
+    def starts(self, req_ids: Sequence[str],  # [n] the rows that will draft
+               num_tokens: np.ndarray,  # [n] context length, newest token included
+               budget: int) -> np.ndarray:  # [n] first position to read; -1: not this step
+        """Rows whose re-read would overflow ``budget`` tokens in all (the draft's input
+        buffers) wait for a later step."""
+        starts = np.array([self._written.get(r, 0) for r in req_ids], dtype=np.int64)
+        starts = np.where(starts < num_tokens, starts, 0)  # a context that shrank: re-read all
+        fits = np.cumsum(num_tokens - starts) <= budget
+        return np.where(fits, starts, -1)
+
+    def advance(self, req_ids: Sequence[str], num_tokens: np.ndarray) -> None:
+        for req_id, n in zip(req_ids, num_tokens.tolist()):
+            self._written[req_id] = n
+
+    def forget(self, req_ids: Iterable[str]) -> None:
+        for req_id in req_ids:
+            self._written.pop(req_id, None)
+
+
+def sample_draft_tokens(
+    logits: torch.Tensor,  # [num_reqs, vocab_size]
+    temperature: torch.Tensor,  # [num_reqs]
+    sampled: torch.Tensor,  # [num_reqs] bool: the request samples (temperature > 0)
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # token ids [num_reqs], draft_probs [num_reqs, vocab_size]
+    """Draw one draft token per row from ``draft_probs = softmax(logits / temperature)``
+    (greedy rows: the argmax, their probabilities are never used).
+
+    Any exact draw from ``draft_probs`` keeps verification lossless, since rejection
+    sampling only needs the distribution the token came from. This one inverts the CDF
+    with one uniform per row (a float64 cumulative sum, so a token of probability 0 is
+    never drawn): on CPU it costs one pass over the vocabulary, where the exponential
+    race vLLM uses (one exponential per vocabulary entry) costs ~20x more
+    (measured at batch 16, vocabulary 4,096: 1.6 ms against 0.08 ms).
+    """
+    scale = torch.where(sampled, temperature, torch.ones_like(temperature))
+    draft_probs = (logits / scale.unsqueeze(1)).softmax(dim=-1, dtype=torch.float32)
+    cdf = draft_probs.cumsum(dim=-1, dtype=torch.float64)  # [num_reqs, vocab_size]
+    uniform = torch.rand((logits.shape[0], 1), dtype=torch.float64, device=logits.device,
+                         generator=generator)
+    token_ids = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
+    token_ids = token_ids.clamp_(max=logits.shape[-1] - 1)  # u * total rounding to total
+    token_ids = torch.where(sampled, token_ids, draft_probs.argmax(dim=-1))
+    return token_ids, draft_probs
 
 
 def confidence_of(draft_probs: torch.Tensor) -> np.ndarray:  # [num_reqs] float64

@@ -6,7 +6,9 @@ One step of :meth:`Union.step`, in order:
    had drafts, which of them were accepted -> the difficulty estimator, the request's
    recent acceptance, and the step's wall time -> the cost model;
 2. **ask** every proposer for candidates (a proposer that raises is counted and
-   costs its own candidates only, never a request);
+   costs its own candidates only, never a request), unless the step arbiter
+   (:mod:`specplugin.adaptive.arbiter`) has measured that plain decoding is faster
+   at this batch size: then the step decodes plainly and no proposer runs;
 3. **estimate** each candidate token's acceptance probability;
 4. **choose**, for the whole batch, which candidate and how many of its tokens
    each request verifies (:func:`specplugin.adaptive.controller.plan`; none where
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from specplugin.adaptive.arbiter import StepArbiter
 from specplugin.adaptive.controller import NO_CANDIDATE, plan
 from specplugin.adaptive.cost import StepCostModel
 from specplugin.adaptive.estimator import (AcceptanceEstimator, RequestHistory, TokenCells,
@@ -70,10 +73,19 @@ class UnionStats:
 
 class Union:
     def __init__(self, proposers: Sequence[Proposer], cost: StepCostModel | None = None,
-                 estimator: AcceptanceEstimator | None = None, explore: bool = True):
-        """``explore``: choose with posterior draws (Thompson sampling), not posterior
-        means, so that a proposer unlucky early on is tried again (see the estimator)."""
+                 estimator: AcceptanceEstimator | None = None, explore: bool = True,
+                 arbiter: StepArbiter | None = None):
+        """``explore``: one request per step (chosen at random among those with
+        candidates) is judged by posterior draws (Thompson sampling), the others by
+        posterior means, so that a proposer unlucky early on is tried again (see the
+        estimator) while a large batch does not pay for exploring in every row: one
+        optimistic draw among 16 rows would make most steps speculative, and a
+        speculative step costs the whole batch the engine's speculative machinery.
+        ``arbiter``: measures whether speculating pays at all and switches whole steps
+        to plain decoding when it does not (None: every step is planned)."""
         self.explore = explore
+        self.arbiter = arbiter
+        self.speculating = True  # this step's arbiter decision (see collect)
         self.proposers = list(proposers)
         names = tuple(p.name for p in self.proposers)
         self.estimator = estimator or AcceptanceEstimator(names)
@@ -88,18 +100,30 @@ class Union:
 
     def step(self, batch: StepBatch, verified: Verified | None) -> list[list[int]]:
         """Learn from ``verified``, then one draft per row of ``batch`` (``[]``: none)."""
-        return self.choose(batch, self.collect(batch, verified))
+        if not self.begin(verified, batch.num_reqs, bool(np.mean(batch.sampled) > 0.5)):
+            return [[] for _ in range(batch.num_reqs)]
+        return self.choose(batch, self.ask(batch, range(len(self.proposers))))
 
-    def collect(self, batch: StepBatch, verified: Verified | None,
-                proposers: Sequence[int] | None = None) -> list[tuple[int, int, Candidate]]:
-        """Learn from ``verified``, then ask ``proposers`` (indices; default all): every
-        (row, proposer, candidate) of the step, flat."""
+    def begin(self, verified: Verified | None, num_reqs: int, sampled: bool) -> bool:
+        """Learn from ``verified``; whether this step speculates (the arbiter's call;
+        ``sampled``: most requests sample). A plain step needs nothing else: no
+        proposer runs, and the caller need not even build the step's batch."""
         if verified is not None:
             self._learn(verified)
         self.estimator.step()
-        return self.ask(batch, range(len(self.proposers)) if proposers is None else proposers)
+        if self.arbiter is not None:
+            self.speculating = self.arbiter.speculate(num_reqs, sampled)
+        if not self.speculating:
+            self._pending = {}
+            self.last_sources = [None] * num_reqs
+            self.stats.steps += 1
+            self.stats.steps_without_drafts += 1
+            self.stats.k_histogram[0] += num_reqs
+        return self.speculating
 
     def ask(self, batch: StepBatch, proposers: Sequence[int]) -> list[tuple[int, int, Candidate]]:
+        if not self.speculating:
+            return []
         per_proposer = {i: self._ask(i, batch) for i in proposers}
         return [(r, i, c) for i, cands in per_proposer.items()
                 for r, c in enumerate(cands) if c is not None]
@@ -167,8 +191,12 @@ class Union:
             position=np.arange(lengths.sum()) - np.repeat(starts, lengths),
             signal=np.concatenate([c.signal for _, _, c in offers]),
             history=np.repeat(np.asarray(histories)[rows], lengths))
-        estimate = self.estimator.sample if self.explore else self.estimator.estimate
-        return np.split(estimate(cells), starts[1:])
+        estimate = self.estimator.estimate(cells)  # [num_tokens]
+        if self.explore:
+            token_rows = np.repeat(rows, lengths)  # [num_tokens]
+            explorer = token_rows == self.estimator.rng.choice(rows)
+            estimate[explorer] = self.estimator.sample(cells.subset(explorer))
+        return np.split(estimate, starts[1:])
 
     def _remember(self, batch: StepBatch, offers, histories, choices) -> list[list[int]]:
         self._pending = {}
@@ -199,6 +227,8 @@ class Union:
         if verified.seconds is not None:
             self.cost.observe(verified.num_query_tokens, verified.seconds,
                               speculative=bool(np.any(verified.num_scheduled_drafts > 0)))
+        if self.arbiter is not None:
+            self.arbiter.observe(int(np.sum(verified.num_emitted)), verified.seconds)
         pending, self._pending = self._pending, {}
         judged_parts: list[tuple[_Pending, int, int]] = []  # (sent, judged, accepted)
         for r, req_id in enumerate(verified.req_ids):

@@ -29,10 +29,11 @@ import time
 import numpy as np
 import torch
 from vllm.forward_context import set_forward_context
+from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.sample.sampler import _SAMPLING_EPS
-from vllm.v1.spec_decode.llm_base_proposer import compute_probs_and_sample_next_token
 
+from specplugin.adaptive.arbiter import StepArbiter
 from specplugin.adaptive.cost import StepCostModel
 from specplugin.config import SpecPluginConfig
 from specplugin.metrics import FailureCounter
@@ -41,14 +42,20 @@ from specplugin.proposers.draft import (
     AcceptanceCalibration,
     CostModel,
     DraftCandidates,
+    DraftKVCursor,
     DraftRun,
     OutcomeTracker,
     StopRule,
     confidence_of,
+    sample_draft_tokens,
 )
 from specplugin.proposers.union import Union, Verified
 
 logger = logging.getLogger("specplugin")
+# In a union, the draft model runs for every row that may use it once it has not run for
+# this many speculative steps: its average acceptance, which decides whether it runs at
+# all, must not stay frozen at an unlucky early value.
+RETRY_DRAFT_STEPS = 16
 
 
 class PluginDraftProposer(DraftModelProposer):
@@ -72,7 +79,11 @@ class PluginDraftProposer(DraftModelProposer):
         self._last_call: float | None = None  # perf_counter() of the previous propose()
         self._step_seconds: float | None = None  # wall time of the step just run
         self._last_forwards = self._last_draft_tokens = 0  # of the previous propose()
+        self._mean_forwards: float | None = None  # per step that ran the draft (average)
+        self._steps_without_draft = 0  # speculative steps since the draft model last ran
         self.failures = FailureCounter("draft", logger)
+        # where each request's draft KV ends: the draft runs only for rows that use it
+        self.cursor = DraftKVCursor()
         # [num_reqs] draft tokens kept per row of the last propose(); the runner cuts
         # the rows of the returned [num_reqs, positions] tensor to these lengths.
         self.last_lengths: list[int] | None = None
@@ -85,14 +96,21 @@ class PluginDraftProposer(DraftModelProposer):
             proposers = [build_proposer(n, plugin_config) for n in token_level]
             max_tokens = max(2, vllm_config.scheduler_config.max_num_batched_tokens)
             self.union = Union([*proposers, self.draft_candidates],
-                               cost=StepCostModel(max_tokens=max_tokens))
+                               cost=StepCostModel(max_tokens=max_tokens), arbiter=StepArbiter())
+        # the draft model alone: whether speculating pays at all, measured (the union has its own)
+        self.arbiter = StepArbiter()
 
     def calibrate(self, num_tokens: np.ndarray, seconds: np.ndarray) -> None:
         """Timed target forwards from engine start (see the worker)."""
         if self.union is not None:
             self.union.cost.calibrate(num_tokens, seconds)
 
+    def restart_requests(self, req_ids) -> None:
+        """Resumed after preemption: the draft re-reads their whole context."""
+        self.cursor.forget(req_ids)
+
     def finish_requests(self, req_ids) -> None:
+        self.cursor.forget(req_ids)
         if self.union is not None:
             self.union.finish_requests(list(req_ids))
 
@@ -120,7 +138,8 @@ class PluginDraftProposer(DraftModelProposer):
 
     def stats(self) -> dict[str, dict[str, int]]:
         """The plugin's own counters (read by the metrics exporters)."""
-        return {"proposer_failures": self.failures.snapshot()}
+        arbiter = self.arbiter if self.union is None else self.union.arbiter
+        return {"proposer_failures": self.failures.snapshot(), "arbiter": arbiter.stats()}
 
     def _propose(
         self,
@@ -139,60 +158,104 @@ class PluginDraftProposer(DraftModelProposer):
         self.num_speculative_tokens = num_speculative_tokens
         self._last_draft_probs = None
         self.last_lengths = None
-        cad = common_attn_metadata
-        num_reqs = cad.batch_size()
+        num_reqs = common_attn_metadata.batch_size()
         context = self.plugin_runner.step_context()
-        rule = self._rule_for_this_step(context, num_reqs, num_rejected_tokens_gpu)
-
-        num_tokens, token_indices_to_sample, cad = self.set_inputs_first_pass(
-            target_token_ids=target_token_ids, next_token_ids=next_token_ids,
-            target_positions=target_positions, target_hidden_states=target_hidden_states,
-            token_indices_to_sample=token_indices_to_sample, cad=cad,
-            num_rejected_tokens_gpu=num_rejected_tokens_gpu)
-        # First pass: the verified tokens of every request (the draft's KV for them)
-        # plus the newest token, whose output is draft position 0.
-        hidden = self._forward(cad, num_tokens, draft_index=0)
-        positions = self.positions[token_indices_to_sample]
+        num_accepted = _num_accepted(context, num_reqs, num_rejected_tokens_gpu)
+        rule = self._rule_for_this_step(context, num_accepted, num_rejected_tokens_gpu)
         sampled = _sampled_rows(sampling_metadata, num_reqs)
         caps = _caps(context.remaining_tokens[:num_reqs], num_speculative_tokens)
+        # rows still in chunked prefill have no token to draft from yet
+        caps[self.plugin_runner.discard_request_mask.np[:num_reqs]] = 0
+        if not self._speculating(context, num_accepted, sampled):
+            return self._plain_step(num_reqs)
+        batch = _step_batch(self.plugin_runner.input_batch, context, sampled, caps,
+                            num_accepted, next_token_ids[:num_reqs])
         finish = self._finish
         if self.union is not None:  # token-level candidates first: they may spare drafting
-            batch, offers, draft_caps = self._union_offers(
-                context, sampled, caps, next_token_ids, num_rejected_tokens_gpu)
-            finish = functools.partial(self._finish_union, batch=batch, offers=offers)
-            caps = draft_caps
-        run = DraftRun(rule, self.calibration, sampled, caps=caps)
-        more = self._sample_into(run, hidden[token_indices_to_sample], sampling_metadata)
-        if not more:
-            return finish(run, context.req_ids)
+            offers, caps = self._union_offers(batch)
+            finish = functools.partial(self._finish_union, offers=offers)
+        rows = np.flatnonzero(caps > 0)  # [num_drafting] the rows the draft model drafts for
+        starts = self.cursor.starts([batch.req_ids[r] for r in rows], batch.num_tokens[rows],
+                                    self.max_num_tokens)
+        rows, starts = rows[starts >= 0], starts[starts >= 0]
+        run = DraftRun(rule, self.calibration, sampled[rows], caps=caps[rows])
+        if rows.size:
+            self._draft(run, batch, rows, starts, common_attn_metadata,
+                        sampling_metadata.temperature)
+        return finish(run, rows, batch)
 
-        self._switch_to_decode(cad, num_reqs, num_rejected_tokens_gpu)
+    def _draft(self, run: DraftRun, batch: StepBatch, rows: np.ndarray, starts: np.ndarray,
+               cad, temperature: torch.Tensor | None) -> None:
+        """Draft for ``rows`` (batch rows) only: a first pass re-reads each row's context
+        from ``starts`` (where its draft KV ends) to its newest token, whose output is
+        draft position 0; then one batched forward per position while the rule says so."""
+        num_rows = rows.size
+        cad, num_tokens, last = self._first_pass_inputs(batch, rows, starts, cad)
+        hidden = self._forward(cad, num_tokens, draft_index=0)
+        self.cursor.advance([batch.req_ids[r] for r in rows], batch.num_tokens[rows])
+        positions = self.positions[last]
+        temperature = None if temperature is None else temperature[torch.from_numpy(rows)]
+        if not self._sample_into(run, hidden[last], temperature):
+            return
+        self._switch_to_decode(cad, num_rows)
         # One padded size for every decode pass (CUDA graphs run a captured batch size):
         # the slot mapping's padding rows must get the padding slot id, or the dummy rows
         # would write over real draft KV.
-        padding = self._determine_batch_execution_and_padding(num_reqs)
-        for draft_index in range(1, rule.k_max):
+        padding = self._determine_batch_execution_and_padding(num_rows)
+        for draft_index in range(1, run.rule.k_max):
             start = time.perf_counter()
             positions = self._update_positions_dependent_metadata(
-                positions, cad, num_reqs, padding[1], self.block_size)
-            self.input_ids[:num_reqs] = run.token_ids[-1].int()
-            hidden = self._forward(cad, num_reqs, draft_index, padding)
-            more = self._sample_into(run, hidden[:num_reqs], sampling_metadata)
+                positions, cad, num_rows, padding[1], self.block_size)
+            self.input_ids[:num_rows] = run.token_ids[-1].int()
+            hidden = self._forward(cad, num_rows, draft_index, padding)
+            more = self._sample_into(run, hidden[:num_rows], temperature)
             self.costs.observe_forward(time.perf_counter() - start)
             if not more:
-                break
-        return finish(run, context.req_ids)
+                return
 
-    def _rule_for_this_step(self, context, num_reqs: int, num_rejected_tokens_gpu) -> StopRule:
-        """Learn from the step just verified, then set this step's threshold."""
-        num_accepted = self.outcomes.resolve(
+    def _first_pass_inputs(self, batch: StepBatch, rows: np.ndarray, starts: np.ndarray, cad):
+        """Token ids, positions and attention metadata of the first pass over ``rows``:
+        row i reads positions ``[starts[i], num_tokens)`` through its own block table.
+        Returns (metadata, tokens in all, [num_rows] index of each row's last token)."""
+        ends = batch.num_tokens[rows].astype(np.int64)  # [num_rows] exclusive
+        query_lens = ends - starts  # [num_rows]
+        cu_query_lens = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+        num_tokens = int(cu_query_lens[-1])
+        positions = np.concatenate([np.arange(a, b) for a, b in zip(starts, ends)])  # [num_tokens]
+        token_ids = np.concatenate([batch.token_ids[r, a:b] for r, a, b in zip(rows, starts, ends)])
+        device = self.input_ids.device
+        positions_t = torch.from_numpy(positions).to(device)  # [num_tokens] int64
+        self.input_ids[:num_tokens] = torch.from_numpy(token_ids).to(device, torch.int32)
+        self._set_positions(num_tokens, positions_t)
+        block_table = cad.block_table_tensor[torch.from_numpy(rows).to(device)]  # [num_rows, max_blocks]
+        token_rows = torch.from_numpy(np.repeat(np.arange(rows.size), query_lens)).to(device)
+        block_ids = block_table[token_rows, positions_t // self.block_size]  # [num_tokens]
+        slot_mapping = block_ids.long() * self.block_size + positions_t % self.block_size
+        query_start_loc_cpu = torch.from_numpy(cu_query_lens)
+        seq_lens_cpu = torch.from_numpy(ends.astype(np.int32))
+        sub = CommonAttentionMetadata(
+            query_start_loc=query_start_loc_cpu.to(device), query_start_loc_cpu=query_start_loc_cpu,
+            seq_lens=seq_lens_cpu.to(device), num_reqs=rows.size, num_actual_tokens=num_tokens,
+            max_query_len=int(query_lens.max()), max_seq_len=int(ends.max()),
+            block_table_tensor=block_table, slot_mapping=slot_mapping, causal=True,
+            seq_lens_cpu_upper_bound=seq_lens_cpu.clone())
+        last = torch.from_numpy(cu_query_lens[1:] - 1).to(device, torch.long)  # [num_rows]
+        return sub, num_tokens, last
+
+    def _rule_for_this_step(self, context, num_accepted: np.ndarray,
+                            num_rejected_tokens_gpu) -> StopRule:
+        """Learn from the step just verified (``num_accepted``: [num_reqs] draft tokens
+        each row had accepted, whichever proposer drafted them), then set this step's
+        threshold."""
+        num_reqs = len(num_accepted)
+        self.outcomes.resolve(
             context.req_ids, context.num_scheduled_drafts[:num_reqs],
             None if num_rejected_tokens_gpu is None else num_rejected_tokens_gpu[:num_reqs].tolist())
         now = time.perf_counter()
         # wall time of the step just run (None: first step, or the last one failed)
         self._step_seconds = None if self._last_call is None else now - self._last_call
         if self._step_seconds is not None:  # every row emitted one token plus its accepted drafts
-            self.costs.observe_step(self._step_seconds, num_reqs + num_accepted,
+            self.costs.observe_step(self._step_seconds, num_reqs + int(num_accepted.sum()),
                                     self._last_forwards, self._last_draft_tokens)
         self._last_call = now
         if self.fixed_min_acceptance is not None:
@@ -223,82 +286,155 @@ class PluginDraftProposer(DraftModelProposer):
                                  cudagraph_runtime_mode=mode, slot_mapping=slot_mapping):
             return self.model(**kwargs)
 
-    def _switch_to_decode(self, cad, num_reqs: int, num_rejected_tokens_gpu) -> None:
-        """After the first pass every request has exactly one query token per step."""
-        cad.num_actual_tokens = num_reqs
+    def _switch_to_decode(self, cad, num_rows: int) -> None:
+        """After the first pass every row has exactly one query token per pass."""
+        cad.num_actual_tokens = num_rows
         cad.max_query_len = 1
-        cad.query_start_loc = self.arange[: num_reqs + 1]
-        cad.query_start_loc_cpu = torch.from_numpy(self.token_arange_np[: num_reqs + 1]).clone()
-        if num_rejected_tokens_gpu is not None:
-            # the padded first pass counted rejected drafts as context; drop them
-            cad.seq_lens -= num_rejected_tokens_gpu
+        cad.query_start_loc = self.arange[: num_rows + 1]
+        cad.query_start_loc_cpu = torch.from_numpy(self.token_arange_np[: num_rows + 1]).clone()
 
-    def _sample_into(self, run: DraftRun, hidden: torch.Tensor, sampling_metadata) -> bool:
-        """Draw one draft token per request (hidden: [num_reqs, hidden_size]); True if any
-        request keeps drafting."""
-        logits = self.model.compute_logits(hidden)  # [num_reqs, vocab_size]
-        if sampling_metadata.all_greedy:
+    def _sample_into(self, run: DraftRun, hidden: torch.Tensor,
+                     temperature: torch.Tensor | None) -> bool:
+        """Draw one draft token per drafting row (hidden: [num_rows, hidden_size];
+        temperature: [num_rows], None when every request is greedy); True if any row
+        keeps drafting."""
+        logits = self.model.compute_logits(hidden)  # [num_rows, vocab_size]
+        if temperature is None:
             token_ids = logits.argmax(dim=-1)
             return run.add(token_ids, confidence_of(logits.softmax(dim=-1)))
-        token_ids, draft_probs = compute_probs_and_sample_next_token(
-            logits, sampling_metadata, self.use_fp64_gumbel)
+        token_ids, draft_probs = sample_draft_tokens(
+            logits, temperature, temperature >= _SAMPLING_EPS)
         return run.add(token_ids, confidence_of(draft_probs), draft_probs)
 
-    def _finish(self, run: DraftRun, req_ids: list[str]) -> torch.Tensor:
-        self.last_lengths = run.lengths().tolist()
-        self._last_forwards = run.num_positions - 1  # the first pass runs every step anyway
-        self._last_draft_tokens = sum(self.last_lengths)
-        self.outcomes.record(req_ids, run)
-        self._last_draft_probs = run.stacked_draft_probs()
-        return run.stacked_token_ids()
+    def _finish(self, run: DraftRun, rows: np.ndarray, batch: StepBatch) -> torch.Tensor:
+        """The draft model alone: every drafting row keeps what its rule drafted."""
+        lengths = np.zeros(batch.num_reqs, dtype=np.int64)
+        if rows.size:
+            lengths[rows] = run.lengths()
+            self.outcomes.record([batch.req_ids[r] for r in rows], run)
+        else:
+            self.outcomes.forget()
+        self._note_drafts(run, lengths)
+        token_ids, self._last_draft_probs = self._full_rows(run, rows, batch.num_reqs)
+        return token_ids
+
+    def _note_drafts(self, run: DraftRun, lengths: np.ndarray) -> None:
+        """What the cost model charges this step with, once it has run."""
+        self.last_lengths = lengths.tolist()
+        self._last_forwards = run.num_positions  # the first pass included
+        if run.num_positions:
+            old = self._mean_forwards or run.num_positions
+            self._mean_forwards = old + 0.05 * (run.num_positions - old)
+            self._steps_without_draft = 0
+        else:
+            self._steps_without_draft += 1
+        self._last_draft_tokens = int(lengths.sum())
+
+    def _full_rows(self, run: DraftRun, rows: np.ndarray, num_reqs: int):
+        """The run's [num_rows, positions] token ids (and [num_rows, positions, vocab] draft
+        probabilities) as [num_reqs, ...] tensors, zero for rows that did not draft."""
+        device = self.input_ids.device
+        if not rows.size:
+            return torch.zeros((num_reqs, 1), dtype=torch.int64, device=device), None
+        index = torch.from_numpy(rows).to(device)
+        drafted = run.stacked_token_ids()
+        token_ids = drafted.new_zeros((num_reqs, drafted.shape[1]))
+        token_ids[index] = drafted
+        draft_probs = run.stacked_draft_probs()
+        if draft_probs is not None:
+            full = draft_probs.new_zeros((num_reqs, *draft_probs.shape[1:]))
+            full[index] = draft_probs
+            draft_probs = full
+        return token_ids, draft_probs
 
 
-    def _union_offers(self, context, sampled, caps, next_token_ids, num_rejected_tokens_gpu):
-        """Learn from the step just verified, ask the token-level proposers, and decide
-        which rows still need the draft model: a row whose best token-level candidate is
-        expected to bring more accepted tokens than the draft's candidates have brought on
-        average skips drafting (its forwards would be wasted)."""
-        num_reqs = len(caps)
-        rejected = (np.zeros(num_reqs, dtype=np.int64) if num_rejected_tokens_gpu is None
-                    else num_rejected_tokens_gpu[:num_reqs].cpu().numpy())
+    def _speculating(self, context, num_accepted: np.ndarray, sampled: np.ndarray) -> bool:
+        """Learn from the step just verified (the union) and ask the step arbiter whether
+        this step speculates at all."""
+        num_reqs, mostly_sampled = len(num_accepted), bool(sampled.mean() > 0.5)
+        if self.union is None:
+            self.arbiter.observe(num_reqs + int(num_accepted.sum()), self._step_seconds)
+            return self.arbiter.speculate(num_reqs, mostly_sampled)
         scheduled = np.asarray(context.num_scheduled_drafts[:num_reqs])
-        batch = _step_batch(self.plugin_runner.input_batch, context, sampled, caps,
-                            np.maximum(scheduled - rejected, 0), next_token_ids[:num_reqs])
-        verified = Verified(batch.req_ids, scheduled, scheduled - rejected + 1,
+        verified = Verified(tuple(context.req_ids[:num_reqs]), scheduled, num_accepted + 1,
                             self._step_seconds, context.num_query_tokens)
+        return self.union.begin(verified, num_reqs, mostly_sampled)
+
+    def _plain_step(self, num_reqs: int) -> torch.Tensor:
+        """No drafts this step: nothing runs, nothing is pending verification."""
+        self.outcomes.forget()
+        self.last_lengths = [0] * num_reqs
+        self._last_forwards = self._last_draft_tokens = 0
+        return torch.zeros((num_reqs, 1), dtype=torch.int64, device=self.input_ids.device)
+
+    def _union_offers(self, batch: StepBatch):
+        """Ask the token-level proposers, and decide which rows still need the draft
+        model: a row whose best token-level candidate is expected to bring more accepted
+        tokens than the draft's candidates have brought on average skips drafting (its
+        forwards would be wasted). Returns the offers and the draft's per-row caps (0: no
+        draft model for that row this step)."""
         draft_index = len(self.union.proposers) - 1
-        offers = self.union.collect(batch, verified, range(draft_index))
+        offers = self.union.ask(batch, range(draft_index))
+        caps = np.asarray(batch.max_draft_lens)
         draft_mean = self.union.mean_accepted(draft_index)
         if draft_mean is None:  # no evidence yet: let the draft compete everywhere
-            return batch, offers, caps
-        covered = self.union.expected_accepted(batch, offers) > draft_mean
-        return batch, offers, np.where(covered, 0, caps)
+            return offers, caps
+        # what drafting would add over each row's best token-level candidate, in tokens
+        gain = np.where(caps > 0, np.maximum(
+            draft_mean - self.union.expected_accepted(batch, offers), 0.0), 0.0)
+        if self._steps_without_draft >= RETRY_DRAFT_STEPS:
+            return offers, caps  # re-measure a draft that has not run for a while
+        if not self._draft_pays(gain):
+            return offers, np.zeros_like(caps)
+        return offers, np.where(gain > 0, caps, 0)
 
-    def _finish_union(self, run: DraftRun, req_ids: list[str], batch: StepBatch,
+    def _draft_pays(self, gain: np.ndarray) -> bool:  # gain: [num_reqs] expected tokens
+        """Whether running the draft model this step is worth its forwards: the tokens it
+        is expected to add over the token-level candidates, at the engine's measured
+        seconds per emitted token ``t``, against a run's measured cost (``c`` per forward
+        times the forwards an average run takes)::
+
+            sum_r gain_r * t  >=  c * mean_forwards
+
+        Until both are measured the draft runs wherever it may gain."""
+        c, t = self.costs.draft_forward_s, self.costs.token_s
+        if c is None or t is None or self._mean_forwards is None:
+            return bool(gain.any())
+        return float(gain.sum()) * t >= c * self._mean_forwards
+
+    def _finish_union(self, run: DraftRun, rows: np.ndarray, batch: StepBatch,
                       offers) -> torch.Tensor:
         """The union chooses, per request, the draft's candidate or a token-level one (and
         how much of it). Draft rows keep their draft probabilities; token-level rows are
         deterministic guesses and get one-hot ones, so at temperature > 0 both kinds are
         verified losslessly in the same batch."""
-        token_ids = run.stacked_token_ids()  # [num_reqs, num_positions]
-        self.draft_candidates.set(token_ids.cpu().numpy(), run.stacked_confidences(),
-                                  run.lengths())
+        token_ids, draft_probs = self._full_rows(run, rows, batch.num_reqs)
+        lengths = np.zeros(batch.num_reqs, dtype=np.int64)
+        confidences = np.zeros(token_ids.shape)
+        if rows.size:
+            lengths[rows] = run.lengths()
+            confidences[rows] = run.stacked_confidences()
+        self.draft_candidates.set(token_ids.cpu().numpy(), confidences, lengths)
         draft_index = len(self.union.proposers) - 1
         drafts = self.union.choose(batch, offers + self.union.ask(batch, [draft_index]))
-        draft_rows = [source == draft_index for source in self.union.last_sources]
-        lengths = np.array([len(d) for d in drafts])
-        self.outcomes.record(req_ids, run, np.where(draft_rows, lengths, 0))
-        self.last_lengths = lengths.tolist()
-        self._last_forwards = run.num_positions - 1
-        self._last_draft_tokens = int(lengths.sum())
-        return self._mixed_output(run, token_ids, drafts, draft_rows)
+        draft_rows = np.array([source == draft_index for source in self.union.last_sources],
+                              dtype=bool)
+        chosen = np.array([len(d) for d in drafts], dtype=np.int64)
+        if rows.size:
+            self.outcomes.record([batch.req_ids[r] for r in rows], run,
+                                 np.where(draft_rows, chosen, 0)[rows])
+        else:
+            self.outcomes.forget()
+        self._note_drafts(run, chosen)
+        return self._mixed_output(token_ids, draft_probs, drafts, draft_rows)
 
-    def _mixed_output(self, run: DraftRun, token_ids: torch.Tensor, drafts, draft_rows):
+    def _mixed_output(self, token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
+                      drafts, draft_rows: np.ndarray) -> torch.Tensor:
         """[num_reqs, k_out] token ids (and [num_reqs, k_out, vocab] probabilities when
-        sampling) holding each row's chosen draft."""
-        num_reqs, k_out = run.num_reqs, max(1, max(len(d) for d in drafts))
+        sampling) holding each row's chosen draft; ``token_ids`` [num_reqs, positions] and
+        ``draft_probs`` [num_reqs, positions, vocab] are the draft model's."""
+        num_reqs, k_out = len(drafts), max(1, max(len(d) for d in drafts))
         out = torch.zeros((num_reqs, k_out), dtype=token_ids.dtype, device=token_ids.device)
-        draft_probs = run.stacked_draft_probs()  # [num_reqs, num_positions, vocab] or None
         probs = None
         if draft_probs is not None:
             probs = torch.zeros((num_reqs, k_out, draft_probs.shape[-1]),
@@ -335,6 +471,16 @@ def _step_batch(input_batch, context, sampled: np.ndarray, caps: np.ndarray,
     rows = tuple(int(r) for r in np.flatnonzero(caps > 0))
     return StepBatch(tuple(context.req_ids[:num_reqs]), token_ids, num_tokens,
                      np.asarray(context.num_prompt_tokens[:num_reqs]), caps, sampled, rows)
+
+
+def _num_accepted(context, num_reqs: int, num_rejected_tokens_gpu) -> np.ndarray:
+    """[num_reqs] draft tokens each row had accepted in the step just verified (vLLM
+    passes no rejection counts when no row had drafts)."""
+    scheduled = np.asarray(context.num_scheduled_drafts[:num_reqs], dtype=np.int64)
+    if num_rejected_tokens_gpu is None:
+        return scheduled
+    rejected = num_rejected_tokens_gpu[:num_reqs].cpu().numpy()
+    return np.maximum(scheduled - rejected, 0)
 
 
 def _sampled_rows(sampling_metadata, num_reqs: int) -> np.ndarray:  # [num_reqs] bool

