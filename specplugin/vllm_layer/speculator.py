@@ -43,7 +43,7 @@ class Speculator:
                      if name not in MODEL_PROPOSERS]
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.union = Union(proposers, cost=StepCostModel(max_tokens=max(2, max_tokens)),
-                           arbiter=StepArbiter())
+                           arbiter=StepArbiter() if self.config.step_arbiter else None)
         self.failures = FailureCounter("union", logger)
         self.runner = None
         self._last_call: float | None = None
@@ -113,4 +113,4 @@ class Speculator:
         failures = {f.name: f.count for f in self.union.failures}
         failures[self.failures.name] = self.failures.count
         return {"proposer_failures": failures, "union": self.union.stats,
-                "arbiter": self.union.arbiter.stats()}
+                "arbiter": None if self.union.arbiter is None else self.union.arbiter.stats()}
