@@ -162,8 +162,11 @@ class PluginDraftProposer(DraftModelProposer):
         self.last_lengths = None
         num_reqs = common_attn_metadata.batch_size()
         context = self.plugin_runner.step_context()
-        num_accepted = _num_accepted(context, num_reqs, num_rejected_tokens_gpu)
-        rule = self._rule_for_this_step(context, num_accepted, num_rejected_tokens_gpu)
+        # [num_reqs] rejected drafts of the step just verified, on the host once (None: no drafts)
+        rejected = (None if num_rejected_tokens_gpu is None
+                    else num_rejected_tokens_gpu[:num_reqs].cpu().numpy())
+        num_accepted = _num_accepted(context, num_reqs, rejected)
+        rule = self._rule_for_this_step(context, num_accepted, rejected)
         sampled = _sampled_rows(sampling_metadata, num_reqs)
         caps = _caps(context.remaining_tokens[:num_reqs], num_speculative_tokens)
         # rows still in chunked prefill have no token to draft from yet
@@ -245,14 +248,14 @@ class PluginDraftProposer(DraftModelProposer):
         return sub, num_tokens, last
 
     def _rule_for_this_step(self, context, num_accepted: np.ndarray,
-                            num_rejected_tokens_gpu) -> StopRule:
+                            rejected: np.ndarray | None) -> StopRule:
         """Learn from the step just verified (``num_accepted``: [num_reqs] draft tokens
         each row had accepted, whichever proposer drafted them), then set this step's
         threshold."""
         num_reqs = len(num_accepted)
         self.outcomes.resolve(
             context.req_ids, context.num_scheduled_drafts[:num_reqs],
-            None if num_rejected_tokens_gpu is None else num_rejected_tokens_gpu[:num_reqs].tolist())
+            None if rejected is None else rejected.tolist())
         now = time.perf_counter()
         # wall time of the step just run (None: first step, or the last one failed)
         self._step_seconds = None if self._last_call is None else now - self._last_call
@@ -477,13 +480,12 @@ def _step_batch(input_batch, context, sampled: np.ndarray, caps: np.ndarray,
                      np.asarray(context.num_prompt_tokens[:num_reqs]), caps, sampled, rows)
 
 
-def _num_accepted(context, num_reqs: int, num_rejected_tokens_gpu) -> np.ndarray:
+def _num_accepted(context, num_reqs: int, rejected: np.ndarray | None) -> np.ndarray:
     """[num_reqs] draft tokens each row had accepted in the step just verified (vLLM
     passes no rejection counts when no row had drafts)."""
     scheduled = np.asarray(context.num_scheduled_drafts[:num_reqs], dtype=np.int64)
-    if num_rejected_tokens_gpu is None:
+    if rejected is None:
         return scheduled
-    rejected = num_rejected_tokens_gpu[:num_reqs].cpu().numpy()
     return np.maximum(scheduled - rejected, 0)
 
 
