@@ -1,5 +1,5 @@
 """The ``specplugin`` command: ``zoo``, ``demo``, ``bench``, ``check-lossless``,
-``cost-curve``.
+``cost-curve``, ``load``.
 
 Each subcommand is a module with ``add_arguments(parser)`` and ``run(args)``. Only the
 module of the subcommand being run is imported (its name is read from the command line
@@ -23,6 +23,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                        "speculation leaves outputs exactly the target's"),
     "cost-curve": ("specplugin.bench.costcurve",
                    "the target's forward time against query tokens per row"),
+    "load": ("specplugin.bench.load",
+             "vllm serve under vLLM's own serving benchmark"),
 }
 
 

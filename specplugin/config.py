@@ -83,6 +83,34 @@ class DraftSettings:
 
 
 @dataclass(frozen=True)
+class FaultSettings:
+    """Test-only fault injection (:mod:`specplugin.faults`): ``proposers`` maps a
+    configured proposer to N (it raises at every N-th call); ``draft_forward`` is N for
+    the draft model's forward (every N-th forward raises). Each fault must cost its
+    step's drafts, never a request; the failures show in the metrics."""
+
+    proposers: dict = field(default_factory=dict)
+    draft_forward: int | None = None
+
+    def __post_init__(self):
+        where = _where("fault_injection")
+        if not isinstance(self.proposers, dict):
+            raise SpecPluginConfigError(
+                f"{where}[\"proposers\"] must be an object mapping proposer names to N; got "
+                f"{self.proposers!r}.")
+        for name, every in self.proposers.items():
+            if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+                raise SpecPluginConfigError(
+                    f"{where}[\"proposers\"][{name!r}] must be an integer >= 1 (the proposer "
+                    f"raises at every N-th call); got {every!r}.")
+        n = self.draft_forward
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise SpecPluginConfigError(
+                f"{where}[\"draft_forward\"] must be an integer >= 1 (every N-th draft "
+                f"forward raises) or null; got {n!r}.")
+
+
+@dataclass(frozen=True)
 class SpecPluginConfig:
     """Validated plugin settings; ``num_speculative_tokens`` is vLLM's K."""
 
@@ -94,6 +122,8 @@ class SpecPluginConfig:
     # False: every step speculates (the step arbiter, specplugin.adaptive.arbiter, never
     # switches to plain decoding); for measuring acceptance, as check-lossless does
     step_arbiter: bool = True
+    # test-only: proposers and draft forwards that fail on purpose (specplugin.faults)
+    fault_injection: FaultSettings = field(default_factory=FaultSettings)
 
     def __post_init__(self):
         from specplugin.proposers import available_proposers
@@ -119,6 +149,18 @@ class SpecPluginConfig:
             raise SpecPluginConfigError(
                 f"{_where('proposers')} lists a proposer twice: {list(self.proposers)}."
             )
+        for name in self.fault_injection.proposers:
+            if name == "draft":
+                raise SpecPluginConfigError(
+                    f"{_where('fault_injection')}[\"proposers\"] names 'draft'; the draft "
+                    "model's failures are injected with fault_injection[\"draft_forward\"].")
+            if name not in self.proposers:
+                raise SpecPluginConfigError(
+                    f"{_where('fault_injection')}[\"proposers\"] names {name!r}, which "
+                    f"{_where('proposers')} = {list(self.proposers)} does not run.")
+        if self.fault_injection.draft_forward is not None and "draft" not in self.proposers:
+            raise SpecPluginConfigError(
+                f"{_where('fault_injection')}[\"draft_forward\"] needs the 'draft' proposer.")
         if self.draft_model is not None:
             self._check_draft_model(self.draft_model)
         elif "draft" in self.proposers:
@@ -171,6 +213,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "ngram": (dict,),
     "draft": (dict,),
     "step_arbiter": (bool,),
+    "fault_injection": (dict,),
 }
 
 
@@ -204,7 +247,8 @@ def parse(options: Any, num_speculative_tokens: int) -> SpecPluginConfig:
                 f"{_where('proposers')} must be a list of proposer names (strings); got {names!r}."
             )
         kwargs["proposers"] = tuple(names)
-    for key, settings_cls in (("ngram", NgramSettings), ("draft", DraftSettings)):
+    for key, settings_cls in (("ngram", NgramSettings), ("draft", DraftSettings),
+                              ("fault_injection", FaultSettings)):
         if key not in kwargs:
             continue
         allowed = {f.name for f in fields(settings_cls)}

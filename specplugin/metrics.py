@@ -1,6 +1,13 @@
 """Counters the plugin keeps about itself (vLLM-free).
 
-A proposer that raises must cost speed, never a request: the vLLM layer catches the
+:class:`ProposerStats`: what each proposer drafted and got accepted (per draft
+position too), and what the controller chose (K per request and step, steps with no
+speculation). vLLM's own ``vllm:spec_decode_*`` counters see drafts only; these say
+which proposer earns its keep. The vLLM layer publishes :meth:`ProposerStats.as_dict`
+(with the failures and the step arbiter's counts) to ``/metrics`` and
+``LLM.get_metrics()`` as ``vllm:specplugin_*`` (:mod:`specplugin.vllm_layer.metrics_export`).
+
+:class:`FailureCounter`: a proposer that raises must cost speed, never a request: the vLLM layer catches the
 exception and that step decodes without drafts. Caught silently, though, a proposer
 that fails every step would turn the plugin into a slow no-op nobody notices, so
 every failure is counted here and reported: the first one with its traceback, then
@@ -14,7 +21,56 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ProposerStats:
+    """Counters for metrics: per proposer, per draft position, and the controller's choices.
+
+    A *draft* is one request's candidate verified in one step; its tokens are *draft
+    tokens*, the accepted ones *accepted tokens* (vLLM's terms)."""
+
+    chosen: Counter = field(default_factory=Counter)  # proposer -> requests drafted by it
+    draft_tokens: Counter = field(default_factory=Counter)  # proposer -> tokens verified
+    accepted_tokens: Counter = field(default_factory=Counter)  # proposer -> tokens accepted
+    verified_candidates: Counter = field(default_factory=Counter)  # proposer -> drafts judged
+    # (proposer, position) -> draft tokens verified / accepted at that draft position
+    draft_tokens_per_pos: Counter = field(default_factory=Counter)
+    accepted_per_pos: Counter = field(default_factory=Counter)
+    k_histogram: Counter = field(default_factory=Counter)  # k -> requests (0: no drafts)
+    steps: int = 0
+    steps_without_drafts: int = 0
+
+    def verified(self, proposer: str, num_draft_tokens: int, num_accepted: int) -> None:
+        """One draft of ``proposer`` was verified: its first ``num_accepted`` of
+        ``num_draft_tokens`` tokens were accepted."""
+        self.verified_candidates[proposer] += 1
+        self.draft_tokens[proposer] += num_draft_tokens
+        self.accepted_tokens[proposer] += num_accepted
+        for position in range(num_draft_tokens):
+            self.draft_tokens_per_pos[proposer, position] += 1
+            if position < num_accepted:
+                self.accepted_per_pos[proposer, position] += 1
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able snapshot (keys are strings; per-position counts are lists)."""
+        names = sorted(set(self.chosen) | set(self.verified_candidates))
+        proposers = {}
+        for name in names:
+            depth = 1 + max((p for n, p in self.draft_tokens_per_pos if n == name), default=-1)
+            proposers[name] = {
+                "chosen": self.chosen[name], "drafts": self.verified_candidates[name],
+                "draft_tokens": self.draft_tokens[name],
+                "accepted_tokens": self.accepted_tokens[name],
+                "draft_tokens_per_pos": [self.draft_tokens_per_pos[name, p] for p in range(depth)],
+                "accepted_tokens_per_pos": [self.accepted_per_pos[name, p] for p in range(depth)]}
+        return {"steps": self.steps, "steps_without_drafts": self.steps_without_drafts,
+                "k_histogram": {str(k): n for k, n in sorted(self.k_histogram.items())},
+                "proposers": proposers}
 
 
 class FailureCounter:

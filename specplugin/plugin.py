@@ -2,7 +2,8 @@
 
 vLLM calls :func:`register` in every process it starts (front end, engine core,
 workers), possibly more than once. It must be cheap and idempotent: it checks the
-vLLM version and installs the config check, nothing else. Token-level proposers are
+vLLM version and installs the config check and the per-request option check (and on
+CPU a kernel fix), nothing else. Token-level proposers are
 built by vLLM's ``custom_class`` hook from ``speculative_config.model``; the draft
 proposer by the plugin's worker, which the config check selects.
 """
@@ -54,6 +55,13 @@ def register() -> None:
     platform_cls = type(current_platform)
     if not patches.is_patched(platform_cls, "check_and_update_config"):
         patches.patch_classmethod(platform_cls, "check_and_update_config", check_vllm_config)
+    # each request's specplugin_* options, checked in the front end before scheduling
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from specplugin.vllm_layer.request_check import check_request_of
+
+    if not patches.is_patched(InputProcessor, "_validate_params"):
+        patches.patch_method(InputProcessor, "_validate_params", check_request_of)
     if current_platform.is_cpu():
         # vLLM registers its CPU kernel fallbacks in each worker right after loading
         # plugins, reading this module attribute then: replacing it here is enough.

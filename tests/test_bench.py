@@ -137,6 +137,17 @@ def test_table_plot_and_json(tmp_path, capsys):
     report.print_table(rows)
     out = capsys.readouterr().out
     assert "plugin-ngram" in out and "x best built-in" in out
+    union = report.make_row("plugin-union", cell, [
+        {**_run(100, 1.0, 5, 5), "attribution": {
+            "suffix": {"drafts": 3, "draft_tokens": 9, "accepted_tokens": 6, "chosen": 3},
+            "draft": {"drafts": 2, "draft_tokens": 6, "accepted_tokens": 2, "chosen": 2}}},
+        {**_run(100, 1.0, 1, 1), "attribution": {
+            "suffix": {"drafts": 1, "draft_tokens": 3, "accepted_tokens": 0, "chosen": 1}}}], {})
+    assert union.attribution["suffix"] == {"drafts": 4, "draft_tokens": 12,
+                                           "accepted_tokens": 6, "chosen": 4}
+    report.print_attribution([*rows, union])
+    out = capsys.readouterr().out
+    assert "75% 4 1.50" in out and "25% 2 1.00" in out  # suffix 6 of 8 accepted, 4 drafts
     assert report.plot(rows, tmp_path / "p.png").stat().st_size > 1000
     data = json.loads(report.write_json(rows, {"k": 1}, tmp_path / "r.json").read_text())
     assert {"method", "workload", "batch_size", "temperature", "tok_s",
@@ -163,3 +174,10 @@ def test_quick_bench_runs_every_method_on_real_vllm(quick_zoo, tmp_path):
         # ignore_eos and a fixed max_tokens: every method generates exactly the same count
         assert r["num_output_tokens"] == r["batch_size"] * QUICK_SIZES.max_tokens, r
         assert r["tok_s"] > 0
+        if not r["method"].startswith("plugin-"):
+            assert r["attribution"] is None, r
+            continue
+        # the plugin's per-proposer counters account for vLLM's own (within the one step
+        # per cell that the union learns at the next step)
+        attributed = sum(c["draft_tokens"] for c in r["attribution"].values())
+        assert abs(attributed - r["num_draft_tokens"]) <= r["batch_size"] * 8, r

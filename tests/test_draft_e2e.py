@@ -244,7 +244,7 @@ def test_a_failing_draft_step_costs_its_drafts_not_the_requests():
     import logging
 
     from specplugin.adaptive.arbiter import StepArbiter
-    from specplugin.metrics import FailureCounter
+    from specplugin.metrics import FailureCounter, ProposerStats
     from specplugin.proposers.draft import AcceptanceCalibration, OutcomeTracker
     from specplugin.vllm_layer.draft_proposer import PluginDraftProposer
 
@@ -254,6 +254,7 @@ def test_a_failing_draft_step_costs_its_drafts_not_the_requests():
     drafter.plugin_runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=["a", "b"]))
     drafter.outcomes = OutcomeTracker(AcceptanceCalibration())
     drafter.arbiter = StepArbiter()
+    drafter.proposer_stats = ProposerStats()
 
     def broken(*args, **kwargs):
         raise RuntimeError("draft model exploded")

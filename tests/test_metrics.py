@@ -56,3 +56,64 @@ def test_speculator_counts_a_drafting_failure_and_returns_empty_drafts():
     for _ in range(3):
         assert spec.propose([[1], [2]], np.array([5, 5]), tokens) == [[], []]
     assert spec.stats()["proposer_failures"] == {"union": 3}
+
+
+def test_drafts_and_acceptances_are_attributed_per_proposer_and_position():
+    from specplugin.metrics import ProposerStats
+
+    stats = ProposerStats()
+    stats.verified("suffix", 4, 2)
+    stats.verified("suffix", 2, 2)
+    stats.verified("draft", 3, 0)
+    stats.chosen.update({"suffix": 2, "draft": 1})
+    stats.k_histogram.update([4, 2, 3, 0, 0])
+    snap = stats.as_dict()
+    assert snap["proposers"]["suffix"] == {
+        "chosen": 2, "drafts": 2, "draft_tokens": 6, "accepted_tokens": 4,
+        "draft_tokens_per_pos": [2, 2, 1, 1], "accepted_tokens_per_pos": [2, 2, 0, 0]}
+    assert snap["proposers"]["draft"]["accepted_tokens_per_pos"] == [0, 0, 0]
+    assert snap["k_histogram"] == {"0": 2, "2": 1, "3": 1, "4": 1}
+
+
+def _snapshot(accepted_per_pos, failures):
+    return {"steps": 10, "steps_without_drafts": 3, "k_histogram": {"0": 3, "4": 7},
+            "proposers": {"ngram": {"chosen": 7, "drafts": 7, "draft_tokens": 28,
+                                    "accepted_tokens": sum(accepted_per_pos),
+                                    "draft_tokens_per_pos": [7, 7, 7, 7],
+                                    "accepted_tokens_per_pos": accepted_per_pos}},
+            "proposer_failures": failures, "arbiter": {"speculative_blocks": 2,
+                                                       "plain_blocks": 1}}
+
+
+def test_published_snapshots_become_vllm_specplugin_counters(tmp_path, monkeypatch):
+    """Two workers publish (data-parallel engines); the front end's collector sums them
+    into Prometheus families named vllm:specplugin_* with a proposer label."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from specplugin.vllm_layer import metrics_export
+
+    monkeypatch.setattr(metrics_export, "metrics_root", lambda: tmp_path)
+    clock = Clock()
+    one = metrics_export.StatsPublisher("engine-a", every_s=0.5, clock=clock)
+    two = metrics_export.StatsPublisher("engine-a", every_s=0.5, clock=clock)
+    two.path = two.folder / "other-worker.json"
+    one.maybe_publish(lambda: _snapshot([5, 3, 1, 0], {"ngram": 1, "union": 0}))
+    two.maybe_publish(lambda: _snapshot([6, 2], {"ngram": 2}))
+    one.maybe_publish(lambda: _snapshot([7, 7, 7, 7], {}))  # throttled: within 0.5 s
+    collector = metrics_export._Collector()
+    collector.instance_ids.append("engine-a")
+    registry = CollectorRegistry()
+    registry.register(collector)
+    text = generate_latest(registry).decode()
+    assert 'vllm:specplugin_accepted_tokens_total{proposer="ngram"} 17.0' in text
+    assert 'vllm:specplugin_accepted_tokens_per_pos_total{position="0",proposer="ngram"} 11.0' in text
+    assert 'vllm:specplugin_accepted_tokens_per_pos_total{position="3",proposer="ngram"} 0.0' in text
+    assert 'vllm:specplugin_draft_tokens_total{proposer="ngram"} 56.0' in text
+    assert 'vllm:specplugin_k_total{k="0"} 6.0' in text
+    assert "vllm:specplugin_steps_without_drafts_total 6.0" in text
+    assert 'vllm:specplugin_proposer_failures_total{proposer="ngram"} 3.0' in text
+    assert 'vllm:specplugin_arbiter_blocks_total{mode="plain"} 2.0' in text
+    clock.now += 0.6  # the period is over: the next step publishes
+    one.maybe_publish(lambda: _snapshot([7, 7, 7, 7], {}))
+    text = generate_latest(registry).decode()
+    assert 'vllm:specplugin_accepted_tokens_total{proposer="ngram"} 36.0' in text

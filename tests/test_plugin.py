@@ -50,13 +50,19 @@ def test_register_is_idempotent_and_refuses_double_patching():
         from vllm.platforms import current_platform
         register(); register(); register()
         cls = type(current_platform)
-        assert len(patches._APPLIED) == 2, patches._APPLIED  # config check, CPU expand kernel
+        # config check, request check, CPU expand kernel
+        assert len(patches._APPLIED) == 3, patches._APPLIED
         try:
             patches.patch_classmethod(cls, "check_and_update_config", lambda cfg: None)
         except patches.DoublePatchError as e:
             print("REFUSED", e)
+        from vllm.v1.engine.input_processor import InputProcessor
+        try:
+            patches.patch_method(InputProcessor, "_validate_params", lambda *a: None)
+        except patches.DoublePatchError as e:
+            print("REFUSED METHOD", e)
     """)
-    assert "REFUSED" in out
+    assert "REFUSED" in out and "REFUSED METHOD" in out
 
 
 def test_vllm_still_calls_the_patched_hook_where_we_expect():

@@ -115,6 +115,7 @@ def _bench(specs, models, cells, sizes, rounds, out_dir, args, console) -> int:
     report.print_table(rows, title=f"specplugin bench ({rounds} round(s), "
                                    f"{sizes.max_tokens} tokens per request, "
                                    f"{'eager' if args.eager else 'compiled'})")
+    report.print_attribution(rows)
     plot_path = report.plot(rows, Path(args.plot or out_dir / "throughput.png")) if rows else None
     meta = _meta(models, cells, sizes, rounds, args, result, entries)
     if args.json:

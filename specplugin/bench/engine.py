@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from specplugin.config import SPECULATOR_CLASS
+
 _COUNTERS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
     "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
@@ -97,11 +99,39 @@ def with_token_ids(llm, cell: dict[str, Any]) -> dict[str, Any]:
     return {**cell, "prompts": prompts}
 
 
-def run_cell(llm, cell: dict[str, Any], return_token_ids: bool) -> dict[str, Any]:
-    """Submit the cell's prompts ``batch_size`` at a time; time only ``generate``."""
+ATTRIBUTED = ("drafts", "draft_tokens", "accepted_tokens", "chosen")
+
+
+def plugin_counters(llm) -> dict[str, dict[str, int]] | None:
+    """The plugin's per-proposer counters (``specplugin_stats`` on the drafting worker,
+    the numbers ``vllm:specplugin_*`` shows); None when the engine does not run it."""
+    from specplugin.vllm_layer.metrics_export import engine_stats
+
+    try:
+        proposers = engine_stats(llm)["proposers"]
+    except Exception:  # not the plugin's worker: a built-in method or no speculation
+        return None
+    return {name: {k: counts[k] for k in ATTRIBUTED} for name, counts in proposers.items()}
+
+
+def attribution_delta(after, before) -> dict[str, dict[str, int]] | None:
+    """Per proposer, what one cell added (the union learns a step's verification at the
+    next step: a cell's last step counts in the next cell, at most one step each)."""
+    if after is None:
+        return None
+    before = before or {}
+    return {name: {k: v - before.get(name, {}).get(k, 0) for k, v in counts.items()}
+            for name, counts in after.items()}
+
+
+def run_cell(llm, cell: dict[str, Any], return_token_ids: bool,
+             plugin: bool = False) -> dict[str, Any]:
+    """Submit the cell's prompts ``batch_size`` at a time; time only ``generate``.
+    ``plugin``: the engine runs specplugin, whose per-proposer counters are read too."""
     params = _sampling(cell)
     prompts, size = cell["prompts"], cell["batch_size"]
     before = spec_counters(llm)
+    attributed = plugin_counters(llm) if plugin else None
     seconds, num_tokens, token_ids = 0.0, 0, []
     for i in range(0, len(prompts), size):
         outputs, elapsed = _generate(llm, prompts[i : i + size], params)
@@ -112,6 +142,8 @@ def run_cell(llm, cell: dict[str, Any], return_token_ids: bool) -> dict[str, Any
             token_ids.extend(completions)
     result = {"key": cell["key"], "seconds": seconds, "num_output_tokens": num_tokens,
               "num_requests": len(prompts), **counter_delta(spec_counters(llm), before)}
+    if plugin:
+        result["attribution"] = attribution_delta(plugin_counters(llm), attributed)
     if return_token_ids:
         result["token_ids"] = token_ids
     return result
@@ -158,8 +190,10 @@ def run_generate(llm, job: dict[str, Any], emit: Emit) -> None:
     """Cells of prompts: warm up, then generate each cell and report what it did."""
     cells = [with_token_ids(llm, cell) for cell in job["cells"]]
     warm_up(llm, cells)
+    spec = job["engine_kwargs"].get("speculative_config") or {}
+    plugin = spec.get("model") == SPECULATOR_CLASS
     for cell in cells:
-        result = run_cell(llm, cell, job["return_token_ids"] or job["return_texts"])
+        result = run_cell(llm, cell, job["return_token_ids"] or job["return_texts"], plugin)
         if job["return_texts"]:
             result["texts"] = decode(llm, result["token_ids"])
         emit({"event": "cell", **result})

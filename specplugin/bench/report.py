@@ -44,6 +44,9 @@ class Row:
     num_output_tokens: int  # summed over rounds
     num_rounds: int
     settings: Mapping[str, Any]
+    # per proposer, summed over rounds: drafts, draft_tokens, accepted_tokens, chosen (the
+    # plugin's own counters; None for other methods)
+    attribution: Mapping[str, Mapping[str, int]] | None = None
     speedup_vs_none: float | None = None
     speedup_vs_best_builtin: float | None = None
     best_builtin: str | None = None
@@ -78,8 +81,50 @@ def make_row(method: str, cell: Cell, runs: Sequence[Mapping[str, Any]],
         batch_size=cell.batch_size, temperature=cell.temperature, tok_s=tok_s,
         tok_s_rounds=rates, ms_per_token=1000.0 / tok_s if cell.batch_size == 1 else None,
         num_output_tokens=sum(r["num_output_tokens"] for r in runs), num_rounds=len(runs),
-        settings=dict(settings), **_acceptance(method, runs),
+        settings=dict(settings), attribution=_attribution(runs), **_acceptance(method, runs),
     )
+
+
+def _attribution(runs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, int]] | None:
+    parts = [r["attribution"] for r in runs if r.get("attribution") is not None]
+    if not parts:
+        return None
+    total: dict[str, dict[str, int]] = {}
+    for part in parts:
+        for name, counts in part.items():
+            mine = total.setdefault(name, {})
+            for key, value in counts.items():
+                mine[key] = mine.get(key, 0) + value
+    return total
+
+
+def print_attribution(rows: Sequence[Row], console=None) -> None:
+    """Which proposer earns its keep: per plugin method and cell, each proposer's share
+    of the accepted draft tokens, its drafts and its accepted tokens per draft."""
+    from rich.table import Table
+
+    rows = [r for r in rows if r.attribution]
+    if not rows:
+        return
+    console = console or stdout_console()
+    names = sorted({n for r in rows for n in r.attribution})
+    table = Table(title="accepted draft tokens by proposer (share, drafts, accepted per draft)")
+    for name in ("workload", "batch", "temp", "method", *names):
+        table.add_column(name, justify="left" if name in ("workload", "method") else "right",
+                         no_wrap=True)
+    for row in rows:
+        total = sum(c["accepted_tokens"] for c in row.attribution.values()) or 1
+        cells = []
+        for name in names:
+            c = row.attribution.get(name)
+            if not c or not c["drafts"]:
+                cells.append("-")
+                continue
+            cells.append(f"{c['accepted_tokens'] / total:.0%} {c['drafts']} "
+                         f"{c['accepted_tokens'] / c['drafts']:.2f}")
+        table.add_row(row.workload, str(row.batch_size), f"{row.temperature:g}", row.method,
+                      *cells)
+    console.print(table)
 
 
 def with_speedups(rows: Sequence[Row]) -> list[Row]:

@@ -49,7 +49,9 @@ def build_proposer(name: str, config: "SpecPluginConfig") -> Proposer:
     if name not in _FACTORIES:
         raise ValueError(f"unknown proposer {name!r}; available: "
                          f"{', '.join(sorted(available_proposers()))}.")
-    return _FACTORIES[name](config)
+    from specplugin.faults import with_faults  # test-only, off unless configured
+
+    return with_faults(_FACTORIES[name](config), config.fault_injection.proposers)
 
 
 __all__ = ["MODEL_PROPOSERS", "Candidate", "Proposer", "StepBatch", "available_proposers",

@@ -17,6 +17,7 @@ and cross-request state (past outputs) can keep what it needs.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -29,7 +30,9 @@ class StepBatch:
     """What a proposer may read this step. Arrays are views into the engine's buffers: read only.
 
     ``rows`` lists the batch rows that want drafts (decoding, with room left under
-    their limits); other rows get no candidate without asking.
+    their limits); other rows get no candidate without asking. ``allowed`` holds, per
+    row, the proposers its request allows (``specplugin_proposers``; None: every one);
+    :meth:`for_proposer` is the batch one proposer is asked with.
     """
 
     req_ids: tuple[str, ...]  # [num_reqs]
@@ -39,6 +42,7 @@ class StepBatch:
     max_draft_lens: np.ndarray  # [num_reqs] int: most draft tokens allowed per row (>= 0)
     sampled: np.ndarray  # [num_reqs] bool: temperature > 0 (else greedy)
     rows: tuple[int, ...]
+    allowed: tuple[frozenset[str] | None, ...] | None = None  # [num_reqs] (None: all rows allow all)
 
     @property
     def num_reqs(self) -> int:
@@ -46,6 +50,13 @@ class StepBatch:
 
     def context(self, row: int) -> np.ndarray:  # [num_tokens[row]]
         return self.token_ids[row, : self.num_tokens[row]]
+
+    def for_proposer(self, name: str) -> StepBatch:
+        """This batch with ``rows`` cut to the rows whose request allows proposer ``name``."""
+        if self.allowed is None:
+            return self
+        rows = tuple(r for r in self.rows if self.allowed[r] is None or name in self.allowed[r])
+        return self if len(rows) == len(self.rows) else dataclasses.replace(self, rows=rows)
 
 
 @dataclass(frozen=True)

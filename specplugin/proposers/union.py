@@ -22,9 +22,8 @@ Everything here is vLLM-free; the vLLM layer builds the :class:`StepBatch` and t
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,7 +32,7 @@ from specplugin.adaptive.controller import NO_CANDIDATE, plan
 from specplugin.adaptive.cost import StepCostModel
 from specplugin.adaptive.estimator import (AcceptanceEstimator, RequestHistory, TokenCells,
                                            history_bucket)
-from specplugin.metrics import FailureCounter
+from specplugin.metrics import FailureCounter, ProposerStats
 from specplugin.proposers.base import Candidate, Proposer, StepBatch
 
 logger = logging.getLogger("specplugin")
@@ -58,19 +57,6 @@ class _Pending:
     signal: np.ndarray  # [k] signals of the k tokens sent for verification
 
 
-@dataclass
-class UnionStats:
-    """Counters for metrics: per proposer, and for the controller's choices."""
-
-    chosen: Counter = field(default_factory=Counter)  # proposer -> requests drafted by it
-    draft_tokens: Counter = field(default_factory=Counter)  # proposer -> tokens verified
-    accepted_tokens: Counter = field(default_factory=Counter)  # proposer -> tokens accepted
-    verified_candidates: Counter = field(default_factory=Counter)  # proposer -> candidates judged
-    k_histogram: Counter = field(default_factory=Counter)  # k -> requests (0: no drafts)
-    steps: int = 0
-    steps_without_drafts: int = 0
-
-
 class Union:
     def __init__(self, proposers: Sequence[Proposer], cost: StepCostModel | None = None,
                  estimator: AcceptanceEstimator | None = None, explore: bool = True,
@@ -92,7 +78,7 @@ class Union:
         self.cost = cost or StepCostModel()
         self.history = RequestHistory()
         self.failures = [FailureCounter(name, logger) for name in names]
-        self.stats = UnionStats()
+        self.stats = ProposerStats()
         self._pending: dict[str, _Pending] = {}
         # [num_reqs] index of the proposer whose candidate each row of the last step
         # verifies (None: no draft); the vLLM layer needs it to attach draft probabilities
@@ -171,8 +157,10 @@ class Union:
             self._pending.pop(req_id, None)
 
     def _ask(self, index: int, batch: StepBatch) -> list[Candidate | None]:
+        proposer = self.proposers[index]
+        batch = batch.for_proposer(proposer.name)  # rows whose request allows it
         try:
-            candidates = self.proposers[index].propose(batch)
+            candidates = proposer.propose(batch)
         except Exception:  # a proposer bug costs its drafts, never a request
             self.failures[index].record()
             return [None] * batch.num_reqs
@@ -241,10 +229,7 @@ class Union:
             judged = min(k, num_accepted + 1)
             judged_parts.append((sent, judged, num_accepted))
             self.history.update(req_id, np.arange(judged) < num_accepted)
-            name = self.proposers[sent.proposer].name
-            self.stats.draft_tokens[name] += k
-            self.stats.accepted_tokens[name] += num_accepted
-            self.stats.verified_candidates[name] += 1
+            self.stats.verified(self.proposers[sent.proposer].name, k, num_accepted)
         if judged_parts:
             lengths = np.array([j for _, j, _ in judged_parts])
             starts = np.cumsum(lengths) - lengths

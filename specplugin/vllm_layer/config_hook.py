@@ -59,6 +59,9 @@ def check_vllm_config(vllm_config) -> None:
         return
     config = plugin_config(vllm_config)
     ensure_sync_scheduling(vllm_config)
+    from specplugin.vllm_layer.metrics_export import watch_engine
+
+    watch_engine(vllm_config.instance_id)  # the plugin's counters in this process's /metrics
     if vllm_config.speculative_config.method != "custom_class":
         return  # already the draft-model form built below
     if "draft" in config.proposers:

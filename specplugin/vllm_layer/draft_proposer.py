@@ -36,7 +36,8 @@ from vllm.v1.sample.sampler import _SAMPLING_EPS
 from specplugin.adaptive.arbiter import StepArbiter
 from specplugin.adaptive.cost import StepCostModel
 from specplugin.config import SpecPluginConfig
-from specplugin.metrics import FailureCounter
+from specplugin.faults import EveryNth
+from specplugin.metrics import FailureCounter, ProposerStats
 from specplugin.proposers import MODEL_PROPOSERS, StepBatch, build_proposer
 from specplugin.proposers.draft import (
     AcceptanceCalibration,
@@ -82,6 +83,9 @@ class PluginDraftProposer(DraftModelProposer):
         self._mean_forwards: float | None = None  # per step that ran the draft (average)
         self._steps_without_draft = 0  # speculative steps since the draft model last ran
         self.failures = FailureCounter("draft", logger)
+        # test-only: every N-th draft forward fails (specplugin.faults)
+        every = plugin_config.fault_injection.draft_forward
+        self._forward_fault = None if every is None else EveryNth("draft forward", every)
         # where each request's draft KV ends: the draft runs only for rows that use it
         self.cursor = DraftKVCursor()
         # [num_reqs] draft tokens kept per row of the last propose(); the runner cuts
@@ -100,6 +104,8 @@ class PluginDraftProposer(DraftModelProposer):
                                arbiter=StepArbiter() if plugin_config.step_arbiter else None)
         # the draft model alone: whether speculating pays at all, measured (the union has its own)
         self.arbiter = StepArbiter() if plugin_config.step_arbiter else None
+        # drafts and acceptances per proposer (the union keeps them itself)
+        self.proposer_stats = ProposerStats() if self.union is None else self.union.stats
 
     def calibrate(self, num_tokens: np.ndarray, seconds: np.ndarray) -> None:
         """Timed target forwards from engine start (see the worker)."""
@@ -137,10 +143,14 @@ class PluginDraftProposer(DraftModelProposer):
         if self.union is not None:
             self.union.forget_pending()
 
-    def stats(self) -> dict[str, dict[str, int]]:
-        """The plugin's own counters (read by the metrics exporters)."""
+    def stats(self) -> dict:
+        """The plugin's own counters, JSON-able (published by
+        :mod:`specplugin.vllm_layer.metrics_export`)."""
         arbiter = self.arbiter if self.union is None else self.union.arbiter
-        return {"proposer_failures": self.failures.snapshot(),
+        failures = self.failures.snapshot()
+        if self.union is not None:
+            failures.update((f.name, f.count) for f in self.union.failures)
+        return {**self.proposer_stats.as_dict(), "proposer_failures": failures,
                 "arbiter": None if arbiter is None else arbiter.stats()}
 
     def _propose(
@@ -168,7 +178,7 @@ class PluginDraftProposer(DraftModelProposer):
         num_accepted = _num_accepted(context, num_reqs, rejected)
         rule = self._rule_for_this_step(context, num_accepted, rejected)
         sampled = _sampled_rows(sampling_metadata, num_reqs)
-        caps = _caps(context.remaining_tokens[:num_reqs], num_speculative_tokens)
+        caps = _caps(context.remaining_tokens[:num_reqs], context.max_k[:num_reqs])
         # rows still in chunked prefill have no token to draft from yet
         caps[self.plugin_runner.discard_request_mask.np[:num_reqs]] = 0
         if not self._speculating(context, num_accepted, sampled):
@@ -179,6 +189,9 @@ class PluginDraftProposer(DraftModelProposer):
         if self.union is not None:  # token-level candidates first: they may spare drafting
             offers, caps = self._union_offers(batch)
             finish = functools.partial(self._finish_union, offers=offers)
+        if batch.allowed is not None:  # requests whose specplugin_proposers leave out the draft
+            caps = np.where([a is None or DraftCandidates.name in a for a in batch.allowed],
+                            caps, 0)
         rows = np.flatnonzero(caps > 0)  # [num_drafting] the rows the draft model drafts for
         starts = self.cursor.starts([batch.req_ids[r] for r in rows], batch.num_tokens[rows],
                                     self.max_num_tokens)
@@ -274,6 +287,8 @@ class PluginDraftProposer(DraftModelProposer):
         ``draft_index`` 0 is the first pass (many tokens per request), then one each.
         ``padding``: vLLM's (cudagraph mode, padded token count, tokens across DP ranks)
         for this pass, computed here when not given."""
+        if self._forward_fault is not None:
+            self._forward_fault.tick()
         _, attn_metadata = self.build_per_group_and_layer_attn_metadata(cad, draft_index)
         mode, num_input_tokens, across_dp = (
             padding or self._determine_batch_execution_and_padding(num_tokens))
@@ -320,8 +335,17 @@ class PluginDraftProposer(DraftModelProposer):
         else:
             self.outcomes.forget()
         self._note_drafts(run, lengths)
+        self._count_step(lengths)
         token_ids, self._last_draft_probs = self._full_rows(run, rows, batch.num_reqs)
         return token_ids
+
+    def _count_step(self, lengths: np.ndarray) -> None:  # [num_reqs] draft tokens per row
+        """The draft model alone: its choices this step, for the metrics."""
+        stats = self.proposer_stats
+        stats.steps += 1
+        stats.steps_without_drafts += int(not lengths.any())
+        stats.k_histogram.update(lengths.tolist())
+        stats.chosen[DraftCandidates.name] += int(np.count_nonzero(lengths))
 
     def _note_drafts(self, run: DraftRun, lengths: np.ndarray) -> None:
         """What the cost model charges this step with, once it has run."""
@@ -358,6 +382,10 @@ class PluginDraftProposer(DraftModelProposer):
         this step speculates at all."""
         num_reqs, mostly_sampled = len(num_accepted), bool(sampled.mean() > 0.5)
         if self.union is None:
+            scheduled = np.asarray(context.num_scheduled_drafts[:num_reqs])
+            drafted = scheduled > 0  # [num_reqs] rows whose drafts were just verified
+            for k, a in zip(scheduled[drafted].tolist(), num_accepted[drafted].tolist()):
+                self.proposer_stats.verified(DraftCandidates.name, k, a)
             if self.arbiter is None:
                 return True
             self.arbiter.observe(num_reqs + int(num_accepted.sum()), self._step_seconds)
@@ -369,6 +397,8 @@ class PluginDraftProposer(DraftModelProposer):
 
     def _plain_step(self, num_reqs: int) -> torch.Tensor:
         """No drafts this step: nothing runs, nothing is pending verification."""
+        if self.union is None:  # (the union counted its plain step itself)
+            self._count_step(np.zeros(num_reqs, dtype=np.int64))
         self.outcomes.forget()
         self.last_lengths = [0] * num_reqs
         self._last_forwards = self._last_draft_tokens = 0
@@ -477,7 +507,8 @@ def _step_batch(input_batch, context, sampled: np.ndarray, caps: np.ndarray,
     token_ids[np.arange(num_reqs), known] = next_token_ids.cpu().numpy()
     rows = tuple(int(r) for r in np.flatnonzero(caps > 0))
     return StepBatch(tuple(context.req_ids[:num_reqs]), token_ids, num_tokens,
-                     np.asarray(context.num_prompt_tokens[:num_reqs]), caps, sampled, rows)
+                     np.asarray(context.num_prompt_tokens[:num_reqs]), caps, sampled, rows,
+                     context.allowed)
 
 
 def _num_accepted(context, num_reqs: int, rejected: np.ndarray | None) -> np.ndarray:
@@ -495,9 +526,10 @@ def _sampled_rows(sampling_metadata, num_reqs: int) -> np.ndarray:  # [num_reqs]
     return (sampling_metadata.temperature[:num_reqs] >= _SAMPLING_EPS).cpu().numpy()
 
 
-def _caps(remaining_tokens: list[int], num_speculative_tokens: int) -> np.ndarray:
-    """[num_reqs] most useful draft tokens per row: a request that may emit only n more
-    tokens gains nothing from drafts past n - 1 (the last one comes as the bonus).
-    ``remaining_tokens`` does not count this step's own tokens yet (at least one), so
-    ``remaining - 2`` is an upper bound that never cuts a useful draft."""
-    return np.clip(np.asarray(remaining_tokens) - 2, 0, num_speculative_tokens)
+def _caps(remaining_tokens: list[int], max_k: np.ndarray) -> np.ndarray:
+    """[num_reqs] most useful draft tokens per row, at most the request's ``max_k``: a
+    request that may emit only n more tokens gains nothing from drafts past n - 1 (the
+    last one comes as the bonus). ``remaining_tokens`` does not count this step's own
+    tokens yet (at least one), so ``remaining - 2`` is an upper bound that never cuts a
+    useful draft."""
+    return np.clip(np.asarray(remaining_tokens) - 2, 0, max_k)

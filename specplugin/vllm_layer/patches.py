@@ -1,12 +1,17 @@
 """Every change the plugin makes to vLLM's classes lives here, in one registry.
 
-Two lasting patches today, and one scoped replacement:
+Three lasting patches today, and one scoped replacement:
 
 - a wrapper around the current platform's ``check_and_update_config``, which
   ``VllmConfig.__post_init__`` calls in the front-end process. vLLM offers no hook
   that sees the finished config before any engine process starts, and that is
   where a bad ``additional_config`` must stop the user (``tests/test_plugin.py``
   fails loudly if vLLM moves the call);
+- after vLLM's own per-request checks in ``InputProcessor._validate_params`` (front
+  end, before a request is scheduled), the check of the request's ``specplugin_*``
+  options (:mod:`specplugin.vllm_layer.request_check`): vLLM has no hook for extra
+  per-request validation that does not also put a logits processor on every step
+  (``tests/test_request_options.py`` fails loudly if vLLM stops calling it);
 - on CPU, vLLM's fallback for the rejection sampler's ``expand_kernel``, which is
   wrong for float inputs (see ``cpu_fixes.py``; ``tests/test_cpu_fixes.py`` fails
   loudly once vLLM fixes it, so the patch can go);
@@ -66,6 +71,26 @@ def patch_classmethod(owner: type, name: str, before: Callable[[Any], None]) -> 
     setattr(wrapper, _MARKER, True)
     applied = AppliedPatch(owner, name, owner.__dict__.get(name, bound))
     setattr(owner, name, classmethod(wrapper))
+    _APPLIED[(owner, name)] = applied
+    return applied
+
+
+def patch_method(owner: type, name: str, after: Callable[..., None]) -> AppliedPatch:
+    """Replace method ``owner.name(self, *args, **kwargs)`` by one that calls
+    ``after(self, *args, **kwargs)`` once the original returned (and returns its result)."""
+    if is_patched(owner, name) or (owner, name) in _APPLIED:
+        raise DoublePatchError(f"{owner.__qualname__}.{name} is already patched by specplugin")
+    func = getattr(owner, name)
+
+    @functools.wraps(func)
+    def wrapper(self, *args, **kwargs):
+        result = func(self, *args, **kwargs)
+        after(self, *args, **kwargs)
+        return result
+
+    setattr(wrapper, _MARKER, True)
+    applied = AppliedPatch(owner, name, owner.__dict__.get(name, func))
+    setattr(owner, name, wrapper)
     _APPLIED[(owner, name)] = applied
     return applied
 

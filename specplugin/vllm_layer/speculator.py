@@ -94,13 +94,14 @@ class Speculator:
         # (the last comes as the bonus); the context must stay within max_model_len
         remaining = np.asarray(context.remaining_tokens[:num_reqs]) - 1
         limit = np.minimum(self.max_model_len - num_tokens, remaining)
-        max_draft_lens = np.clip(limit, 0, self.num_speculative_tokens)
+        # and no request drafts past its own specplugin_max_k
+        max_draft_lens = np.clip(limit, 0, context.max_k[:num_reqs])
         rows = tuple(i for i, s in enumerate(sampled_token_ids) if s and max_draft_lens[i] > 0)
         sampled = np.array([p is not None and p.temperature >= _SAMPLING_EPS
                             for p in context.sampling_params[:num_reqs]], dtype=bool)
         return StepBatch(tuple(context.req_ids[:num_reqs]), token_ids_cpu, num_tokens,
                          np.asarray(context.num_prompt_tokens[:num_reqs]), max_draft_lens,
-                         sampled, rows)
+                         sampled, rows, context.allowed)
 
     def finish_requests(self, req_ids) -> None:
         self.union.finish_requests(list(req_ids))
@@ -109,8 +110,9 @@ class Speculator:
         self.union.forget_pending()
 
     def stats(self) -> dict:
-        """The plugin's own counters (read by the metrics exporters)."""
+        """The plugin's own counters, JSON-able (published by
+        :mod:`specplugin.vllm_layer.metrics_export`)."""
         failures = {f.name: f.count for f in self.union.failures}
         failures[self.failures.name] = self.failures.count
-        return {"proposer_failures": failures, "union": self.union.stats,
+        return {**self.union.stats.as_dict(), "proposer_failures": failures,
                 "arbiter": None if self.union.arbiter is None else self.union.arbiter.stats()}

@@ -38,6 +38,8 @@ from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from specplugin.proposers.draft import truncate_rows
+from specplugin.request_options import RequestOptionsCache
+from specplugin.vllm_layer.metrics_export import StatsPublisher
 from specplugin.vllm_layer import patches
 from specplugin.vllm_layer.config_hook import plugin_config
 
@@ -63,6 +65,11 @@ class StepContext:
     num_scheduled_drafts: list[int]
     num_prompt_tokens: np.ndarray  # [num_reqs]
     num_query_tokens: int  # tokens the target ran in this step, every row's drafts included
+    # [num_reqs] the longest draft each request allows (specplugin_max_k; else the server's K)
+    max_k: np.ndarray
+    # [num_reqs] the proposers each request allows (specplugin_proposers; None: all);
+    # None when no request of the batch restricts them
+    allowed: tuple | None
 
 
 class PluginRunnerMixin:
@@ -77,6 +84,13 @@ class PluginRunnerMixin:
                 "and draft probabilities must line up with the rows of the step that drafted "
                 "them. Start vLLM with async_scheduling=False (--no-async-scheduling).")
         config = plugin_config(self.vllm_config)
+        # the drafter's counters, published for the front end's /metrics (one rank: every
+        # tensor-parallel rank drafts the same)
+        self._stats_publisher = (StatsPublisher(self.vllm_config.instance_id)
+                                 if _tensor_parallel_rank() == 0 else None)
+        # per-request specplugin_max_k / specplugin_proposers (checked in the front end)
+        self.request_options = RequestOptionsCache(config.num_speculative_tokens,
+                                                   config.proposers)
         self._draft_lengths: list[int] | None = None
         self._scheduler_output = None
         if "draft" in config.proposers:
@@ -101,9 +115,15 @@ class PluginRunnerMixin:
         so = self._scheduler_output
         scheduled = getattr(so, "scheduled_spec_decode_tokens", None) or {}
         num_scheduled = [len(scheduled.get(r, ())) for r in req_ids]
+        options = [self.request_options.get(r, None if p is None else p.extra_args)
+                   for r, p in zip(req_ids, params)]
+        server_k = self.request_options.server_k
+        max_k = np.array([o.cap(server_k) for o in options], dtype=np.int64)
+        allowed = tuple(o.proposers for o in options)
         return StepContext(req_ids, params, remaining, block_table, num_scheduled,
                            batch.num_prompt_tokens[: len(req_ids)],
-                           getattr(so, "total_num_scheduled_tokens", 0))
+                           getattr(so, "total_num_scheduled_tokens", 0), max_k,
+                           None if all(a is None for a in allowed) else allowed)
 
     @torch.inference_mode()
     def time_forward(self, rows: int, query_len: int, context_len: int, repeats: int = 5) -> float:
@@ -189,9 +209,13 @@ class PluginRunnerMixin:
                     dict(zip(knots, (round(float(t) * 1e3, 2) for t in seconds))))
 
     def _update_states(self, scheduler_output):
+        if self._stats_publisher is not None:
+            self._stats_publisher.maybe_publish(self.drafter.stats)
         finished = scheduler_output.finished_req_ids
         if finished and hasattr(self.drafter, "finish_requests"):
             self.drafter.finish_requests(finished)
+        if finished:
+            self.request_options.forget(finished)
         # a request resumed after preemption got new blocks: what the drafter kept about
         # its KV cache is gone (its token-level state stays valid)
         resumed = scheduler_output.scheduled_cached_reqs.resumed_req_ids
@@ -241,6 +265,15 @@ class PluginRunnerMixin:
         return draft_token_ids, req_ids
 
 
+def _tensor_parallel_rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    try:
+        return get_tensor_model_parallel_rank()
+    except (AssertionError, RuntimeError):  # no distributed state (a runner built alone)
+        return 0
+
+
 class PluginCPUModelRunner(PluginRunnerMixin, CPUModelRunner):
     def __init__(self, vllm_config, device: torch.device):
         super().__init__(vllm_config, device)
@@ -249,7 +282,7 @@ class PluginCPUModelRunner(PluginRunnerMixin, CPUModelRunner):
 
 class PluginWorkerMixin:
     """Mixed in front of vLLM's ``CPUWorker`` or ``Worker``: calibration after vLLM's
-    warm-up, and the runner's timing for ``LLM.collective_rpc``."""
+    warm-up, and the runner's timing and counters for ``LLM.collective_rpc``."""
 
     def compile_or_warm_up_model(self):
         times = super().compile_or_warm_up_model()
@@ -263,6 +296,11 @@ class PluginWorkerMixin:
         """``llm.collective_rpc("time_forward", args=(rows, query_len, context_len,
         repeats))``: :meth:`PluginRunnerMixin.time_forward` on this worker's runner."""
         return self.model_runner.time_forward(rows, query_len, context_len, repeats)
+
+    def specplugin_stats(self) -> dict:
+        """``llm.collective_rpc("specplugin_stats")``: the drafter's counters, now
+        (:func:`specplugin.vllm_layer.metrics_export.engine_stats`)."""
+        return self.model_runner.drafter.stats()
 
 
 class PluginCPUWorker(PluginWorkerMixin, CPUWorker):

@@ -1,0 +1,199 @@
+"""The plugin's counters in vLLM's Prometheus output (``/metrics``, ``LLM.get_metrics()``).
+
+The counters live in the worker that drafts (the engine core's process, or a worker
+process under tensor parallelism), the Prometheus registry that vLLM serves lives in
+the front end, and vLLM 0.32 has no channel from one to the other for a plugin's own
+numbers. So the drafting worker (tensor-parallel rank 0 only: every rank drafts the
+same) *publishes* a JSON snapshot of its counters (the drafter's ``stats()``) to a
+small file at most every :data:`PUBLISH_EVERY_S` seconds, under a folder named after
+the engine's ``VllmConfig.instance_id`` (the same in every process of one engine);
+the front end registers a Prometheus collector that reads its engines' files when
+``/metrics`` is scraped. Figures therefore lag the engine by at most that period
+while it runs; an idle engine has published all but its last steps' work, which
+appear with its next step. Offline, :func:`engine_stats` asks the workers directly
+(``LLM.collective_rpc``) and is exact.
+
+Names (counters; ``proposer`` label where it applies):
+
+- ``vllm:specplugin_drafts_total{proposer}``: drafts verified (one request, one step);
+- ``vllm:specplugin_draft_tokens_total{proposer}``, ``..._accepted_tokens_total{proposer}``;
+- ``vllm:specplugin_draft_tokens_per_pos_total{proposer,position}`` and
+  ``..._accepted_tokens_per_pos_total{proposer,position}``;
+- ``vllm:specplugin_chosen_total{proposer}``: how often the controller sent its candidate;
+- ``vllm:specplugin_k_total{k}``: requests per step by the draft length chosen (0: none);
+- ``vllm:specplugin_steps_total``, ``vllm:specplugin_steps_without_drafts_total``;
+- ``vllm:specplugin_arbiter_blocks_total{mode}``: blocks the step arbiter ran speculating
+  or plain;
+- ``vllm:specplugin_proposer_failures_total{proposer}``: failures caught (each cost its
+  step's drafts, never a request); ``union`` is the drafting step as a whole.
+
+With several API-server processes (``--api-server-count`` > 1) vLLM serves a
+multiprocess registry that this collector does not join: the plugin's counters are
+then not in ``/metrics`` (open work).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("specplugin")
+PUBLISH_EVERY_S = 0.5
+PREFIX = "vllm:specplugin_"
+
+
+def metrics_root() -> Path:
+    """Where engines publish: shared memory when there is some (no disk writes)."""
+    base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
+    return base / f"specplugin-metrics-{os.getuid()}"
+
+
+class StatsPublisher:
+    """Worker side: writes ``stats()`` to ``<root>/<instance_id>/<pid>.json``, throttled."""
+
+    def __init__(self, instance_id: str, every_s: float = PUBLISH_EVERY_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self.folder = metrics_root() / instance_id
+        self.path = self.folder / f"{os.getpid()}.json"
+        self.every_s = every_s
+        self.clock = clock
+        self._last: float | None = None
+        self._broken = False
+
+    def maybe_publish(self, stats: Callable[[], dict[str, Any]], force: bool = False) -> None:
+        now = self.clock()
+        if self._broken or (not force and self._last is not None
+                            and now - self._last < self.every_s):
+            return
+        self._last = now
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(stats()))
+            os.replace(tmp, self.path)
+        except Exception:  # metrics must never cost a request
+            self._broken = True
+            logger.exception("specplugin: cannot publish metrics to %s; the plugin's counters "
+                             "will be missing from /metrics", self.folder)
+
+
+def read_snapshots(folders: Iterable[Path]) -> list[dict[str, Any]]:
+    snapshots = []
+    for folder in folders:
+        for path in sorted(folder.glob("*.json")):
+            try:
+                snapshots.append(json.loads(path.read_text()))
+            except (OSError, ValueError):  # being replaced right now: next scrape
+                continue
+    return snapshots
+
+
+def merge(snapshots: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """The sum of several workers' snapshots (data-parallel engines each publish one)."""
+    total: dict[str, Any] = {"steps": 0, "steps_without_drafts": 0, "k_histogram": Counter(),
+                             "proposers": {}, "proposer_failures": Counter(),
+                             "arbiter": Counter()}
+    for snap in snapshots:
+        total["steps"] += snap.get("steps", 0)
+        total["steps_without_drafts"] += snap.get("steps_without_drafts", 0)
+        total["k_histogram"].update(snap.get("k_histogram", {}))
+        total["proposer_failures"].update(snap.get("proposer_failures", {}))
+        total["arbiter"].update(snap.get("arbiter") or {})
+        for name, counts in snap.get("proposers", {}).items():
+            mine = total["proposers"].setdefault(name, {})
+            for key, value in counts.items():
+                if isinstance(value, list):
+                    old = mine.get(key, [])
+                    longer, shorter = (value, old) if len(value) >= len(old) else (old, value)
+                    mine[key] = [a + (shorter[i] if i < len(shorter) else 0)
+                                 for i, a in enumerate(longer)]
+                else:
+                    mine[key] = mine.get(key, 0) + value
+    return total
+
+
+def metric_families(total: dict[str, Any]) -> list:
+    """Prometheus counter families for one merged snapshot."""
+    from prometheus_client.core import CounterMetricFamily
+
+    def family(name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
+        return CounterMetricFamily(PREFIX + name, doc, labels=labels)
+
+    per_proposer = {key: family(key, doc, ["proposer"]) for key, doc in (
+        ("drafts", "Drafts verified (one request's candidate in one step), per proposer."),
+        ("draft_tokens", "Draft tokens verified, per proposer."),
+        ("accepted_tokens", "Draft tokens accepted, per proposer."),
+        ("chosen", "Times the controller sent this proposer's candidate."))}
+    per_pos = {key: family(f"{key}_per_pos", f"{doc}, per proposer and draft position.",
+                           ["proposer", "position"]) for key, doc in (
+        ("draft_tokens", "Draft tokens verified"), ("accepted_tokens", "Draft tokens accepted"))}
+    for name, counts in sorted(total["proposers"].items()):
+        for key, fam in per_proposer.items():
+            fam.add_metric([name], counts.get(key, 0))
+        for key, fam in per_pos.items():
+            for position, value in enumerate(counts.get(f"{key}_per_pos", [])):
+                fam.add_metric([name, str(position)], value)
+    k = family("k", "Requests per step by the draft length chosen (0: no speculation).", ["k"])
+    for value, count in sorted(total["k_histogram"].items(), key=lambda kv: int(kv[0])):
+        k.add_metric([str(value)], count)
+    steps = family("steps", "Engine steps the plugin drafted for (or chose not to).", [])
+    steps.add_metric([], total["steps"])
+    idle = family("steps_without_drafts", "Steps in which no request verified a draft.", [])
+    idle.add_metric([], total["steps_without_drafts"])
+    blocks = family("arbiter_blocks", "Blocks of steps the step arbiter ran, by mode.", ["mode"])
+    for mode, key in (("speculative", "speculative_blocks"), ("plain", "plain_blocks")):
+        blocks.add_metric([mode], total["arbiter"].get(key, 0))
+    failures = family("proposer_failures", "Proposer failures caught (each cost one step's "
+                      "drafts, never a request).", ["proposer"])
+    for name, count in sorted(total["proposer_failures"].items()):
+        failures.add_metric([name], count)
+    return [*per_proposer.values(), *per_pos.values(), k, steps, idle, blocks, failures]
+
+
+class _Collector:
+    """Front end: what this process's engines published, read at scrape time."""
+
+    def __init__(self):
+        self.instance_ids: list[str] = []
+
+    def collect(self):
+        folders = [metrics_root() / i for i in self.instance_ids]
+        snapshots = read_snapshots(f for f in folders if f.is_dir())
+        return metric_families(merge(snapshots)) if snapshots else []
+
+
+_COLLECTOR: _Collector | None = None
+
+
+def watch_engine(instance_id: str) -> None:
+    """Front end: include the engine ``instance_id`` in this process's ``/metrics``
+    (called when the plugin's config check passes; the collector registers once)."""
+    global _COLLECTOR
+    if _COLLECTOR is None:
+        from prometheus_client import REGISTRY
+
+        _COLLECTOR = _Collector()
+        REGISTRY.register(_COLLECTOR)
+        atexit.register(_remove_folders, _COLLECTOR)
+    if instance_id not in _COLLECTOR.instance_ids:
+        _COLLECTOR.instance_ids.append(instance_id)
+
+
+def _remove_folders(collector: _Collector) -> None:
+    for instance_id in collector.instance_ids:
+        shutil.rmtree(metrics_root() / instance_id, ignore_errors=True)
+
+
+def engine_stats(llm) -> dict[str, Any]:
+    """Offline: the plugin's counters, exact, from the drafting worker of ``llm``
+    (a ``vllm.LLM`` started with the plugin): the snapshot ``/metrics`` is built from."""
+    return llm.collective_rpc("specplugin_stats")[0]

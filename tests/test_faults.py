@@ -1,0 +1,68 @@
+"""Test-only fault injection: the setting, and that an injected failure costs a step's
+drafts of that proposer only (the server-side proof is in tests/test_serve.py)."""
+
+import numpy as np
+import pytest
+
+from specplugin.config import SpecPluginConfigError, parse
+from specplugin.faults import EveryNth, FaultyProposer, InjectedFault
+from specplugin.proposers import build_proposer
+from specplugin.proposers.base import Candidate, StepBatch
+from specplugin.proposers.union import Union
+
+
+def test_every_nth_call_fails():
+    fault = EveryNth("x", 3)
+    outcomes = []
+    for _ in range(7):
+        try:
+            fault.tick()
+            outcomes.append("ok")
+        except InjectedFault:
+            outcomes.append("fail")
+    assert outcomes == ["ok", "ok", "fail", "ok", "ok", "fail", "ok"]
+
+
+def test_the_setting_wraps_only_the_named_proposer():
+    config = parse({"proposers": ["ngram", "suffix"],
+                    "fault_injection": {"proposers": {"ngram": 2}}}, 8)
+    assert isinstance(build_proposer("ngram", config), FaultyProposer)
+    assert not isinstance(build_proposer("suffix", config), FaultyProposer)
+    assert not isinstance(build_proposer("ngram", parse({}, 8)), FaultyProposer)
+
+
+@pytest.mark.parametrize("faults, message", [
+    ({"proposers": {"ngram": 0}}, "must be an integer >= 1"),
+    ({"proposers": ["ngram"]}, "must be an object mapping proposer names"),
+    ({"proposers": {"suffix": 2}}, "names 'suffix', which"),
+    ({"proposers": {"draft": 2}}, 'injected with fault_injection["draft_forward"]'),
+    ({"draft_forward": 2}, "needs the 'draft' proposer"),
+    ({"draft_forward": True}, "draft_forward"),
+    ({"every": 2}, "unknown key(s) ['every']"),
+])
+def test_bad_fault_settings_are_refused_by_name(faults, message):
+    with pytest.raises(SpecPluginConfigError) as e:
+        parse({"proposers": ["ngram"], "fault_injection": faults}, 8)
+    assert message in str(e.value) and "fault_injection" in str(e.value)
+
+
+class _Offer:
+    def __init__(self, name):
+        self.name = name
+
+    def propose(self, batch):
+        return [Candidate(np.array([7, 8], dtype=np.int64), np.full(2, 0.99))
+                for _ in range(batch.num_reqs)]
+
+    def finish_requests(self, req_ids):
+        pass
+
+
+def test_a_failing_proposer_costs_its_own_candidates_and_is_counted():
+    union = Union([FaultyProposer(_Offer("ngram"), 2), _Offer("suffix")], explore=False)
+    batch = StepBatch(("a", "b"), np.zeros((2, 8), dtype=np.int64), np.array([4, 4]),
+                      np.array([2, 2]), np.array([4, 4]), np.zeros(2, dtype=bool), (0, 1))
+    first, second = union.ask(batch, range(2)), union.ask(batch, range(2))
+    assert {union.proposers[i].name for _, i, _ in first} == {"ngram", "suffix"}
+    assert {union.proposers[i].name for _, i, _ in second} == {"suffix"}  # ngram's 2nd call
+    assert [f.count for f in union.failures] == [1, 0]

@@ -1,0 +1,198 @@
+"""Per-request control inside real vLLM (offline ``LLM``): ``specplugin_max_k`` and
+``specplugin_proposers`` through ``SamplingParams.extra_args``.
+
+One engine, the full union (draft model, n-gram, suffix), vLLM in-process in its own
+Python process so that a probe can record which requests each proposer is asked
+about (and for which the draft model runs), and vLLM's per-request spec-decode
+metrics (``per_request_spec_decode_metrics="detailed"``) give each request's draft
+length per step. The HTTP side (400 on a bad value) is in tests/test_serve.py.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from specplugin.bench.runner import CHILD_ENV_DEFAULTS, engine_kwargs, plugin_engine_kwargs
+from specplugin.zoo import zoo_path
+
+pytestmark = pytest.mark.vllm
+
+K = 8
+CODE = '''def parse_header(line):
+    """Split a header line into a key and a value."""
+    key, sep, value = line.partition(":")
+    if not sep:
+        raise ValueError("not a header: %r" % (line,))
+    return key.strip().lower(), value.strip()
+'''
+# distinct first tokens (the probe tells requests apart by them), copy-friendly bodies
+PROMPTS = [f"# {name}.py\n" + CODE + "\n\n# The same function again:\n" + CODE[:60]
+           for name in ("alpha", "beta", "gamma", "delta")]
+# per prompt: what the request asks for
+OPTIONS = [{}, {"specplugin_max_k": 0}, {"specplugin_max_k": 2},
+           {"specplugin_proposers": "suffix"}]
+REFUSED = {"k_above_server": {"specplugin_max_k": K + 1},
+           "k_as_string": {"specplugin_max_k": "2"},
+           "proposer_not_loaded": {"specplugin_proposers": "ngram,eagle"},
+           "typo_in_key": {"specplugin_maxk": 2}}
+
+PROBE = r"""
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+from specplugin.adaptive.arbiter import StepArbiter
+from specplugin.proposers.ngram import NgramProposer
+from specplugin.proposers.suffix import SuffixProposer
+from specplugin.vllm_layer.draft_proposer import PluginDraftProposer
+
+# short runs: every step speculates (the arbiter is tested on its own)
+StepArbiter.speculate = lambda self, num_reqs, sampled=False: True
+asked = {"ngram": [], "suffix": [], "draft": []}  # first tokens of each row asked about
+
+def recording(name, original):
+    def propose(self, batch):
+        asked[name].extend(batch.token_ids[r, :6].tolist() for r in batch.rows)
+        return original(self, batch)
+    return propose
+
+NgramProposer.propose = recording("ngram", NgramProposer.propose)
+SuffixProposer.propose = recording("suffix", SuffixProposer.propose)
+first_pass = PluginDraftProposer._first_pass_inputs
+
+def first_pass_inputs(self, batch, rows, starts, cad):
+    asked["draft"].extend(batch.token_ids[r, :6].tolist() for r in rows)
+    return first_pass(self, batch, rows, starts, cad)
+
+PluginDraftProposer._first_pass_inputs = first_pass_inputs
+job = json.loads(sys.argv[1])
+llm = LLM(model=job["model"], **job["engine_kwargs"])
+tokenizer = llm.get_tokenizer()
+prompts = [TokensPrompt(prompt_token_ids=tokenizer.encode(p)) for p in job["prompts"]]
+
+def params(extra):
+    return SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, extra_args=extra)
+
+refused = {}
+for name, extra in job["refused"].items():
+    try:  # one good request beside the bad one: the call fails as a whole, before scheduling
+        llm.generate(prompts[:2], [params({}), params(extra)], use_tqdm=False)
+        refused[name] = None
+    except Exception as e:
+        refused[name] = {"type": type(e).__name__, "value_error": isinstance(e, ValueError),
+                         "message": str(e)}
+plain = llm.generate(prompts, params({"specplugin_max_k": 0}), use_tqdm=False)
+for record in asked.values():
+    record.clear()
+mixed = llm.generate(prompts, [params(o) for o in job["options"]], use_tqdm=False)
+
+# one more (plain) request: the union learns a step's verification at the next step
+llm.generate(prompts[:1], SamplingParams(max_tokens=2, extra_args={"specplugin_max_k": 0}),
+             use_tqdm=False)
+from specplugin.vllm_layer.metrics_export import engine_stats
+exact = engine_stats(llm)
+vllm_counters, ours = {}, []
+for m in llm.get_metrics():
+    if m.name.startswith("vllm:spec_decode_num_") and not m.name.endswith("per_pos"):
+        vllm_counters[m.name] = m.value
+    elif m.name.startswith("vllm:specplugin_"):
+        ours.append([m.name, m.labels, m.value])
+
+def metrics(output):
+    m = output.outputs[0].spec_decode_metrics
+    return None if m is None else m.to_dict()
+
+print("RESULT " + json.dumps({
+    "refused": refused, "first_tokens": [p["prompt_token_ids"][:6] for p in prompts],
+    "plain": [list(o.outputs[0].token_ids) for o in plain],
+    "mixed": [list(o.outputs[0].token_ids) for o in mixed],
+    "metrics": [metrics(o) for o in mixed], "asked": asked, "exact": exact,
+    "vllm_counters": vllm_counters, "published": ours}))
+"""
+
+
+@pytest.fixture(scope="module")
+def probe(zoo_root):
+    options = {"proposers": ["draft", "ngram", "suffix"],
+               "draft_model": str(zoo_path("draft", zoo_root))}
+    kwargs = engine_kwargs({**plugin_engine_kwargs(K, options),
+                            "per_request_spec_decode_metrics": "detailed"}, eager=True)
+    job = {"model": str(zoo_path("target", zoo_root)), "engine_kwargs": kwargs,
+           "prompts": PROMPTS, "options": OPTIONS, "refused": REFUSED}
+    out = subprocess.run([sys.executable, "-c", PROBE, json.dumps(job)], capture_output=True,
+                         text=True, timeout=900, env={**CHILD_ENV_DEFAULTS, **os.environ})
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-5000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    firsts = [tuple(t) for t in result["first_tokens"]]
+    assert len(set(firsts)) == len(PROMPTS), "the probe cannot tell the prompts apart"
+    # per proposer: the indices of the prompts it was asked about
+    result["asked_prompts"] = {name: {firsts.index(tuple(t)) for t in rows}
+                               for name, rows in result["asked"].items()}
+    return result
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_a_bad_value_is_refused_before_scheduling_naming_the_key(probe, case):
+    refused = probe["refused"][case]
+    assert refused is not None, f"{case}: {REFUSED[case]} was accepted"
+    assert refused["type"] == "RequestRefused" and refused["value_error"], refused
+    assert next(iter(REFUSED[case])) in refused["message"], refused
+
+
+def test_output_is_identical_whatever_each_request_chose(probe):
+    assert probe["mixed"] == probe["plain"]
+
+
+def test_max_k_zero_switches_speculation_off_for_that_request_only(probe):
+    off, free = probe["metrics"][1], probe["metrics"][0]
+    assert off is not None and free is not None, probe["metrics"]
+    assert off["num_draft_tokens"] == 0, off
+    assert free["num_draft_tokens"] > 0, free
+    assert all(1 not in asked for asked in probe["asked_prompts"].values()), probe["asked_prompts"]
+
+
+def test_max_k_bounds_every_draft_of_that_request(probe):
+    capped = probe["metrics"][2]
+    assert capped["num_draft_tokens"] > 0 and max(capped["per_step_drafted"]) == 2, capped
+    assert max(probe["metrics"][0]["per_step_drafted"]) > 2, probe["metrics"][0]
+
+
+def test_a_request_is_drafted_for_only_by_the_proposers_it_names(probe):
+    asked = probe["asked_prompts"]
+    assert 3 in asked["suffix"], asked  # prompt 3 names "suffix" only
+    assert 3 not in asked["ngram"] and 3 not in asked["draft"], asked
+    assert {0, 2} <= asked["ngram"] and {0, 2} <= asked["draft"], asked
+    assert probe["metrics"][3]["num_draft_tokens"] > 0, probe["metrics"][3]
+
+
+def test_attributed_counts_add_up_to_vllms_own_counters(probe):
+    proposers = probe["exact"]["proposers"]
+    vllm = probe["vllm_counters"]
+    assert proposers and set(proposers) <= {"draft", "ngram", "suffix"}, proposers
+    for ours, theirs in (("drafts", "vllm:spec_decode_num_drafts"),
+                         ("draft_tokens", "vllm:spec_decode_num_draft_tokens"),
+                         ("accepted_tokens", "vllm:spec_decode_num_accepted_tokens")):
+        assert sum(p[ours] for p in proposers.values()) == vllm[theirs], (ours, proposers, vllm)
+    for p in proposers.values():
+        assert sum(p["accepted_tokens_per_pos"]) == p["accepted_tokens"]
+        assert sum(p["draft_tokens_per_pos"]) == p["draft_tokens"]
+    assert probe["exact"]["k_histogram"]["0"] > 0  # the max_k=0 request, every step
+
+
+def test_the_counters_are_in_vllms_metrics_with_a_proposer_label(probe):
+    """``LLM.get_metrics()`` reads the registry ``/metrics`` serves: the published snapshot
+    (at most one publishing period behind the exact counts)."""
+    published = {}
+    for name, labels, value in probe["published"]:
+        if name == "vllm:specplugin_accepted_tokens":
+            published[labels["proposer"]] = value
+    assert published, probe["published"]
+    exact = probe["exact"]["proposers"]
+    assert all(0 <= published[n] <= exact[n]["accepted_tokens"] for n in published), (
+        published, exact)
+    assert sum(published.values()) > 0
