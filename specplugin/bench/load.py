@@ -181,6 +181,7 @@ def bench_serve(name: str, base: str, model: str, dataset: Path, args, out_dir: 
     filename = f"{name}.client.json"
     cmd = [vllm, "bench", "serve", "--backend", "vllm", "--base-url", base, "--model", model,
            "--tokenizer", model, "--dataset-name", "custom", "--dataset-path", str(dataset),
+           "--skip-chat-template",
            "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency),
            "--temperature", "0", "--ignore-eos", "--seed", "0", "--save-result",
            "--save-detailed", "--result-dir", str(out_dir), "--result-filename", filename,
@@ -188,13 +189,15 @@ def bench_serve(name: str, base: str, model: str, dataset: Path, args, out_dir: 
     with open(out_dir / f"{name}.client.log", "w") as out:
         proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT)
     data = json.loads((out_dir / filename).read_text()) if proc.returncode == 0 else {}
+    client_error = [] if proc.returncode == 0 else [
+        f"vllm bench serve exited with {proc.returncode}; see {out_dir / (name + '.client.log')}"]
     return LoadResult(
         name=name, completed=int(data.get("completed", 0)),
         failed=int(data.get("failed", args.num_prompts if proc.returncode else 0)),
         duration_s=float(data.get("duration", 0.0)),
         output_tok_s=float(data.get("output_throughput", 0.0)),
         texts=list(data.get("generated_texts", [])),
-        errors=[e for e in data.get("errors", []) if e][:5])
+        errors=client_error + [e for e in data.get("errors", []) if e][:5])
 
 
 class _Leavers:

@@ -51,6 +51,7 @@ from specplugin.proposers.draft import (
     sample_draft_tokens,
 )
 from specplugin.proposers.union import Union, Verified
+from specplugin.vllm_layer.ranks import RankZeroClock
 
 logger = logging.getLogger("specplugin")
 # In a union, the draft model runs for every row that may use it once it has not run for
@@ -83,6 +84,10 @@ class PluginDraftProposer(DraftModelProposer):
         self._mean_forwards: float | None = None  # per step that ran the draft (average)
         self._steps_without_draft = 0  # speculative steps since the draft model last ran
         self.failures = FailureCounter("draft", logger)
+        # under tensor parallelism every rank decides from rank 0's timings (ranks.py):
+        # draft forwards timed during a step are shared at the next step's start
+        self.clock = RankZeroClock()
+        self._forward_seconds: list[float] = []
         # test-only: every N-th draft forward fails (specplugin.faults)
         every = plugin_config.fault_injection.draft_forward
         self._forward_fault = None if every is None else EveryNth("draft forward", every)
@@ -227,7 +232,7 @@ class PluginDraftProposer(DraftModelProposer):
             self.input_ids[:num_rows] = run.token_ids[-1].int()
             hidden = self._forward(cad, num_rows, draft_index, padding)
             more = self._sample_into(run, hidden[:num_rows], temperature)
-            self.costs.observe_forward(time.perf_counter() - start)
+            self._observe_forward(time.perf_counter() - start)
             if not more:
                 return
 
@@ -272,6 +277,8 @@ class PluginDraftProposer(DraftModelProposer):
         now = time.perf_counter()
         # wall time of the step just run (None: first step, or the last one failed)
         self._step_seconds = None if self._last_call is None else now - self._last_call
+        if self.clock.shared:
+            self._step_seconds = self._agree_on_timings(self._step_seconds)
         if self._step_seconds is not None:  # every row emitted one token plus its accepted drafts
             self.costs.observe_step(self._step_seconds, num_reqs + int(num_accepted.sum()),
                                     self._last_forwards, self._last_draft_tokens)
@@ -280,6 +287,22 @@ class PluginDraftProposer(DraftModelProposer):
             return dataclasses.replace(self.rule, row_threshold=self.fixed_min_acceptance)
         row, per_pass = self.costs.thresholds()
         return dataclasses.replace(self.rule, row_threshold=row, pass_threshold=per_pass)
+
+    def _observe_forward(self, seconds: float) -> None:
+        if self.clock.shared:  # shared at the next step (_agree_on_timings)
+            self._forward_seconds.append(seconds)
+        else:
+            self.costs.observe_forward(seconds)
+
+    def _agree_on_timings(self, step_seconds: float | None) -> float | None:
+        """Tensor parallelism: rank 0's step time and draft forward times replace this
+        rank's (every rank then takes the same decisions; see ranks.py)."""
+        forwards = self._forward_seconds
+        step_seconds, total, count = self.clock.agree([step_seconds, sum(forwards), len(forwards)])
+        self._forward_seconds = []
+        for _ in range(int(count or 0)):
+            self.costs.observe_forward(total / count)
+        return step_seconds
 
     def _forward(self, cad, num_tokens: int, draft_index: int,
                  padding: tuple | None = None) -> torch.Tensor:

@@ -40,6 +40,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from specplugin.proposers.draft import truncate_rows
 from specplugin.request_options import RequestOptionsCache
 from specplugin.vllm_layer.metrics_export import StatsPublisher
+from specplugin.vllm_layer.ranks import RankZeroClock, agree_array, tensor_parallel_rank
 from specplugin.vllm_layer import patches
 from specplugin.vllm_layer.config_hook import plugin_config
 
@@ -87,7 +88,7 @@ class PluginRunnerMixin:
         # the drafter's counters, published for the front end's /metrics (one rank: every
         # tensor-parallel rank drafts the same)
         self._stats_publisher = (StatsPublisher(self.vllm_config.instance_id)
-                                 if _tensor_parallel_rank() == 0 else None)
+                                 if tensor_parallel_rank() == 0 else None)
         # per-request specplugin_max_k / specplugin_proposers (checked in the front end)
         self.request_options = RequestOptionsCache(config.num_speculative_tokens,
                                                    config.proposers)
@@ -202,6 +203,8 @@ class PluginRunnerMixin:
         knots = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= limit]
         context_len = min(CALIBRATION_CONTEXT_LEN, self.max_model_len - 1)
         seconds = [self.time_forward(n, 1, context_len, repeats) for n in knots]
+        # tensor parallelism: every rank calibrates with rank 0's times (see ranks.py)
+        seconds = agree_array(RankZeroClock(), np.array(seconds))
         # more tokens never cost less: a later knot that ran faster bounds earlier ones
         seconds = np.minimum.accumulate(np.array(seconds)[::-1])[::-1]
         calibrate(np.array(knots), seconds)
@@ -263,15 +266,6 @@ class PluginRunnerMixin:
         if self._draft_lengths is not None:
             draft_token_ids = truncate_rows(draft_token_ids, self._draft_lengths)
         return draft_token_ids, req_ids
-
-
-def _tensor_parallel_rank() -> int:
-    from vllm.distributed import get_tensor_model_parallel_rank
-
-    try:
-        return get_tensor_model_parallel_rank()
-    except (AssertionError, RuntimeError):  # no distributed state (a runner built alone)
-        return 0
 
 
 class PluginCPUModelRunner(PluginRunnerMixin, CPUModelRunner):

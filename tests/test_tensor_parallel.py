@@ -1,0 +1,98 @@
+"""Tensor parallelism on this CPU: ``tensor_parallel_size=2`` (vLLM's multiprocessing
+executor, one core per rank through ``VLLM_CPU_OMP_THREADS_BIND="0|1"``) with the plugin.
+
+Two engines: the full union (draft model, n-gram, suffix: the draft's forward is sharded
+across both ranks, so a rank that decided differently would stall the other; see
+``specplugin/vllm_layer/ranks.py``) and the token-level union (``specplugin.Speculator``).
+In each, the same prompts run with speculation off per request (``specplugin_max_k=0``,
+the engine's plain path) and on, greedy: the outputs must be identical token for token
+and drafts must have been verified. Requests naming one proposer each
+(``specplugin_proposers``) exercise every proposer on its own under tensor parallelism.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from specplugin.bench.runner import CHILD_ENV_DEFAULTS, engine_kwargs, plugin_engine_kwargs
+from specplugin.zoo import zoo_path
+
+pytestmark = pytest.mark.vllm
+
+CODE = '''def parse_header(line):
+    """Split a header line into a key and a value."""
+    key, sep, value = line.partition(":")
+    if not sep:
+        raise ValueError("not a header: %r" % (line,))
+    return key.strip().lower(), value.strip()
+'''
+PROMPTS = [CODE + "\n\n# The same function again:\n" + CODE[:60],
+           "import os\nimport sys\n\n\ndef main(argv):\n",
+           "class Stack:\n    def __init__(self):\n",
+           "# " + CODE + "\n# once more\n" + CODE[:40]]
+
+PROBE = r"""
+import json, sys
+from vllm import LLM, SamplingParams
+
+job = json.loads(sys.argv[1])
+llm = LLM(model=job["model"], **job["engine_kwargs"])
+
+def params(extra):
+    return SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, extra_args=extra)
+
+def counters():
+    return {m.name: m.value for m in llm.get_metrics()
+            if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")}
+
+plain = llm.generate(job["prompts"], params({"specplugin_max_k": 0}), use_tqdm=False)
+before = counters()
+spec = llm.generate(job["prompts"], [params(e) for e in job["extras"]], use_tqdm=False)
+after = counters()
+print("RESULT " + json.dumps({
+    "plain": [list(o.outputs[0].token_ids) for o in plain],
+    "spec": [list(o.outputs[0].token_ids) for o in spec],
+    "drafts": after.get("vllm:spec_decode_num_drafts", 0) - before.get("vllm:spec_decode_num_drafts", 0),
+    "accepted": after.get("vllm:spec_decode_num_accepted_tokens", 0)
+                - before.get("vllm:spec_decode_num_accepted_tokens", 0)}))
+"""
+
+
+def _probe(target, options, extras):
+    kwargs = engine_kwargs({**plugin_engine_kwargs(8, options), "tensor_parallel_size": 2},
+                           eager=True)
+    job = {"model": target, "engine_kwargs": kwargs, "prompts": PROMPTS, "extras": extras}
+    env = {**CHILD_ENV_DEFAULTS, **os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    out = subprocess.run([sys.executable, "-c", PROBE, json.dumps(job)], capture_output=True,
+                         text=True, timeout=900, env=env)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-6000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def full_union(zoo_root):
+    options = {"proposers": ["draft", "ngram", "suffix"],
+               "draft_model": str(zoo_path("draft", zoo_root))}
+    # one request per proposer alone, one with all of them
+    extras = [{}, {"specplugin_proposers": "draft"}, {"specplugin_proposers": "ngram"},
+              {"specplugin_proposers": "suffix"}]
+    return _probe(str(zoo_path("target", zoo_root)), options, extras)
+
+
+@pytest.fixture(scope="module")
+def token_union(zoo_root):
+    return _probe(str(zoo_path("target", zoo_root)), {"proposers": ["ngram", "suffix"]},
+                  [{}] * len(PROMPTS))
+
+
+@pytest.mark.parametrize("run", ["full_union", "token_union"])
+def test_greedy_output_is_identical_under_tensor_parallelism(request, run):
+    result = request.getfixturevalue(run)
+    for i, (want, got) in enumerate(zip(result["plain"], result["spec"])):
+        first = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), None)
+        assert want == got, f"prompt {i}: first difference at output position {first}"
+    assert result["drafts"] > 0 and result["accepted"] > 0, result
