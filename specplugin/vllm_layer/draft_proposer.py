@@ -404,8 +404,8 @@ class PluginDraftProposer(DraftModelProposer):
         """Learn from the step just verified (the union) and ask the step arbiter whether
         this step speculates at all."""
         num_reqs, mostly_sampled = len(num_accepted), bool(sampled.mean() > 0.5)
+        scheduled = np.asarray(context.num_scheduled_drafts[:num_reqs])  # [num_reqs]
         if self.union is None:
-            scheduled = np.asarray(context.num_scheduled_drafts[:num_reqs])
             drafted = scheduled > 0  # [num_reqs] rows whose drafts were just verified
             for k, a in zip(scheduled[drafted].tolist(), num_accepted[drafted].tolist()):
                 self.proposer_stats.verified(DraftCandidates.name, k, a)
@@ -413,7 +413,6 @@ class PluginDraftProposer(DraftModelProposer):
                 return True
             self.arbiter.observe(num_reqs + int(num_accepted.sum()), self._step_seconds)
             return self.arbiter.speculate(num_reqs, mostly_sampled)
-        scheduled = np.asarray(context.num_scheduled_drafts[:num_reqs])
         verified = Verified(tuple(context.req_ids[:num_reqs]), scheduled, num_accepted + 1,
                             self._step_seconds, context.num_query_tokens)
         return self.union.begin(verified, num_reqs, mostly_sampled)
