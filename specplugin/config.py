@@ -23,6 +23,8 @@ from typing import Any
 CONFIG_KEY = "specplugin"
 SPECULATOR_CLASS = "specplugin.Speculator"
 MAX_NUM_SPECULATIVE_TOKENS = 32
+# most candidates verified per request per step (the batch-expanding scorer)
+MAX_CANDIDATES = 4
 
 
 class SpecPluginConfigError(ValueError):
@@ -91,9 +93,16 @@ class FaultSettings:
 
     proposers: dict = field(default_factory=dict)
     draft_forward: int | None = None
+    # the scheduler is sent a decoy (the chosen draft with its tokens changed) and the
+    # real draft is verified as an extra candidate, so that the batch-expanding scorer's
+    # non-primary winners carry the output (needs max_candidates >= 2)
+    decoy_primary: bool = False
 
     def __post_init__(self):
         where = _where("fault_injection")
+        if not isinstance(self.decoy_primary, bool):
+            raise SpecPluginConfigError(
+                f"{where}[\"decoy_primary\"] must be true or false; got {self.decoy_primary!r}.")
         if not isinstance(self.proposers, dict):
             raise SpecPluginConfigError(
                 f"{where}[\"proposers\"] must be an object mapping proposer names to N; got "
@@ -124,6 +133,9 @@ class SpecPluginConfig:
     step_arbiter: bool = True
     # test-only: proposers and draft forwards that fail on purpose (specplugin.faults)
     fault_injection: FaultSettings = field(default_factory=FaultSettings)
+    # the batch-expanding scorer: most candidates verified per request per step (1: one
+    # chain, the scorer off); candidates come from different proposers of the union
+    max_candidates: int = 1
 
     def __post_init__(self):
         from specplugin.proposers import available_proposers
@@ -161,6 +173,7 @@ class SpecPluginConfig:
         if self.fault_injection.draft_forward is not None and "draft" not in self.proposers:
             raise SpecPluginConfigError(
                 f"{_where('fault_injection')}[\"draft_forward\"] needs the 'draft' proposer.")
+        self._check_max_candidates()
         if self.draft_model is not None:
             self._check_draft_model(self.draft_model)
         elif "draft" in self.proposers:
@@ -168,6 +181,23 @@ class SpecPluginConfig:
                 f"{_where('proposers')} lists 'draft' but {_where('draft_model')} is not set; "
                 "give the path of a draft model folder that shares the target's vocabulary."
             )
+
+    def _check_max_candidates(self) -> None:
+        n = self.max_candidates
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CANDIDATES:
+            raise SpecPluginConfigError(
+                f"{_where('max_candidates')} must be an integer from 1 (one draft per request, "
+                f"the default) to {MAX_CANDIDATES}; got {n!r}.")
+        if n > len(self.proposers):
+            raise SpecPluginConfigError(
+                f"{_where('max_candidates')} = {n} needs as many proposers (each request's "
+                f"candidates come from different proposers); {_where('proposers')} = "
+                f"{list(self.proposers)}. Add proposers or lower max_candidates.")
+        if self.fault_injection.decoy_primary and n < 2:
+            raise SpecPluginConfigError(
+                f"{_where('fault_injection')}[\"decoy_primary\"] needs "
+                f"{_where('max_candidates')} >= 2 (the real draft is verified as an extra "
+                "candidate).")
 
     def _check_draft_model(self, path: str) -> None:
         folder = Path(path).expanduser()
@@ -214,6 +244,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "draft": (dict,),
     "step_arbiter": (bool,),
     "fault_injection": (dict,),
+    "max_candidates": (int,),
 }
 
 

@@ -62,6 +62,13 @@ def register() -> None:
 
     if not patches.is_patched(InputProcessor, "_validate_params"):
         patches.patch_method(InputProcessor, "_validate_params", check_request_of)
+    # the batch-expanding scorer's scratch KV blocks, kept from the scheduler's pool
+    from vllm.v1.engine.core import EngineCore
+
+    from specplugin.vllm_layer.scorer import reserve_scratch_blocks
+
+    if not patches.is_patched(EngineCore, "_initialize_kv_caches"):
+        patches.patch_around(EngineCore, "_initialize_kv_caches", reserve_scratch_blocks)
     if current_platform.is_cpu():
         # vLLM registers its CPU kernel fallbacks in each worker right after loading
         # plugins, reading this module attribute then: replacing it here is enough.

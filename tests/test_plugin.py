@@ -50,8 +50,8 @@ def test_register_is_idempotent_and_refuses_double_patching():
         from vllm.platforms import current_platform
         register(); register(); register()
         cls = type(current_platform)
-        # config check, request check, CPU expand kernel
-        assert len(patches._APPLIED) == 3, patches._APPLIED
+        # config check, request check, scratch blocks, CPU expand kernel
+        assert len(patches._APPLIED) == 4, patches._APPLIED
         try:
             patches.patch_classmethod(cls, "check_and_update_config", lambda cfg: None)
         except patches.DoublePatchError as e:
@@ -61,8 +61,23 @@ def test_register_is_idempotent_and_refuses_double_patching():
             patches.patch_method(InputProcessor, "_validate_params", lambda *a: None)
         except patches.DoublePatchError as e:
             print("REFUSED METHOD", e)
+        from vllm.v1.engine.core import EngineCore
+        try:
+            patches.patch_around(EngineCore, "_initialize_kv_caches", lambda f, *a: f(*a))
+        except patches.DoublePatchError as e:
+            print("REFUSED AROUND", e)
     """)
-    assert "REFUSED" in out and "REFUSED METHOD" in out
+    assert "REFUSED" in out and "REFUSED METHOD" in out and "REFUSED AROUND" in out
+
+
+def test_vllm_still_builds_the_scheduler_pool_where_the_scorer_shrinks_it():
+    """Fails loudly when vLLM stops building the scheduler's KV config through the
+    module-level name the scorer's scratch-block reservation swaps."""
+    from vllm.v1.engine import core
+
+    source = inspect.getsource(core.EngineCore._initialize_kv_caches)
+    assert "generate_scheduler_kv_cache_config(kv_cache_configs)" in source
+    assert callable(core.generate_scheduler_kv_cache_config)
 
 
 def test_vllm_still_calls_the_patched_hook_where_we_expect():

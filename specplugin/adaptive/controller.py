@@ -89,3 +89,85 @@ def _best_candidate(candidates: Sequence[np.ndarray], theta: float) -> tuple[int
         if value > best_value:
             best, best_value, best_p = c, value, p
     return best, best_p
+
+
+# most extra rows (candidates beyond each request's first) one step verifies
+MAX_EXTRA_ROWS = 8
+
+
+@dataclass(frozen=True)
+class Extra:
+    """An extra candidate a request verifies beside its chosen one (the batch-expanding
+    scorer): its index among the request's candidates and how many of its tokens."""
+
+    candidate: int
+    num_tokens: int
+
+
+def expand(choices: Sequence[Choice],
+           acceptance: Sequence[Sequence[np.ndarray]],  # [num_reqs][num_candidates] -> [k]
+           divergence: Sequence[Sequence[int]],  # [num_reqs][num_candidates]
+           step_seconds: Callable[[np.ndarray], np.ndarray],
+           max_candidates: int, eligible: Sequence[bool] | None = None,
+           max_rows: int = MAX_EXTRA_ROWS, spec_overhead: float = 0.0,
+           num_base_tokens: int | None = None) -> list[list[Extra]]:
+    """Which other candidates each request verifies too, as extra rows of the same pass.
+
+    ``divergence[r][c]``: the first position where candidate c differs from the chosen
+    candidate of request r. Candidate c, cut to the chosen draft's length k (vLLM rolls a
+    request back by its scheduled draft length, so no candidate may be longer), can only
+    beat the chosen one when that one is rejected exactly at c's divergence point d, and
+    then adds the tokens c gets accepted from d on::
+
+        gain = P_(d) * (1 - a_(d+1)) * sum_{j = d+1..k} prod_{i = d+1..j} b_i
+
+    (``P_(d)``: the chosen draft's first d tokens all accepted, ``a`` its conditional
+    acceptances, ``b`` c's). The extra row costs ``1 + k`` verified tokens. As in
+    :func:`plan`, extras are taken in decreasing gain per token while each raises the
+    step's expected tokens per second, ``(E + gain) / T(n + 1 + k) > E / T(n)``, at most
+    ``max_candidates - 1`` per request and ``max_rows`` in all. ``eligible[r]`` False:
+    request r is never expanded (its acceptance is not one the scorer reproduces)."""
+    num_reqs = len(choices)
+    n = (num_reqs if num_base_tokens is None else num_base_tokens) + sum(
+        c.num_tokens for c in choices)
+    expected = float(num_reqs)
+    offers = []  # (gain per token, gain, request, candidate, tokens)
+    for r, choice in enumerate(choices):
+        if choice.candidate == NO_CANDIDATE:
+            continue
+        primary = np.asarray(acceptance[r][choice.candidate][:choice.num_tokens], dtype=float)
+        expected += float(np.cumprod(primary).sum())
+        if eligible is not None and not eligible[r]:
+            continue
+        for c, other in enumerate(acceptance[r]):
+            k, d = min(len(other), choice.num_tokens), divergence[r][c]
+            if c == choice.candidate or d >= k:
+                continue
+            reach = float(np.prod(primary[:d])) * (1.0 - float(primary[d]))
+            gain = reach * float(np.cumprod(np.asarray(other[d:k], dtype=float)).sum())
+            if gain > 0:
+                offers.append((gain / (1 + k), gain, r, c, k))
+    extras: list[list[Extra]] = [[] for _ in range(num_reqs)]
+    if not offers or max_candidates < 2:
+        return extras
+    offers.sort(key=lambda o: (-o[0], o[2], o[3]))
+    seconds = float(step_seconds(np.array([n]))[0]) + spec_overhead
+    taken = 0
+    for _, gain, r, c, k in offers:
+        if taken == max_rows:
+            break
+        if len(extras[r]) >= max_candidates - 1:
+            continue
+        longer = float(step_seconds(np.array([n + 1 + k]))[0]) + spec_overhead
+        if (expected + gain) / longer <= expected / seconds:
+            continue
+        extras[r].append(Extra(c, k))
+        taken, expected, n, seconds = taken + 1, expected + gain, n + 1 + k, longer
+    return extras
+
+
+def divergence(chosen: np.ndarray, other: np.ndarray) -> int:
+    """First position where two token sequences differ (their common length if none)."""
+    k = min(len(chosen), len(other))
+    differ = np.flatnonzero(np.asarray(chosen[:k]) != np.asarray(other[:k]))
+    return int(differ[0]) if len(differ) else k

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specplugin.adaptive.arbiter import StepArbiter
-from specplugin.adaptive.controller import NO_CANDIDATE, plan
+from specplugin.adaptive.controller import NO_CANDIDATE, divergence, expand, plan
 from specplugin.adaptive.cost import StepCostModel
 from specplugin.adaptive.estimator import (AcceptanceEstimator, RequestHistory, TokenCells,
                                            history_bucket)
@@ -60,7 +60,8 @@ class _Pending:
 class Union:
     def __init__(self, proposers: Sequence[Proposer], cost: StepCostModel | None = None,
                  estimator: AcceptanceEstimator | None = None, explore: bool = True,
-                 arbiter: StepArbiter | None = None):
+                 arbiter: StepArbiter | None = None, max_candidates: int = 1,
+                 decoy_primary: bool = False):
         """``explore``: one request per step (chosen at random among those with
         candidates) is judged by posterior draws (Thompson sampling), the others by
         posterior means, so that a proposer unlucky early on is tried again (see the
@@ -83,6 +84,10 @@ class Union:
         # [num_reqs] index of the proposer whose candidate each row of the last step
         # verifies (None: no draft); the vLLM layer needs it to attach draft probabilities
         self.last_sources: list[int | None] = []
+        self.max_candidates = max_candidates
+        self.decoy_primary = decoy_primary
+        # [num_reqs] the extra candidates (token lists) each row of the last step verifies
+        self.last_alternates: list[list[list[int]]] = []
 
     def step(self, batch: StepBatch, verified: Verified | None) -> list[list[int]]:
         """Learn from ``verified``, then one draft per row of ``batch`` (``[]``: none)."""
@@ -94,6 +99,7 @@ class Union:
         """Learn from ``verified``; whether this step speculates (the arbiter's call;
         ``sampled``: most requests sample). A plain step needs nothing else: no
         proposer runs, and the caller need not even build the step's batch."""
+        self.last_alternates = []
         if verified is not None:
             self._learn(verified)
         self.estimator.step()
@@ -139,7 +145,32 @@ class Union:
             acceptance[r].append(a)
         choices = plan(acceptance, self.cost.step_seconds,
                        spec_overhead=self.cost.spec_overhead_s)
-        return self._remember(batch, offers, histories, choices)
+        drafts = self._remember(batch, offers, histories, choices)
+        self.last_alternates = [[] for _ in choices]
+        if self.max_candidates > 1:
+            self._alternates(batch, offers, acceptance, choices, drafts)
+        return drafts
+
+    def _alternates(self, batch: StepBatch, offers, acceptance, choices, drafts) -> None:
+        """Fill :attr:`last_alternates`: the extra candidates worth verifying too."""
+        tokens: list[list[np.ndarray]] = [[] for _ in choices]
+        for r, _, c in offers:
+            tokens[r].append(c.token_ids)
+        diverge = [[divergence(tokens[r][choice.candidate], t) for t in tokens[r]]
+                   if choice.candidate != NO_CANDIDATE else [] for r, choice in enumerate(choices)]
+        greedy = ~np.asarray(batch.sampled, dtype=bool)
+        extras = expand(choices, acceptance, diverge, self.cost.step_seconds,
+                        self.max_candidates - int(self.decoy_primary), eligible=greedy,
+                        spec_overhead=self.cost.spec_overhead_s)
+        for r, row_extras in enumerate(extras):
+            self.last_alternates[r] = [tokens[r][e.candidate][:e.num_tokens].tolist()
+                                       for e in row_extras]
+            self.stats.extra_candidates += len(row_extras)
+        if self.decoy_primary:
+            for r, draft in enumerate(drafts):
+                if draft and greedy[r]:
+                    self.last_alternates[r].insert(0, list(draft))
+                    drafts[r] = [t - 1 if t > 0 else t + 1 for t in draft]
 
     def _histories(self, batch: StepBatch) -> list[int]:
         return [history_bucket(self.history.get(req_id)) for req_id in batch.req_ids]
@@ -148,6 +179,7 @@ class Union:
         """The engine skipped drafting for a step: the drafts proposed before it were
         verified in a step whose results never reach :meth:`step`."""
         self._pending = {}
+        self.last_alternates = []
 
     def finish_requests(self, req_ids: Sequence[str]) -> None:
         for proposer in self.proposers:

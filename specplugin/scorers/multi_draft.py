@@ -57,6 +57,16 @@ class MultiDraftOutput:
     winner: int  # index of the candidate to keep (lowest index among those holding the prefix)
 
 
+def longest_accepted(
+    draft_ids: torch.Tensor,  # [k]
+    target_ids: torch.Tensor,  # [k + 1] the target's argmax after each prefix of the draft
+) -> int:
+    """Greedy acceptance of one candidate: how many of its tokens match the target's argmax
+    before the first mismatch."""
+    matches = draft_ids.long() == target_ids[: draft_ids.shape[0]].long()  # [k]
+    return int(matches.long().cumprod(0).sum())
+
+
 def greedy_multi_draft_verify(
     candidate_draft_ids: Sequence[torch.Tensor],  # num_candidates x [k_c]
     candidate_target_probs: Sequence[torch.Tensor],  # num_candidates x [k_c + 1, vocab_size]

@@ -106,11 +106,19 @@ class PluginDraftProposer(DraftModelProposer):
             max_tokens = max(2, vllm_config.scheduler_config.max_num_batched_tokens)
             self.union = Union([*proposers, self.draft_candidates],
                                cost=StepCostModel(max_tokens=max_tokens),
-                               arbiter=StepArbiter() if plugin_config.step_arbiter else None)
+                               arbiter=StepArbiter() if plugin_config.step_arbiter else None,
+                               max_candidates=plugin_config.max_candidates,
+                               decoy_primary=plugin_config.fault_injection.decoy_primary)
         # the draft model alone: whether speculating pays at all, measured (the union has its own)
         self.arbiter = StepArbiter() if plugin_config.step_arbiter else None
         # drafts and acceptances per proposer (the union keeps them itself)
         self.proposer_stats = ProposerStats() if self.union is None else self.union.stats
+
+    @property
+    def last_alternates(self) -> list[list[list[int]]]:
+        """[num_reqs] extra candidates per row of the last ``propose`` (the union's;
+        the batch-expanding scorer verifies them, :mod:`specplugin.vllm_layer.scorer`)."""
+        return [] if self.union is None else self.union.last_alternates
 
     def calibrate(self, num_tokens: np.ndarray, seconds: np.ndarray) -> None:
         """Timed target forwards from engine start (see the worker)."""

@@ -1,6 +1,6 @@
 """Every change the plugin makes to vLLM's classes lives here, in one registry.
 
-Three lasting patches today, and one scoped replacement:
+Four lasting patches today, and two scoped replacements:
 
 - a wrapper around the current platform's ``check_and_update_config``, which
   ``VllmConfig.__post_init__`` calls in the front-end process. vLLM offers no hook
@@ -15,6 +15,13 @@ Three lasting patches today, and one scoped replacement:
 - on CPU, vLLM's fallback for the rejection sampler's ``expand_kernel``, which is
   wrong for float inputs (see ``cpu_fixes.py``; ``tests/test_cpu_fixes.py`` fails
   loudly once vLLM fixes it, so the patch can go);
+- around ``EngineCore._initialize_kv_caches`` (engine-core process), only when the
+  batch-expanding scorer is on (``max_candidates`` > 1): while it runs, vLLM's
+  ``generate_scheduler_kv_cache_config`` is swapped for one that gives the scheduler
+  its pool minus the scorer's scratch blocks (:mod:`specplugin.vllm_layer.scorer`);
+  the workers keep every block, so the last ones are the scorer's alone. vLLM has no
+  setting that reserves blocks per worker (``tests/test_scorer_e2e.py`` checks the
+  scheduler's pool shrank);
 - while the plugin's CPU worker initialises, the name ``CPUModelRunner`` that vLLM's
   ``CPUWorker.init_device`` builds its runner from points at the plugin's runner
   (:func:`swapped`): the CUDA worker has a factory method for this, the CPU worker
@@ -87,6 +94,24 @@ def patch_method(owner: type, name: str, after: Callable[..., None]) -> AppliedP
         result = func(self, *args, **kwargs)
         after(self, *args, **kwargs)
         return result
+
+    setattr(wrapper, _MARKER, True)
+    applied = AppliedPatch(owner, name, owner.__dict__.get(name, func))
+    setattr(owner, name, wrapper)
+    _APPLIED[(owner, name)] = applied
+    return applied
+
+
+def patch_around(owner: type, name: str, around: Callable[..., Any]) -> AppliedPatch:
+    """Replace method ``owner.name(self, *args, **kwargs)`` by
+    ``around(original, self, *args, **kwargs)``, which decides when to call the original."""
+    if is_patched(owner, name) or (owner, name) in _APPLIED:
+        raise DoublePatchError(f"{owner.__qualname__}.{name} is already patched by specplugin")
+    func = getattr(owner, name)
+
+    @functools.wraps(func)
+    def wrapper(self, *args, **kwargs):
+        return around(func, self, *args, **kwargs)
 
     setattr(wrapper, _MARKER, True)
     applied = AppliedPatch(owner, name, owner.__dict__.get(name, func))

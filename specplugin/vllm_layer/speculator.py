@@ -43,7 +43,9 @@ class Speculator:
                      if name not in MODEL_PROPOSERS]
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.union = Union(proposers, cost=StepCostModel(max_tokens=max(2, max_tokens)),
-                           arbiter=StepArbiter() if self.config.step_arbiter else None)
+                           arbiter=StepArbiter() if self.config.step_arbiter else None,
+                           max_candidates=self.config.max_candidates,
+                           decoy_primary=self.config.fault_injection.decoy_primary)
         self.failures = FailureCounter("union", logger)
         self.runner = None
         self._last_call: float | None = None
@@ -102,6 +104,12 @@ class Speculator:
         return StepBatch(tuple(context.req_ids[:num_reqs]), token_ids_cpu, num_tokens,
                          np.asarray(context.num_prompt_tokens[:num_reqs]), max_draft_lens,
                          sampled, rows, context.allowed)
+
+    @property
+    def last_alternates(self) -> list[list[list[int]]]:
+        """[num_reqs] the extra candidates each row of the last ``propose`` verifies too
+        (the batch-expanding scorer, :mod:`specplugin.vllm_layer.scorer`)."""
+        return self.union.last_alternates
 
     def finish_requests(self, req_ids) -> None:
         self.union.finish_requests(list(req_ids))

@@ -94,6 +94,9 @@ class PluginRunnerMixin:
                                                    config.proposers)
         self._draft_lengths: list[int] | None = None
         self._scheduler_output = None
+        self.step_scheduler_output = None  # the step being run (the scorer reads its drafts)
+        # the batch-expanding scorer (max_candidates > 1), built with the KV cache
+        self.expander = None
         if "draft" in config.proposers:
             self.drafter = PluginDraftProposer(self.vllm_config, self.device, self, config)
         else:  # vLLM built specplugin.Speculator through its custom_class hook
@@ -211,9 +214,39 @@ class PluginRunnerMixin:
         logger.info("specplugin: target forward ms by query tokens %s",
                     dict(zip(knots, (round(float(t) * 1e3, 2) for t in seconds))))
 
+    def plugin_stats(self) -> dict:
+        """The drafter's counters, and the scorer's under ``"scorer"`` when it is on."""
+        stats = self.drafter.stats()
+        if self.expander is not None:
+            stats["scorer"] = self.expander.stats.as_dict()
+        return stats
+
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
+        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+        config = plugin_config(self.vllm_config)
+        if config.max_candidates > 1:
+            from specplugin.vllm_layer.scorer import BatchExpander
+
+            self.expander = BatchExpander(self, config)
+
+    def _model_forward(self, input_ids=None, positions=None, **kwargs):
+        """With the batch-expanding scorer, the step's extra candidates run as extra rows
+        of this one forward (:mod:`specplugin.vllm_layer.scorer`)."""
+        forward = super()._model_forward
+        if self.expander is None or kwargs.get("inputs_embeds") is not None:
+            return forward(input_ids=input_ids, positions=positions, **kwargs)
+        return self.expander.forward(self, forward, input_ids, positions, **kwargs)
+
+    def _sample(self, logits, spec_decode_metadata):
+        sampler_output = super()._sample(logits, spec_decode_metadata)
+        if self.expander is not None:
+            self.expander.resolve(self, sampler_output)
+        return sampler_output
+
     def _update_states(self, scheduler_output):
+        self.step_scheduler_output = scheduler_output
         if self._stats_publisher is not None:
-            self._stats_publisher.maybe_publish(self.drafter.stats)
+            self._stats_publisher.maybe_publish(self.plugin_stats)
         finished = scheduler_output.finished_req_ids
         if finished and hasattr(self.drafter, "finish_requests"):
             self.drafter.finish_requests(finished)
@@ -258,8 +291,12 @@ class PluginRunnerMixin:
             # drafts verified in this step were never resolved: drop them, or the next
             # step's resolve would count them as all accepted
             self.drafter.forget_pending()
+            if self.expander is not None:
+                self.expander.forget()
         else:
             self._draft_lengths = getattr(self.drafter, "last_lengths", None)
+            if self.expander is not None:
+                self.expander.remember(self.input_batch.req_ids, self.drafter.last_alternates)
 
     def _get_draft_token_ids_cpu(self) -> tuple[list[list[int]], list[str]]:
         draft_token_ids, req_ids = super()._get_draft_token_ids_cpu()
@@ -294,7 +331,7 @@ class PluginWorkerMixin:
     def specplugin_stats(self) -> dict:
         """``llm.collective_rpc("specplugin_stats")``: the drafter's counters, now
         (:func:`specplugin.vllm_layer.metrics_export.engine_stats`)."""
-        return self.model_runner.drafter.stats()
+        return self.model_runner.plugin_stats()
 
 
 class PluginCPUWorker(PluginWorkerMixin, CPUWorker):

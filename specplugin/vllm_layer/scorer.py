@@ -1,0 +1,367 @@
+"""The batch-expanding scorer inside vLLM: a request's extra candidates as extra rows of
+the target's one forward pass.
+
+vLLM verifies one draft per request: the scheduler appends it to the request's next
+step, and the target runs it as extra query tokens. When the union offers a request
+more than one good candidate (:func:`specplugin.adaptive.controller.expand`), the
+scheduler is sent the primary one (never shorter than the others: vLLM rolls a
+request back by ``scheduled - accepted``), and this module verifies the others in the
+same forward:
+
+- **rows**: each extra candidate becomes one more row after the batch's own rows: the
+  request's last token and the candidate's tokens, at the request's positions. vLLM's
+  CPU attention has no custom mask, so candidates cannot share a row.
+- **blocks**: the row's block table is the request's own for the context; the block
+  holding the first new position is a copy of the request's partly filled block (none
+  needed when the context ends on a block boundary, "exactly full"), and later blocks
+  are fresh, all from a small pool of *scratch blocks* the scheduler never sees
+  (:func:`reserve_scratch_blocks` shrinks the scheduler's pool by that many; the
+  workers keep all blocks, so the last ones are private). Nothing of the scheduler's
+  changes: scratch ids never leave the worker.
+- **attention**: new metadata for the expanded batch from each KV cache group's own
+  builder, and a forward context whose slot mappings cover the extra rows; the model
+  runs once over ``T + E`` tokens and vLLM gets its own ``T`` rows of hidden states back.
+- **acceptance** (:meth:`BatchExpander.resolve`, after vLLM's rejection sampler):
+  greedy only, the longest prefix of any candidate that matches the target's argmax
+  (:func:`specplugin.scorers.multi_draft.longest_accepted`); if an extra candidate
+  wins, the row's sampled tokens are replaced by its accepted tokens and the target's
+  argmax after them, and their KV is copied from the scratch slots into the request's
+  own slots, so the next step reads the winner's context.
+
+Requests whose acceptance the plugin does not reproduce exactly are never expanded:
+temperature > 0, penalties, logit bias, bad words, allowed tokens, min_tokens,
+logprobs, structured output (:func:`expandable`). They verify one chain, as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from vllm.forward_context import get_forward_context, override_forward_context
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.sample.sampler import _SAMPLING_EPS
+
+from specplugin.scorers.multi_draft import longest_accepted
+
+logger = logging.getLogger("specplugin")
+# most extra rows one step verifies: the scratch pool is sized for them
+MAX_EXTRA_ROWS = 8
+PLACEHOLDER_TOKEN_ID = -1  # vLLM's padding in the rejection sampler's output
+
+
+def blocks_per_row(num_speculative_tokens: int, block_size: int) -> int:
+    """Blocks an extra row may need: the ``1 + K`` positions it writes span at most
+    ``K // block_size + 2`` blocks."""
+    return num_speculative_tokens // block_size + 2
+
+
+def num_scratch_blocks(plugin_config, block_size: int) -> int:
+    """Blocks the plugin keeps out of the scheduler's pool (0 with the scorer off)."""
+    if plugin_config.max_candidates < 2:
+        return 0
+    return MAX_EXTRA_ROWS * blocks_per_row(plugin_config.num_speculative_tokens, block_size)
+
+
+def expandable(params) -> bool:
+    """Whether a request's acceptance is plain greedy argmax over the raw logits, which
+    :meth:`BatchExpander.resolve` reproduces exactly."""
+    if params is None or params.temperature >= _SAMPLING_EPS:
+        return False
+    return (params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+            and params.repetition_penalty == 1.0 and not params.logit_bias
+            and not params.bad_words and params.allowed_token_ids is None
+            and not params.min_tokens and params.logprobs is None
+            and params.prompt_logprobs is None and params.structured_outputs is None
+            and not getattr(params, "logits_processors", None))
+
+
+@dataclass(frozen=True)
+class ExtraRow:
+    """One extra candidate of batch row ``row``, verified as its own row."""
+
+    row: int
+    draft_ids: tuple[int, ...]  # [k] the candidate's tokens (k <= the row's scheduled drafts)
+    start: int  # offset of its first query token in the expanded batch (>= T)
+    first_position: int  # position of its first query token (the request's last token)
+    # (block index in the request's table, scratch block, the request's own block) for
+    # each block its positions touch
+    blocks: tuple[tuple[int, int, int], ...]
+    slots: torch.Tensor  # [1 + k] where this row writes its KV (scratch blocks)
+
+
+@dataclass
+class ScorerStats:
+    """Counters of the scorer (``stats()["scorer"]``)."""
+
+    steps: int = 0  # steps that verified extra rows
+    extra_rows: int = 0
+    extra_tokens: int = 0  # query tokens of the extra rows
+    wins: int = 0  # extra candidates that beat the primary
+    won_tokens: int = 0  # accepted tokens the winners added over the primary
+    copied_blocks: int = 0  # copy-on-write copies of a partly filled last block
+    aligned_starts: int = 0  # extra rows whose context ended exactly on a block boundary
+    skipped: Counter = dataclasses.field(default_factory=Counter)  # reason -> rows
+
+    def as_dict(self) -> dict:
+        return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                   if f.name != "skipped"}, "skipped": dict(self.skipped)}
+
+
+class BatchExpander:
+    """Keeps the extra candidates sent with a step's drafts, runs them in the next
+    forward and resolves them after vLLM's sampler. One per model runner."""
+
+    def __init__(self, runner, plugin_config):
+        kv_config = runner.kv_cache_config
+        groups = kv_config.kv_cache_groups
+        self.block_size = groups[0].kv_cache_spec.block_size
+        self.num_scratch = num_scratch_blocks(plugin_config, self.block_size)
+        self.first_scratch = kv_config.num_blocks - self.num_scratch
+        self.per_row = blocks_per_row(plugin_config.num_speculative_tokens, self.block_size)
+        draft_layers = set(getattr(runner.drafter, "_draft_attn_layer_names", ()) or ())
+        self._layers = runner.compilation_config.static_forward_context
+        # the target's layers: the winner's KV is copied in these only (the draft
+        # model's cache, if any, is written by its own forward)
+        self._layer_names = [name for g in groups for name in g.layer_names
+                             if name not in draft_layers]
+        self.usable = len(groups) == 1 and self.num_scratch > 0 and self.first_scratch > 0
+        if len(groups) != 1:
+            logger.warning("specplugin: max_candidates > 1 needs one KV cache group; this "
+                           "model has %d, so each request verifies one candidate.", len(groups))
+        self.pending: dict[str, list[tuple[int, ...]]] = {}  # req_id -> extra candidates
+        self.stats = ScorerStats()
+        self._rows: list[ExtraRow] = []
+        self._hidden: torch.Tensor | None = None  # [E, hidden_size] of the last forward
+        self._zeroed = False
+
+    # -- drafting side ------------------------------------------------------------------
+    def remember(self, req_ids, alternates) -> None:
+        """The extra candidates of the drafts just proposed (``alternates[row]``: a list
+        of token lists), verified with them in the next step."""
+        self.pending = {req_ids[r]: [tuple(int(t) for t in c) for c in cands]
+                        for r, cands in enumerate(alternates) if cands}
+
+    def forget(self) -> None:
+        self.pending = {}
+
+    # -- forward ------------------------------------------------------------------------
+    def forward(self, runner, forward, input_ids, positions, **kwargs):
+        """``forward(input_ids=..., positions=..., **kwargs)`` over the batch plus the
+        extra rows; returns the batch's own hidden states (``[T, hidden_size]``)."""
+        self._rows, self._hidden = [], None
+        pending, self.pending = self.pending, {}
+        if not pending or not self.usable or positions is None or positions.dim() != 1:
+            return forward(input_ids=input_ids, positions=positions, **kwargs)
+        context = get_forward_context()
+        plan = self._plan(runner, pending, context, input_ids, positions)
+        if plan is None:
+            return forward(input_ids=input_ids, positions=positions, **kwargs)
+        rows, extra_ids, extra_positions, expanded = plan
+        num_tokens = input_ids.shape[0]
+        with override_forward_context(expanded):
+            output = forward(input_ids=torch.cat([input_ids, extra_ids]),
+                             positions=torch.cat([positions, extra_positions]), **kwargs)
+        if not isinstance(output, torch.Tensor):  # e.g. auxiliary hidden states: not ours
+            raise RuntimeError("specplugin's scorer expects the target to return one tensor")
+        self._rows, self._hidden = rows, output[num_tokens:]
+        self.stats.steps += 1
+        self.stats.extra_rows += len(rows)
+        self.stats.extra_tokens += sum(1 + len(r.draft_ids) for r in rows)
+        return output[:num_tokens]
+
+    def _plan(self, runner, pending, context, input_ids, positions):
+        metadata = context.attn_metadata
+        if not isinstance(metadata, dict) or not metadata:
+            self.stats.skipped["no attention metadata"] += len(pending)
+            return None
+        meta = next(iter(metadata.values()))
+        num_tokens = input_ids.shape[0]
+        if meta.num_actual_tokens != num_tokens:  # padded batch: keep it simple, skip
+            self.stats.skipped["padded batch"] += len(pending)
+            return None
+        self._zero_scratch_once()
+        batch = runner.input_batch
+        scheduled = runner.step_scheduler_output.scheduled_spec_decode_tokens
+        query_start = meta.query_start_loc.tolist()  # [num_reqs + 1]
+        rows: list[ExtraRow] = []
+        tables: list[torch.Tensor] = []
+        next_block = self.first_scratch
+        for row, req_id in enumerate(batch.req_ids):
+            for cand in pending.get(req_id, ()):
+                k = min(len(cand), len(scheduled.get(req_id, ())))
+                if k == 0 or len(rows) == MAX_EXTRA_ROWS:
+                    continue
+                if not expandable(runner.requests[req_id].sampling_params):
+                    self.stats.skipped["sampling not reproduced"] += 1
+                    continue
+                start, first = query_start[row], int(positions[query_start[row]])
+                own_table = meta.block_table[row]
+                own = meta.slot_mapping[start:start + 1 + k]
+                if not torch.equal(self._slots(own_table, first, k), own):
+                    self.stats.skipped["block table not understood"] += 1
+                    continue
+                table, blocks = self._row_table(own_table, first, k, next_block)
+                next_block += len(blocks)
+                rows.append(ExtraRow(row, cand[:k], num_tokens + sum(
+                    1 + len(r.draft_ids) for r in rows), first, blocks,
+                    self._slots(table, first, k)))
+                tables.append(table)
+        if not rows:
+            return None
+        extra_ids = torch.cat([torch.tensor((int(input_ids[query_start[r.row]]),) + r.draft_ids,
+                                            dtype=input_ids.dtype) for r in rows])
+        extra_positions = torch.cat([positions[query_start[r.row]] + torch.arange(
+            1 + len(r.draft_ids), dtype=positions.dtype) for r in rows])
+        expanded = self._expanded_context(runner, context, rows, tables, extra_positions)
+        return rows, extra_ids.to(input_ids.device), extra_positions.to(positions.device), expanded
+
+    def _row_table(self, own_table: torch.Tensor, first_position: int, k: int,
+                   next_block: int) -> tuple[torch.Tensor, tuple[tuple[int, int, int], ...]]:
+        """The extra row's block table: the request's, with the blocks of positions
+        ``first_position .. first_position + k`` replaced by scratch blocks (the first a
+        copy of the request's block when the context ends inside it)."""
+        table = own_table.clone()  # [max_num_blocks_per_req]
+        first, last = first_position // self.block_size, (first_position + k) // self.block_size
+        blocks = tuple((b, next_block + i, int(own_table[b]))
+                       for i, b in enumerate(range(first, last + 1)))
+        for b, scratch, _ in blocks:
+            table[b] = scratch
+        if first_position % self.block_size:
+            self._copy_block(int(own_table[first]), next_block)
+            self.stats.copied_blocks += 1
+        else:
+            self.stats.aligned_starts += 1
+        return table, blocks
+
+    def _slots(self, table: torch.Tensor, first_position, k: int) -> torch.Tensor:  # [1 + k]
+        pos = int(first_position) + torch.arange(1 + k)
+        return (table[pos // self.block_size].long() * self.block_size
+                + pos % self.block_size).to(torch.int64)
+
+    def _expanded_context(self, runner, context, rows, tables, extra_positions):
+        """The forward context of the expanded batch: attention metadata from each
+        group's own builder, slot mappings extended by the extra rows' slots."""
+        extra_slots = torch.cat([r.slots for r in rows])
+        by_group = {}
+        for group in runner.attn_groups[0]:
+            original = context.attn_metadata[group.layer_names[0]]
+            common = self._common_metadata(original, rows, tables, extra_positions, extra_slots)
+            built = group.get_metadata_builder().build(0, common)
+            by_group.update({name: built for name in group.layer_names})
+        metadata = {name: by_group.get(name, meta) for name, meta in context.attn_metadata.items()}
+        slot_mapping = {name: torch.cat([s, extra_slots.to(s.dtype)])
+                        for name, s in context.slot_mapping.items()}
+        is_padding = context.is_padding
+        if is_padding is not None:
+            is_padding = torch.cat([is_padding, is_padding.new_zeros(len(extra_slots))])
+        return dataclasses.replace(context, attn_metadata=metadata, slot_mapping=slot_mapping,
+                                   is_padding=is_padding)
+
+    def _common_metadata(self, meta, rows, tables, extra_positions, extra_slots):
+        lengths = torch.tensor([1 + len(r.draft_ids) for r in rows], dtype=torch.int32)
+        query_start = torch.cat([meta.query_start_loc,
+                                 meta.query_start_loc[-1] + torch.cumsum(lengths, 0).to(
+                                     meta.query_start_loc.dtype)])
+        first = extra_positions[torch.cumsum(lengths, 0) - lengths]
+        seq_lens = torch.cat([meta.seq_lens, (first + lengths).to(meta.seq_lens.dtype)])
+        block_table = torch.cat([meta.block_table, torch.stack(tables).to(meta.block_table.dtype)])
+        slot_mapping = torch.cat([meta.slot_mapping, extra_slots.to(meta.slot_mapping.dtype)])
+        return CommonAttentionMetadata(
+            query_start_loc=query_start, query_start_loc_cpu=query_start.cpu(),
+            seq_lens=seq_lens, num_reqs=len(seq_lens),
+            num_actual_tokens=int(query_start[-1]),
+            max_query_len=max(meta.max_query_len, int(lengths.max())),
+            max_seq_len=int(seq_lens.max()), block_table_tensor=block_table,
+            slot_mapping=slot_mapping, causal=True)
+
+    # -- acceptance ---------------------------------------------------------------------
+    def resolve(self, runner, sampler_output) -> None:
+        """After vLLM's rejection sampler: where an extra candidate has a longer accepted
+        prefix than the row's own draft, its tokens replace the row's and its KV the
+        request's."""
+        rows, hidden = self._rows, self._hidden
+        self._rows, self._hidden = [], None
+        if not rows:
+            return
+        argmax = runner.model.compute_logits(hidden).argmax(-1).cpu()  # [E]
+        sampled = sampler_output.sampled_token_ids  # [num_reqs, max_spec_len + 1] int32
+        emitted = (sampled != PLACEHOLDER_TOKEN_ID).sum(-1).cpu()  # [num_reqs]
+        offset = rows[0].start
+        best: dict[int, tuple[int, ExtraRow, torch.Tensor]] = {}
+        for r in rows:
+            k = len(r.draft_ids)
+            target = argmax[r.start - offset: r.start - offset + 1 + k]  # [1 + k]
+            accepted = longest_accepted(torch.tensor(r.draft_ids), target)
+            if accepted > max(int(emitted[r.row]) - 1, best.get(r.row, (-1,))[0]):
+                best[r.row] = (accepted, r, target)
+        for row, (accepted, r, target) in best.items():
+            tokens = list(r.draft_ids[:accepted]) + [int(target[accepted])]
+            self.stats.wins += 1
+            self.stats.won_tokens += accepted - (int(emitted[row]) - 1)
+            sampled[row] = PLACEHOLDER_TOKEN_ID
+            sampled[row, :len(tokens)] = torch.tensor(tokens, dtype=sampled.dtype)
+            # the winner's KV: the scratch blocks holding its accepted positions replace
+            # the request's (position 0 holds the same token on the same context in both
+            # rows; positions past the accepted ones are stale in both, and rewritten
+            # before they are read)
+            last = (r.first_position + accepted) // self.block_size
+            for b, scratch, own in r.blocks:
+                if b <= last:
+                    self._copy_block(scratch, own)
+
+    # -- KV blocks ----------------------------------------------------------------------
+    def kv_caches(self) -> list[torch.Tensor]:  # per target layer: [num_blocks, ...]
+        """Read from the layers each time: vLLM binds them after profiling."""
+        return [self._layers[name].kv_cache for name in self._layer_names]
+
+    def _zero_scratch_once(self) -> None:
+        if not self._zeroed:  # never touched by vLLM: zeroed once, before first use
+            for cache in self.kv_caches():
+                cache[self.first_scratch:].zero_()
+            self._zeroed = True
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        """Whole blocks, so that nothing here depends on how a backend lays out a
+        block's interior (vLLM's CPU kernels pack it per instruction set)."""
+        for cache in self.kv_caches():  # [num_blocks, ...]
+            cache[dst].copy_(cache[src])
+
+
+def reserve_scratch_blocks(initialize_kv_caches, engine_core, vllm_config):
+    """Around ``EngineCore._initialize_kv_caches``: with the scorer on, the scheduler's
+    KV pool is the workers' minus :func:`num_scratch_blocks` (the scheduler hands out
+    ids ``[0, n - S)``; ids ``[n - S, n)`` are the scorer's scratch blocks)."""
+    from vllm.v1.engine import core
+
+    from specplugin.vllm_layer import patches
+    from specplugin.vllm_layer.config_hook import plugin_config, selects_plugin
+
+    if not selects_plugin(vllm_config):
+        return initialize_kv_caches(engine_core, vllm_config)
+    config = plugin_config(vllm_config)
+    if config.max_candidates < 2:
+        return initialize_kv_caches(engine_core, vllm_config)
+    original = core.generate_scheduler_kv_cache_config
+
+    def scheduler_config(kv_cache_configs):
+        cfg = original(kv_cache_configs)
+        block_size = cfg.kv_cache_groups[0].kv_cache_spec.block_size
+        scratch = num_scratch_blocks(config, block_size)
+        if cfg.num_blocks <= 2 * scratch:
+            raise ValueError(
+                f"specplugin: max_candidates = {config.max_candidates} reserves {scratch} KV "
+                f"blocks for extra candidates, but the KV cache has only {cfg.num_blocks}; "
+                "give vLLM more KV cache (VLLM_CPU_KVCACHE_SPACE, or "
+                "gpu_memory_utilization) or set max_candidates to 1.")
+        logger.info("specplugin: %d of %d KV blocks reserved for the batch-expanding scorer",
+                    scratch, cfg.num_blocks)
+        cfg.num_blocks -= scratch
+        return cfg
+
+    with patches.swapped(core, "generate_scheduler_kv_cache_config", scheduler_config):
+        return initialize_kv_caches(engine_core, vllm_config)
