@@ -10,6 +10,8 @@ from specplugin.bench.lossless import compare_samples, first_difference, greedy_
 from specplugin.bench.methods import PLUGIN, names_in
 from specplugin.bench.tinymodel import repetitive_prompts
 
+SCORER_METHOD = "plugin-scorer-decoy"
+
 
 def test_first_difference():
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
@@ -66,15 +68,18 @@ def test_quick_check_lossless_passes_on_real_vllm(zoo_root, tmp_path):
     """The greedy check runs on the committed zoo: on the seconds-trained quick pair even
     vLLM's own draft_model gets no draft accepted, and identical outputs from drafts that
     were all rejected would prove nothing (the check fails on that)."""
+    methods = names_in(PLUGIN)
+    # and the batch-expanding scorer with every draft beside a decoy, so that its extra
+    # candidates carry the output (greedy and temperature 1)
     proc = subprocess.run(
         [sys.executable, "-m", "specplugin.cli", "check-lossless", "--quick", "--eager", "--zoo",
-         str(zoo_root), "--out-dir", str(tmp_path / "lossless")],
-        capture_output=True, text=True, timeout=900)
+         str(zoo_root), "--out-dir", str(tmp_path / "lossless"),
+         "--methods", ",".join([*methods, SCORER_METHOD])],
+        capture_output=True, text=True, timeout=1200)
     out = proc.stdout
     assert proc.returncode == 0, out[-6000:] + proc.stderr[-3000:]
     assert re.search(r"[─-]+ PASS [─-]+", out), out[-3000:]  # rich's rule line
     # every plugin method was checked both ways, with drafts proposed and accepted
-    methods = names_in(PLUGIN)
     greedy = dict(re.findall(r"ok\s+(\S+): all outputs identical \(drafts \d+, accepted "
                              r"tokens (\d+)\)", out))
     sampled = dict(re.findall(r"(\S+): drafts \d+, draft tokens \d+, accepted (\d+)", out))
@@ -83,6 +88,11 @@ def test_quick_check_lossless_passes_on_real_vllm(zoo_root, tmp_path):
         assert int(greedy.get(name, 0)) > 0, (name, out[-4000:])
         assert int(sampled.get(f"sampled-{name}", sampled.get(name, 0))) > 0, (name, out[-4000:])
         assert name in same or f"sampled-{name}" in same, (name, out[-4000:])
+    # the scorer's extra candidates won steps, in both checks, and the output held
+    won = re.findall(rf"{SCORER_METHOD}: .*extra candidates won (\d+)", out)
+    assert len(won) == 2 and all(int(n) > 0 for n in won), out[-4000:]
+    assert SCORER_METHOD in same and re.search(rf"ok\s+{SCORER_METHOD}: all outputs identical",
+                                               out), out[-4000:]
 
 
 def test_check_lossless_refuses_bad_alpha_and_draws_by_name():

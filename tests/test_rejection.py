@@ -411,3 +411,47 @@ def test_sampling_is_seeded():
         first_two_tokens(multi_draft_step([None, None]), 50, torch.Generator().manual_seed(3)),
     ]
     assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[2], outputs[3])
+
+
+def one_hot_serving_step(drafters):
+    """``multi_draft_step`` through the serving path for deterministic candidates."""
+
+    def step(prev_ids, generator):
+        num_reqs = prev_ids.shape[0]
+        chains = [draft_chain(prev_ids, k, d, generator) for k, d in zip(CANDIDATE_LENGTHS, drafters)]
+        tokens = torch.full((num_reqs, max(CANDIDATE_LENGTHS) + 1), PLACEHOLDER_TOKEN_ID)
+        num_emitted = torch.zeros(num_reqs, dtype=torch.long)
+        targets = [TARGET_TABLE[torch.cat([prev_ids[:, None], ids], dim=1)] for ids, _ in chains]
+        for r in range(num_reqs):
+            result = multi_draft.one_hot_multi_draft_verify(
+                [ids[r] for ids, _ in chains], [target[r] for target in targets], generator)
+            tokens[r, : len(result.token_ids)] = result.token_ids
+            num_emitted[r] = len(result.token_ids)
+        return tokens, num_emitted
+
+    return step
+
+
+def test_one_hot_serving_path_follows_target():
+    """The scorer's sampling path: one-hot candidates that share prefixes and repeat tokens."""
+    generator = torch.Generator().manual_seed(9)
+    pairs = first_two_tokens(one_hot_serving_step(ONE_HOT_DRAFTERS), NUM_MULTI_DRAFT_DRAWS, generator)
+    first_p, joint_p = target_p_values(pairs)
+    assert first_p > P_THRESHOLD and joint_p > P_THRESHOLD, (first_p, joint_p)
+
+
+def test_negative_control_one_hot_serving_path_keeping_rejected_tokens(monkeypatch):
+    """Drawing the recovered token with the rejected candidates' tokens still in is caught."""
+    monkeypatch.setattr(multi_draft, "_without", lambda residual, tokens: residual)
+    generator = torch.Generator().manual_seed(9)
+    pairs = first_two_tokens(one_hot_serving_step(ONE_HOT_DRAFTERS), NUM_MULTI_DRAFT_DRAWS, generator)
+    first_p, _ = target_p_values(pairs)
+    assert first_p < NEGATIVE_CONTROL_P, first_p
+
+
+def test_one_hot_serving_path_winner_holds_the_emitted_prefix():
+    target = torch.eye(5)[[1, 2, 3, 4]].double()  # deterministic target: 1, 2, 3, 4
+    ids = [torch.tensor([1, 0, 0]), torch.tensor([1, 2, 3]), torch.tensor([0])]
+    probs = [target, target, target[:2]]
+    result = multi_draft.one_hot_multi_draft_verify(ids, probs, torch.Generator().manual_seed(0))
+    assert result.token_ids.tolist() == [1, 2, 3, 4] and result.winner == 1

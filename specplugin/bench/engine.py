@@ -114,6 +114,17 @@ def plugin_counters(llm) -> dict[str, dict[str, int]] | None:
     return {name: {k: counts[k] for k in ATTRIBUTED} for name, counts in proposers.items()}
 
 
+def scorer_counters(llm) -> dict[str, int] | None:
+    """The batch-expanding scorer's counters (extra rows, wins, ...); None when it is off."""
+    from specplugin.vllm_layer.metrics_export import engine_stats
+
+    try:
+        scorer = engine_stats(llm).get("scorer")
+    except Exception:  # not the plugin's worker
+        return None
+    return None if scorer is None else {k: v for k, v in scorer.items() if isinstance(v, int)}
+
+
 def attribution_delta(after, before) -> dict[str, dict[str, int]] | None:
     """Per proposer, what one cell added (the union learns a step's verification at the
     next step: a cell's last step counts in the next cell, at most one step each)."""
@@ -132,6 +143,7 @@ def run_cell(llm, cell: dict[str, Any], return_token_ids: bool,
     prompts, size = cell["prompts"], cell["batch_size"]
     before = spec_counters(llm)
     attributed = plugin_counters(llm) if plugin else None
+    scored = scorer_counters(llm) if plugin else None
     seconds, num_tokens, token_ids = 0.0, 0, []
     for i in range(0, len(prompts), size):
         outputs, elapsed = _generate(llm, prompts[i : i + size], params)
@@ -144,6 +156,9 @@ def run_cell(llm, cell: dict[str, Any], return_token_ids: bool,
               "num_requests": len(prompts), **counter_delta(spec_counters(llm), before)}
     if plugin:
         result["attribution"] = attribution_delta(plugin_counters(llm), attributed)
+        after = scorer_counters(llm)
+        if after is not None:
+            result["scorer"] = {k: v - (scored or {}).get(k, 0) for k, v in after.items()}
     if return_token_ids:
         result["token_ids"] = token_ids
     return result

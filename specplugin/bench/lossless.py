@@ -241,10 +241,13 @@ def _greedy_one(spec, models, payload, reference, engines: Engines) -> bool:
     bad = greedy_mismatches(reference, cells)
     num_drafts = sum(c["num_drafts"] for c in cells.values())
     num_accepted = sum(c["num_accepted_tokens"] for c in cells.values())
-    counts = f"drafts {num_drafts}, accepted tokens {num_accepted}"
+    counts = f"drafts {num_drafts}, accepted tokens {num_accepted}" + _scorer_counts(cells.values())
     if not (num_drafts > 0 and num_accepted > 0):
         return engines.fail(spec.name, f"no drafts were proposed or accepted ({counts}); "
                                        "identical outputs prove nothing")
+    if _forces_extra_candidates(spec) and not _scorer_wins(cells.values()):
+        return engines.fail(spec.name, f"no extra candidate won ({counts}); the scorer's "
+                                       "winners were not tested")
     if bad:
         engines.fail(spec.name, f"{len(bad)} request(s) differ ({counts})")
         for m in bad[:10]:
@@ -386,7 +389,29 @@ def _sampled_one(spec, label: str, setup: SampledSetup, engines: Engines, seed: 
         return engines.fail(label, err)
     worst = min(tests, key=lambda t: t.p_value)
     _print_sampled(label, tests, worst, setup.threshold, cell, engines.console)
+    if _forces_extra_candidates(spec) and not _scorer_wins([cell]):
+        return engines.fail(label, "no extra candidate won; the scorer's sampling path "
+                                   "was not tested")
     return _verdict(label, worst.p_value >= setup.threshold, cell, is_control, engines)
+
+
+def _scorer_counts(cells) -> str:
+    """", extra rows N, extra candidates won M" when the batch-expanding scorer ran."""
+    scored = [c["scorer"] for c in cells if c.get("scorer")]
+    if not scored:
+        return ""
+    return (f", extra rows {sum(s['extra_rows'] for s in scored)}, "
+            f"extra candidates won {_scorer_wins(cells)}")
+
+
+def _scorer_wins(cells) -> int:
+    return sum((c.get("scorer") or {}).get("wins", 0) for c in cells)
+
+
+def _forces_extra_candidates(spec) -> bool:
+    """Methods whose every draft is verified beside a decoy (test switch): their run
+    proves nothing about the scorer unless extra candidates won."""
+    return bool(spec.settings.get("fault_injection", {}).get("decoy_primary"))
 
 
 def _verdict(label: str, same: bool, cell: Mapping[str, Any], is_control: bool,
@@ -410,7 +435,8 @@ def _print_sampled(name: str, tests: Sequence[SampledTest], worst: SampledTest, 
                    cell: Mapping[str, Any], console) -> None:
     rejected = cell["num_draft_tokens"] - cell["num_accepted_tokens"]
     console.print(f"  {name}: drafts {cell['num_drafts']}, draft tokens {cell['num_draft_tokens']}, "
-                  f"accepted {cell['num_accepted_tokens']}, rejected {rejected}")
+                  f"accepted {cell['num_accepted_tokens']}, rejected {rejected}"
+                  + _scorer_counts([cell]))
     for t in tests:
         mark = "[red]<[/red]" if t.p_value < threshold else " "
         console.print(f"    prompt {t.prompt} pos {t.position}: chi2 {t.statistic:7.2f} "

@@ -54,6 +54,16 @@ PLUGIN_SETTINGS: dict[str, dict[str, Any]] = {
     "plugin-ngram+suffix": {"num_speculative_tokens": 8, "proposers": ["ngram", "suffix"]},
     "plugin-draft+ngram": {"num_speculative_tokens": 8, "proposers": ["draft", "ngram"]},
     "plugin-draft+suffix": {"num_speculative_tokens": 8, "proposers": ["draft", "suffix"]},
+    # the batch-expanding scorer: up to 2 candidates per request verified per step
+    "plugin-union-scorer": {"num_speculative_tokens": 8, "proposers": ["draft", "ngram", "suffix"],
+                            "max_candidates": 2},
+    # check-lossless only: every chosen draft is verified as an extra candidate beside a
+    # decoy (fault_injection.decoy_primary), so that the scorer's winners carry the output
+    "plugin-scorer-decoy": {"num_speculative_tokens": 8, "proposers": ["ngram", "suffix"],
+                            "max_candidates": 2, "fault_injection": {"decoy_primary": True}},
+    "plugin-union-scorer-decoy": {"num_speculative_tokens": 8,
+                                  "proposers": ["draft", "ngram", "suffix"], "max_candidates": 2,
+                                  "fault_injection": {"decoy_primary": True}},
 }
 
 
@@ -162,6 +172,12 @@ METHODS: dict[str, MethodSpec] = {
                    needs_draft=True, listed=False),
         MethodSpec("plugin-draft+suffix", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-draft+suffix"],
                    needs_draft=True, listed=False),
+        MethodSpec("plugin-union-scorer", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-union-scorer"],
+                   needs_draft=True, listed=False),
+        MethodSpec("plugin-scorer-decoy", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-scorer-decoy"],
+                   listed=False),
+        MethodSpec("plugin-union-scorer-decoy", PLUGIN, _plugin,
+                   PLUGIN_SETTINGS["plugin-union-scorer-decoy"], needs_draft=True, listed=False),
     )
 }
 

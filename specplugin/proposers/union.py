@@ -33,6 +33,7 @@ from specplugin.adaptive.cost import StepCostModel
 from specplugin.adaptive.estimator import (AcceptanceEstimator, RequestHistory, TokenCells,
                                            history_bucket)
 from specplugin.metrics import FailureCounter, ProposerStats
+from specplugin.proposers import MODEL_PROPOSERS
 from specplugin.proposers.base import Candidate, Proposer, StepBatch
 
 logger = logging.getLogger("specplugin")
@@ -156,11 +157,22 @@ class Union:
         tokens: list[list[np.ndarray]] = [[] for _ in choices]
         for r, _, c in offers:
             tokens[r].append(c.token_ids)
-        diverge = [[divergence(tokens[r][choice.candidate], t) for t in tokens[r]]
-                   if choice.candidate != NO_CANDIDATE else [] for r, choice in enumerate(choices)]
+        sources: list[list[int]] = [[] for _ in choices]
+        for r, i, _ in offers:
+            sources[r].append(i)
+        # at temperature > 0 only deterministic candidates are verified together (the
+        # draft model's are samples, verified against their own probabilities)
         greedy = ~np.asarray(batch.sampled, dtype=bool)
+        usable = [[greedy[r] or self.proposers[i].name not in MODEL_PROPOSERS for i in row]
+                  for r, row in enumerate(sources)]
+        eligible = [choice.candidate != NO_CANDIDATE and usable[r][choice.candidate]
+                    for r, choice in enumerate(choices)]
+        never = 1 << 30  # a divergence past any draft: never an extra candidate
+        diverge = [[divergence(tokens[r][choice.candidate], t) if ok else never
+                    for t, ok in zip(tokens[r], usable[r])]
+                   if eligible[r] else [] for r, choice in enumerate(choices)]
         extras = expand(choices, acceptance, diverge, self.cost.step_seconds,
-                        self.max_candidates - int(self.decoy_primary), eligible=greedy,
+                        self.max_candidates - int(self.decoy_primary), eligible=eligible,
                         spec_overhead=self.cost.spec_overhead_s)
         for r, row_extras in enumerate(extras):
             self.last_alternates[r] = [tokens[r][e.candidate][:e.num_tokens].tolist()
@@ -168,7 +180,7 @@ class Union:
             self.stats.extra_candidates += len(row_extras)
         if self.decoy_primary:
             for r, draft in enumerate(drafts):
-                if draft and greedy[r]:
+                if draft and eligible[r]:
                     self.last_alternates[r].insert(0, list(draft))
                     drafts[r] = [t - 1 if t > 0 else t + 1 for t in draft]
 

@@ -120,6 +120,68 @@ def reference_multi_draft_verify(
     raise AssertionError("unreachable: the last depth has no candidate token to try")
 
 
+def one_hot_multi_draft_verify(
+    candidate_draft_ids: Sequence[torch.Tensor],  # num_candidates x [k_c]
+    candidate_target_probs: Sequence[torch.Tensor],  # num_candidates x [k_c + 1, vocab_size]
+    generator: torch.Generator | None = None,
+) -> MultiDraftOutput:
+    """:func:`reference_multi_draft_verify` for deterministic (one-hot) candidates, the
+    serving path: all candidates of one depth are judged at once.
+
+    With one-hot drafts, after rejecting tokens ``x_1 .. x_{i-1}`` the residual is the
+    target with those tokens removed, so candidate i is accepted with probability
+    ``p[x_i] / (1 - sum of p over the distinct earlier tokens)`` (0 if ``x_i`` was
+    already rejected). One uniform is drawn per candidate tried at the depth and the
+    first candidate under its probability wins: the same law as trying them in turn
+    (uniforms of candidates after the winner are unused). If none wins, the recovered
+    token (bonus if nothing was tried) is drawn from the target without the tried
+    tokens."""
+    _check_candidates(candidate_draft_ids, None, candidate_target_probs)
+    lengths = torch.tensor([len(ids) for ids in candidate_draft_ids])  # [num_candidates]
+    width = int(lengths.max())
+    drafts = torch.full((len(lengths), max(width, 1)), -1, dtype=torch.long)  # [C, width]
+    for c, ids in enumerate(candidate_draft_ids):
+        drafts[c, : len(ids)] = ids.long()
+    alive = torch.ones(len(lengths), dtype=torch.bool)  # [C] drafts that start with `emitted`
+    emitted: list[int] = []
+    for depth in range(width + 1):
+        first = int(alive.nonzero()[0])
+        residual = _normalised(candidate_target_probs[first][depth].double())  # [vocab_size]
+        tried = (alive & (lengths > depth)).nonzero().flatten()  # [m] in index order
+        if len(tried):
+            tokens = drafts[tried, depth]  # [m]
+            accepted = _first_accepted(residual, tokens, generator)
+            if accepted is not None:
+                emitted.append(accepted)
+                alive &= (lengths > depth) & (drafts[:, depth] == accepted)
+                continue
+            residual = _without(residual, tokens)
+        final = int(torch.multinomial(residual, 1, generator=generator))
+        return MultiDraftOutput(torch.tensor(emitted + [final]), first)
+    raise AssertionError("unreachable: the last depth has no candidate token to try")
+
+
+def _first_accepted(residual: torch.Tensor, tokens: torch.Tensor,
+                    generator: torch.Generator | None) -> int | None:
+    """The token of the first candidate accepted at this depth (None: all rejected)."""
+    m = tokens.shape[0]
+    earlier = torch.ones(m, m, dtype=torch.bool).tril(-1)  # [m, m] j < i
+    repeat = ((tokens[:, None] == tokens[None, :]) & earlier).any(1)  # [m] already tried
+    probs = residual[tokens] * ~repeat  # [m] mass of each distinct token, once
+    rejected_before = torch.cumsum(probs, 0) - probs  # [m]
+    accept = probs / (1.0 - rejected_before).clamp_min(1e-30)  # [m] (0 for repeats)
+    hits = (torch.rand(m, generator=generator, dtype=residual.dtype) < accept).nonzero()
+    return int(tokens[hits[0, 0]]) if len(hits) else None
+
+
+def _without(residual: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:  # [vocab_size]
+    """The residual after one-hot rejections of ``tokens``: those tokens removed."""
+    updated = residual.clone()
+    updated[tokens] = 0.0
+    total = updated.sum()
+    return residual if total == 0 else updated / total
+
+
 def _draft_row(
     draft_probs: torch.Tensor | None, depth: int, token: int, like: torch.Tensor
 ) -> torch.Tensor:  # [vocab_size]

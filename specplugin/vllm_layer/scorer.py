@@ -22,15 +22,21 @@ same forward:
   builder, and a forward context whose slot mappings cover the extra rows; the model
   runs once over ``T + E`` tokens and vLLM gets its own ``T`` rows of hidden states back.
 - **acceptance** (:meth:`BatchExpander.resolve`, after vLLM's rejection sampler):
-  greedy only, the longest prefix of any candidate that matches the target's argmax
-  (:func:`specplugin.scorers.multi_draft.longest_accepted`); if an extra candidate
-  wins, the row's sampled tokens are replaced by its accepted tokens and the target's
-  argmax after them, and their KV is copied from the scratch slots into the request's
-  own slots, so the next step reads the winner's context.
+  greedy, the longest prefix of any candidate that matches the target's argmax
+  (:func:`~specplugin.scorers.multi_draft.longest_accepted`; the row's own draft wins
+  ties); temperature > 0, recursive rejection sampling over the row's own draft and
+  its extra candidates, all deterministic
+  (:func:`~specplugin.scorers.multi_draft.one_hot_multi_draft_verify`), replacing
+  vLLM's draw for that row. If an extra candidate wins, the row's sampled tokens are
+  replaced, and the scratch blocks holding the winner's accepted positions are copied
+  over the request's own blocks (whole blocks: nothing here reads a backend's block
+  interior), so the next step reads the winner's context.
 
-Requests whose acceptance the plugin does not reproduce exactly are never expanded:
-temperature > 0, penalties, logit bias, bad words, allowed tokens, min_tokens,
-logprobs, structured output (:func:`expandable`). They verify one chain, as before.
+Requests whose sampling the plugin does not reproduce exactly are never expanded:
+penalties, logit bias, bad words, allowed tokens, min_tokens, logprobs, structured
+output, top-k/top-p/min-p, per-request seeds (:func:`acceptance_kind`); and at
+temperature > 0, candidates of the draft model (sampled, with their own
+probabilities). They verify one chain, as before.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from vllm.forward_context import get_forward_context, override_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.sample.sampler import _SAMPLING_EPS
 
-from specplugin.scorers.multi_draft import longest_accepted
+from specplugin.scorers.multi_draft import longest_accepted, one_hot_multi_draft_verify
 
 logger = logging.getLogger("specplugin")
 # most extra rows one step verifies: the scratch pool is sized for them
@@ -67,17 +73,28 @@ def num_scratch_blocks(plugin_config, block_size: int) -> int:
     return MAX_EXTRA_ROWS * blocks_per_row(plugin_config.num_speculative_tokens, block_size)
 
 
-def expandable(params) -> bool:
-    """Whether a request's acceptance is plain greedy argmax over the raw logits, which
-    :meth:`BatchExpander.resolve` reproduces exactly."""
-    if params is None or params.temperature >= _SAMPLING_EPS:
-        return False
-    return (params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+GREEDY, SAMPLED = "greedy", "sampled"
+
+
+def acceptance_kind(params) -> str | None:
+    """How :meth:`BatchExpander.resolve` accepts this request's candidates: ``"greedy"``
+    (argmax of the raw logits), ``"sampled"`` (``softmax(logits / temperature)``, no
+    other processing, drawn from torch's default generator as vLLM does for requests
+    without a seed), or None: the plugin would not reproduce vLLM's sampling exactly,
+    so the request is never expanded."""
+    if params is None or not (
+            params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
             and params.repetition_penalty == 1.0 and not params.logit_bias
             and not params.bad_words and params.allowed_token_ids is None
             and not params.min_tokens and params.logprobs is None
             and params.prompt_logprobs is None and params.structured_outputs is None
-            and not getattr(params, "logits_processors", None))
+            and not getattr(params, "logits_processors", None)):
+        return None
+    if params.temperature < _SAMPLING_EPS:
+        return GREEDY
+    plain = (params.top_p == 1.0 and params.top_k in (0, -1) and params.min_p == 0.0
+             and params.seed is None)
+    return SAMPLED if plain else None
 
 
 @dataclass(frozen=True)
@@ -105,9 +122,13 @@ class ScorerStats:
     won_tokens: int = 0  # accepted tokens the winners added over the primary
     copied_blocks: int = 0  # copy-on-write copies of a partly filled last block
     aligned_starts: int = 0  # extra rows whose context ended exactly on a block boundary
+    # the highest block id the scheduler handed out, and how many of its ids were
+    # scratch blocks (must stay 0: the scheduler's pool ends where the scratch begins)
+    max_scheduled_block: int = 0
+    scheduled_scratch_blocks: int = 0
     skipped: Counter = dataclasses.field(default_factory=Counter)  # reason -> rows
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict:  # JSON-able
         return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                    if f.name != "skipped"}, "skipped": dict(self.skipped)}
 
@@ -137,7 +158,23 @@ class BatchExpander:
         self.stats = ScorerStats()
         self._rows: list[ExtraRow] = []
         self._hidden: torch.Tensor | None = None  # [E, hidden_size] of the last forward
+        self._sampled: dict[int, float] = {}  # sampled rows of the last forward -> temperature
+        self._target_logits: dict[int, torch.Tensor] = {}  # row -> [1 + K, vocab_size]
         self._zeroed = False
+
+    def check_scheduled_blocks(self, scheduler_output) -> None:
+        """Count any scratch block id in the scheduler's output (there must be none)."""
+        groups = [r.block_ids for r in scheduler_output.scheduled_new_reqs]
+        groups += [g for g in scheduler_output.scheduled_cached_reqs.new_block_ids if g]
+        ids = [b for group in groups for blocks in group for b in blocks]
+        if ids:
+            self.stats.max_scheduled_block = max(self.stats.max_scheduled_block, max(ids))
+            self.stats.scheduled_scratch_blocks += sum(b >= self.first_scratch for b in ids)
+
+    def describe(self) -> dict:
+        """Where the scratch pool sits (for tests and logs)."""
+        return {"first_scratch_block": self.first_scratch, "num_scratch_blocks": self.num_scratch,
+                "block_size": self.block_size}
 
     # -- drafting side ------------------------------------------------------------------
     def remember(self, req_ids, alternates) -> None:
@@ -153,7 +190,7 @@ class BatchExpander:
     def forward(self, runner, forward, input_ids, positions, **kwargs):
         """``forward(input_ids=..., positions=..., **kwargs)`` over the batch plus the
         extra rows; returns the batch's own hidden states (``[T, hidden_size]``)."""
-        self._rows, self._hidden = [], None
+        self._rows, self._hidden, self._sampled = [], None, {}
         pending, self.pending = self.pending, {}
         if not pending or not self.usable or positions is None or positions.dim() != 1:
             return forward(input_ids=input_ids, positions=positions, **kwargs)
@@ -196,9 +233,13 @@ class BatchExpander:
                 k = min(len(cand), len(scheduled.get(req_id, ())))
                 if k == 0 or len(rows) == MAX_EXTRA_ROWS:
                     continue
-                if not expandable(runner.requests[req_id].sampling_params):
+                params = runner.requests[req_id].sampling_params
+                kind = acceptance_kind(params)
+                if kind is None:
                     self.stats.skipped["sampling not reproduced"] += 1
                     continue
+                if kind == SAMPLED:
+                    self._sampled[row] = params.temperature
                 start, first = query_start[row], int(positions[query_start[row]])
                 own_table = meta.block_table[row]
                 own = meta.slot_mapping[start:start + 1 + k]
@@ -280,39 +321,88 @@ class BatchExpander:
             slot_mapping=slot_mapping, causal=True)
 
     # -- acceptance ---------------------------------------------------------------------
+    def keep_target_logits(self, logits: torch.Tensor, spec_decode_metadata) -> None:
+        """Before vLLM's sampler (which may scale logits in place): the target logits of
+        the sampled rows that have extra candidates. ``logits``: [num_logits, vocab_size],
+        each row's ``1 + drafts`` positions in turn."""
+        self._target_logits = {}
+        if not self._sampled or spec_decode_metadata is None:
+            return
+        ends = spec_decode_metadata.cu_num_sampled_tokens.tolist()  # [num_reqs]
+        for row in self._sampled:
+            size = spec_decode_metadata.num_draft_tokens[row] + 1
+            self._target_logits[row] = logits[ends[row] - size: ends[row]].clone()
+
     def resolve(self, runner, sampler_output) -> None:
-        """After vLLM's rejection sampler: where an extra candidate has a longer accepted
-        prefix than the row's own draft, its tokens replace the row's and its KV the
-        request's."""
-        rows, hidden = self._rows, self._hidden
-        self._rows, self._hidden = [], None
+        """After vLLM's rejection sampler: a request with extra candidates emits what
+        multi-draft acceptance gives over all of them (greedy: the longest accepted
+        prefix; sampled: recursive rejection sampling). When an extra candidate wins,
+        its tokens replace the row's and its KV the request's."""
+        rows, hidden, sampled_rows = self._rows, self._hidden, self._sampled
+        target_logits, self._target_logits = self._target_logits, {}
+        self._rows, self._hidden, self._sampled = [], None, {}
         if not rows:
             return
-        argmax = runner.model.compute_logits(hidden).argmax(-1).cpu()  # [E]
-        sampled = sampler_output.sampled_token_ids  # [num_reqs, max_spec_len + 1] int32
-        emitted = (sampled != PLACEHOLDER_TOKEN_ID).sum(-1).cpu()  # [num_reqs]
+        logits = runner.model.compute_logits(hidden)  # [E, vocab_size]
         offset = rows[0].start
-        best: dict[int, tuple[int, ExtraRow, torch.Tensor]] = {}
+        by_row: dict[int, list[tuple[ExtraRow, torch.Tensor]]] = {}
         for r in rows:
-            k = len(r.draft_ids)
-            target = argmax[r.start - offset: r.start - offset + 1 + k]  # [1 + k]
-            accepted = longest_accepted(torch.tensor(r.draft_ids), target)
-            if accepted > max(int(emitted[r.row]) - 1, best.get(r.row, (-1,))[0]):
-                best[r.row] = (accepted, r, target)
-        for row, (accepted, r, target) in best.items():
-            tokens = list(r.draft_ids[:accepted]) + [int(target[accepted])]
-            self.stats.wins += 1
-            self.stats.won_tokens += accepted - (int(emitted[row]) - 1)
+            span = logits[r.start - offset: r.start - offset + 1 + len(r.draft_ids)]
+            by_row.setdefault(r.row, []).append((r, span))  # span: [1 + k, vocab_size]
+        sampled = sampler_output.sampled_token_ids  # [num_reqs, max_spec_len + 1] int32
+        for row, extras in by_row.items():
+            if row in sampled_rows:
+                tokens, winner = self._sample_row(runner, row, extras, target_logits.get(row),
+                                                  sampled_rows[row])
+            else:
+                tokens, winner = self._greedy_row(sampled[row], extras)
+            if tokens is None:
+                continue
             sampled[row] = PLACEHOLDER_TOKEN_ID
             sampled[row, :len(tokens)] = torch.tensor(tokens, dtype=sampled.dtype)
-            # the winner's KV: the scratch blocks holding its accepted positions replace
-            # the request's (position 0 holds the same token on the same context in both
-            # rows; positions past the accepted ones are stale in both, and rewritten
-            # before they are read)
-            last = (r.first_position + accepted) // self.block_size
-            for b, scratch, own in r.blocks:
-                if b <= last:
-                    self._copy_block(scratch, own)
+            if winner is not None:
+                self.stats.wins += 1
+                self._keep_winner(winner, len(tokens) - 1)
+
+    def _greedy_row(self, own_output: torch.Tensor, extras):
+        """(tokens, winning extra row) when an extra candidate's accepted prefix is
+        longer than the row's own; (None, None) when the row's own output stands."""
+        best = int((own_output != PLACEHOLDER_TOKEN_ID).sum()) - 1  # accepted by vLLM
+        choice = None
+        for r, span in extras:
+            target = span.argmax(-1).cpu()  # [1 + k]
+            accepted = longest_accepted(torch.tensor(r.draft_ids), target)
+            if accepted > best:  # strict: the primary wins ties, then the lower index
+                best, choice = accepted, (r, target)
+        if choice is None:
+            return None, None
+        r, target = choice
+        self.stats.won_tokens += best - (int((own_output != PLACEHOLDER_TOKEN_ID).sum()) - 1)
+        return list(r.draft_ids[:best]) + [int(target[best])], r
+
+    def _sample_row(self, runner, row: int, extras, own_logits, temperature: float):
+        """Recursive rejection sampling over the row's own draft and its extra
+        candidates (all deterministic), replacing vLLM's draw for this row."""
+        if own_logits is None:
+            return None, None
+        req_id = runner.input_batch.req_ids[row]
+        own_ids = torch.tensor(runner.step_scheduler_output.scheduled_spec_decode_tokens[req_id])
+        probs = [torch.softmax(own_logits.float() / temperature, -1)]
+        probs += [torch.softmax(span.float() / temperature, -1) for _, span in extras]
+        result = one_hot_multi_draft_verify(
+            [own_ids] + [torch.tensor(r.draft_ids) for r, _ in extras], probs)
+        winner = None if result.winner == 0 else extras[result.winner - 1][0]
+        return result.token_ids.tolist(), winner
+
+    def _keep_winner(self, r: ExtraRow, accepted: int) -> None:
+        """The winner's KV: the scratch blocks holding its accepted positions replace the
+        request's (position 0 holds the same token on the same context in both rows;
+        positions past the accepted ones are stale in both, and rewritten before they
+        are read)."""
+        last = (r.first_position + accepted) // self.block_size
+        for b, scratch, own in r.blocks:
+            if b <= last:
+                self._copy_block(scratch, own)
 
     # -- KV blocks ----------------------------------------------------------------------
     def kv_caches(self) -> list[torch.Tensor]:  # per target layer: [num_blocks, ...]

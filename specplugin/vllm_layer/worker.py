@@ -218,7 +218,7 @@ class PluginRunnerMixin:
         """The drafter's counters, and the scorer's under ``"scorer"`` when it is on."""
         stats = self.drafter.stats()
         if self.expander is not None:
-            stats["scorer"] = self.expander.stats.as_dict()
+            stats["scorer"] = {**self.expander.stats.as_dict(), **self.expander.describe()}
         return stats
 
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
@@ -238,6 +238,8 @@ class PluginRunnerMixin:
         return self.expander.forward(self, forward, input_ids, positions, **kwargs)
 
     def _sample(self, logits, spec_decode_metadata):
+        if self.expander is not None:
+            self.expander.keep_target_logits(logits, spec_decode_metadata)
         sampler_output = super()._sample(logits, spec_decode_metadata)
         if self.expander is not None:
             self.expander.resolve(self, sampler_output)
@@ -245,6 +247,8 @@ class PluginRunnerMixin:
 
     def _update_states(self, scheduler_output):
         self.step_scheduler_output = scheduler_output
+        if self.expander is not None:
+            self.expander.check_scheduled_blocks(scheduler_output)
         if self._stats_publisher is not None:
             self._stats_publisher.maybe_publish(self.plugin_stats)
         finished = scheduler_output.finished_req_ids
