@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from specplugin.adaptive.arbiter import StepArbiter
-from specplugin.adaptive.controller import NO_CANDIDATE, Choice, plan
+from specplugin.adaptive.controller import NO_CANDIDATE, Choice, Extra, divergence, expand, plan
 from specplugin.adaptive.cost import StepCostModel
 from specplugin.adaptive.estimator import AcceptanceEstimator, TokenCells, history_bucket
 from specplugin.proposers.base import Candidate, StepBatch
@@ -50,6 +50,39 @@ def test_the_batch_shares_one_budget_best_tokens_first():
     # two requests, one confident, one middling: the step verifies more of the first
     choices = plan([[np.full(6, 0.95)], [np.full(6, 0.5)]], linear(0.004, 0.001))
     assert choices[0].num_tokens > choices[1].num_tokens >= 0
+
+
+def test_divergence_is_the_first_differing_position():
+    assert divergence(np.array([1, 2, 3]), np.array([1, 5, 3])) == 1
+    assert divergence(np.array([1, 2, 3]), np.array([1, 2])) == 2  # a prefix: never differs
+    assert divergence(np.array([4]), np.array([5, 6])) == 0
+
+
+def test_an_extra_candidate_is_verified_where_the_chosen_one_is_doubtful_and_rows_are_cheap():
+    chosen, other = np.array([0.5, 0.9, 0.9]), np.full(3, 0.8)
+    flat = linear(0.010, 0.0001)  # batch 1 on CPU: a few more tokens cost almost nothing
+    choices = [Choice(0, 3)]
+    assert expand(choices, [[chosen, other]], [[-1, 0]], flat, 2) == [[Extra(1, 3)]]
+    # the same offer when each verified token costs much: not worth it
+    assert expand(choices, [[chosen, other]], [[-1, 0]], linear(0.010, 0.004), 2) == [[]]
+    # a sure chosen draft leaves nothing to win
+    assert expand(choices, [[np.ones(3), other]], [[-1, 0]], flat, 2) == [[]]
+
+
+def test_extra_candidates_are_cut_to_the_chosen_length_and_bounded():
+    flat = linear(0.010, 0.00001)
+    chosen, other = np.full(2, 0.3), np.full(6, 0.9)
+    # never longer than the chosen draft (vLLM rolls back by the scheduled length)
+    assert expand([Choice(0, 2)], [[chosen, other]], [[-1, 0]], flat, 2) == [[Extra(1, 2)]]
+    # a candidate that agrees with the chosen one over its whole length adds nothing
+    assert expand([Choice(0, 2)], [[chosen, other]], [[-1, 2]], flat, 2) == [[]]
+    # at most max_candidates - 1 per request, max_rows in all, ineligible rows never
+    three = [[chosen, other, other]] * 3
+    diverge = [[-1, 0, 0]] * 3
+    extras = expand([Choice(0, 2)] * 3, three, diverge, flat, 2, max_rows=2)
+    assert [len(e) for e in extras] == [1, 1, 0]
+    extras = expand([Choice(0, 2)] * 3, three, diverge, flat, 3, eligible=[False, True, True])
+    assert [len(e) for e in extras] == [0, 2, 2]
 
 
 # ------------------------------------------------------------------ estimator
@@ -365,3 +398,35 @@ def test_arbiter_keeps_greedy_and_sampled_batches_apart():
         arbiter.observe(8, 8 / (rate * rng.uniform(0.9, 1.1)))
     assert arbiter.rate(8, True, sampled=False) > arbiter.rate(8, False, sampled=False)
     assert arbiter.rate(8, True, sampled=True) < arbiter.rate(8, False, sampled=True)
+
+
+def test_union_sends_extra_candidates_beside_the_chosen_draft():
+    cost = StepCostModel(max_tokens=64)
+    cost.calibrate(np.array([1, 2, 64]), np.array([0.010, 0.0101, 0.0102]))  # flat: batch 1
+    union = Union([Fixed("a", [1, 2, 3, 4], 0.9), Fixed("b", [1, 7, 8, 9], 0.9)], cost=cost,
+                  explore=False, max_candidates=2)
+    [draft] = union.step(_batch(["r"]), None)
+    [alternates] = union.last_alternates
+    assert draft and len(alternates) == 1 and alternates[0] != draft
+    assert len(alternates[0]) <= len(draft) and union.stats.extra_candidates == 1
+    # at temperature > 0 the draft model's candidates (samples) are never verified together
+    with_model = Union([Fixed("draft", [1, 2, 3, 4], 0.9), Fixed("b", [1, 7, 8, 9], 0.9)],
+                       cost=cost, explore=False, max_candidates=2)
+    with_model.step(_batch(["r"]), None)
+    assert with_model.last_alternates != [[]]
+    with_model.step(_batch(["r"], sampled=True), None)
+    assert with_model.last_alternates == [[]]
+    # one chain when max_candidates is 1
+    single = Union([Fixed("a", [1, 2, 3, 4], 0.9), Fixed("b", [1, 7, 8, 9], 0.9)], cost=cost,
+                   explore=False)
+    single.step(_batch(["r"]), None)
+    assert single.last_alternates == [[]]
+
+
+def test_decoy_primary_sends_the_real_draft_as_the_extra_candidate():
+    union = _union(Fixed("a", [5, 6, 7], 0.95), Fixed("b", [5, 6, 7], 0.95))
+    union.max_candidates, union.decoy_primary = 2, True
+    [draft] = union.step(_batch(["r"]), None)
+    [alternates] = union.last_alternates
+    assert 0 < len(draft) == len(alternates[0]) and alternates[0] == [5, 6, 7][:len(draft)]
+    assert draft == [t - 1 for t in alternates[0]]  # every token changed

@@ -28,6 +28,15 @@ def test_defaults():
         ({"ngram": {"min_n": 0}}, 8, ["min_n", "from 1 to 64", "got 0"]),
         ({"ngram": {"size": 3}}, 8, ["ngram", "unknown key", "size"]),
         ("ngram", 8, ['additional_config["specplugin"] must be a JSON object']),
+        ({"proposers": ["ngram", "suffix"], "max_candidates": 0}, 8,
+         ["max_candidates", "from 1", "to 4", "got 0"]),
+        ({"proposers": ["ngram", "suffix"], "max_candidates": 5}, 8, ["max_candidates", "got 5"]),
+        ({"proposers": ["ngram", "suffix"], "max_candidates": "2"}, 8,
+         ["max_candidates", "must be a int"]),
+        ({"proposers": ["ngram"], "max_candidates": 2}, 8,
+         ["max_candidates", "needs as many proposers", "['ngram']"]),
+        ({"proposers": ["ngram", "suffix"], "fault_injection": {"decoy_primary": True}}, 8,
+         ["decoy_primary", "max_candidates", ">= 2"]),
     ],
 )
 def test_bad_settings_are_refused_clearly(options, k, fragments):
@@ -35,6 +44,11 @@ def test_bad_settings_are_refused_clearly(options, k, fragments):
         parse(options, k)
     for fragment in fragments:
         assert fragment in str(err.value)
+
+
+def test_max_candidates_defaults_to_one_chain():
+    assert parse({"proposers": ["ngram", "suffix"]}, 8).max_candidates == 1
+    assert parse({"proposers": ["ngram", "suffix"], "max_candidates": 2}, 8).max_candidates == 2
 
 
 def test_draft_model_must_be_a_model_folder(tmp_path):
