@@ -38,6 +38,7 @@ class ProposerStats:
     draft_tokens: Counter = field(default_factory=Counter)  # proposer -> tokens verified
     accepted_tokens: Counter = field(default_factory=Counter)  # proposer -> tokens accepted
     verified_candidates: Counter = field(default_factory=Counter)  # proposer -> drafts judged
+    won_candidates: Counter = field(default_factory=Counter)  # proposer -> extra candidates won
     # (proposer, position) -> draft tokens verified / accepted at that draft position
     draft_tokens_per_pos: Counter = field(default_factory=Counter)
     accepted_per_pos: Counter = field(default_factory=Counter)
@@ -57,14 +58,25 @@ class ProposerStats:
             if position < num_accepted:
                 self.accepted_per_pos[proposer, position] += 1
 
+    def won(self, proposer: str, num_accepted: int) -> None:
+        """An extra candidate of ``proposer`` beat the request's draft (the batch-expanding
+        scorer): its ``num_accepted`` tokens were emitted. They count as this proposer's
+        accepted tokens (at their positions); the draft tokens verified stay the draft's
+        proposer's, as in vLLM's own counters."""
+        self.won_candidates[proposer] += 1
+        self.accepted_tokens[proposer] += num_accepted
+        for position in range(num_accepted):
+            self.accepted_per_pos[proposer, position] += 1
+
     def as_dict(self) -> dict[str, Any]:
         """JSON-able snapshot (keys are strings; per-position counts are lists)."""
-        names = sorted(set(self.chosen) | set(self.verified_candidates))
+        names = sorted(set(self.chosen) | set(self.verified_candidates) | set(self.won_candidates))
         proposers = {}
         for name in names:
             depth = 1 + max((p for n, p in self.draft_tokens_per_pos if n == name), default=-1)
             proposers[name] = {
                 "chosen": self.chosen[name], "drafts": self.verified_candidates[name],
+                "won": self.won_candidates[name],
                 "draft_tokens": self.draft_tokens[name],
                 "accepted_tokens": self.accepted_tokens[name],
                 "draft_tokens_per_pos": [self.draft_tokens_per_pos[name, p] for p in range(depth)],

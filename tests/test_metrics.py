@@ -69,7 +69,7 @@ def test_drafts_and_acceptances_are_attributed_per_proposer_and_position():
     stats.k_histogram.update([4, 2, 3, 0, 0])
     snap = stats.as_dict()
     assert snap["proposers"]["suffix"] == {
-        "chosen": 2, "drafts": 2, "draft_tokens": 6, "accepted_tokens": 4,
+        "chosen": 2, "drafts": 2, "won": 0, "draft_tokens": 6, "accepted_tokens": 4,
         "draft_tokens_per_pos": [2, 2, 1, 1], "accepted_tokens_per_pos": [2, 2, 0, 0]}
     assert snap["proposers"]["draft"]["accepted_tokens_per_pos"] == [0, 0, 0]
     assert snap["k_histogram"] == {"0": 2, "2": 1, "3": 1, "4": 1}
@@ -117,3 +117,31 @@ def test_published_snapshots_become_vllm_specplugin_counters(tmp_path, monkeypat
     one.maybe_publish(lambda: _snapshot([7, 7, 7, 7], {}))
     text = generate_latest(registry).decode()
     assert 'vllm:specplugin_accepted_tokens_total{proposer="ngram"} 36.0' in text
+
+
+def test_an_extra_candidate_that_won_is_credited_to_its_proposer():
+    """The scorer verified suffix's candidate beside ngram's draft and suffix's won: the
+    draft tokens stay ngram's (as in vLLM's counters), the emitted ones are suffix's."""
+    import numpy as np
+
+    from specplugin.proposers.union import Scored, Union, Verified
+    from tests.test_adaptive import Fixed, _batch
+    from specplugin.adaptive.cost import StepCostModel
+
+    cost = StepCostModel(max_tokens=64)
+    cost.calibrate(np.array([1, 2, 64]), np.array([0.010, 0.0101, 0.0102]))
+    union = Union([Fixed("ngram", [1, 2, 3, 4], 0.9), Fixed("suffix", [1, 7, 8, 9], 0.9)],
+                  cost=cost, explore=False, max_candidates=2)
+    [draft] = union.step(_batch(["r"]), None)
+    [[extra]] = union.last_alternates
+    k = len(draft)
+    outcome = Scored(own_accepted=1, extra_accepted=(min(3, len(extra)),),
+                     extra_lengths=(len(extra),), winner=0)
+    emitted = min(3, len(extra))
+    union.step(_batch(["r"]), Verified(("r",), np.array([k]), np.array([emitted + 1]), None, 2,
+                                       {"r": outcome}))
+    snap = union.stats.as_dict()["proposers"]
+    chosen = "ngram" if draft[1] == 2 else "suffix"
+    other = "suffix" if chosen == "ngram" else "ngram"
+    assert snap[chosen]["draft_tokens"] == k and snap[chosen]["accepted_tokens"] == 0
+    assert snap[other]["won"] == 1 and snap[other]["accepted_tokens"] == emitted

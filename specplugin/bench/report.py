@@ -47,6 +47,9 @@ class Row:
     # per proposer, summed over rounds: drafts, draft_tokens, accepted_tokens, chosen (the
     # plugin's own counters; None for other methods)
     attribution: Mapping[str, Mapping[str, int]] | None = None
+    # the batch-expanding scorer's counters summed over rounds (extra_rows, wins, ...);
+    # None when it is off
+    scorer: Mapping[str, int] | None = None
     speedup_vs_none: float | None = None
     speedup_vs_best_builtin: float | None = None
     best_builtin: str | None = None
@@ -81,8 +84,16 @@ def make_row(method: str, cell: Cell, runs: Sequence[Mapping[str, Any]],
         batch_size=cell.batch_size, temperature=cell.temperature, tok_s=tok_s,
         tok_s_rounds=rates, ms_per_token=1000.0 / tok_s if cell.batch_size == 1 else None,
         num_output_tokens=sum(r["num_output_tokens"] for r in runs), num_rounds=len(runs),
-        settings=dict(settings), attribution=_attribution(runs), **_acceptance(method, runs),
+        settings=dict(settings), attribution=_attribution(runs), scorer=_scorer(runs),
+        **_acceptance(method, runs),
     )
+
+
+def _scorer(runs: Sequence[Mapping[str, Any]]) -> dict[str, int] | None:
+    parts = [r["scorer"] for r in runs if r.get("scorer")]
+    if not parts:
+        return None
+    return {key: sum(p.get(key, 0) for p in parts) for key in parts[0]}
 
 
 def _attribution(runs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, int]] | None:
@@ -125,6 +136,19 @@ def print_attribution(rows: Sequence[Row], console=None) -> None:
         table.add_row(row.workload, str(row.batch_size), f"{row.temperature:g}", row.method,
                       *cells)
     console.print(table)
+    scored = [r for r in rows if r.scorer]
+    if scored:
+        table = Table(title="batch-expanding scorer: extra candidates verified and won")
+        for name in ("workload", "batch", "temp", "method", "drafts", "extra rows",
+                     "extra tokens", "won", "tokens won"):
+            table.add_column(name, justify="left" if name in ("workload", "method") else "right")
+        for row in scored:
+            s = row.scorer
+            table.add_row(row.workload, str(row.batch_size), f"{row.temperature:g}", row.method,
+                          str(row.num_drafts), str(s.get("extra_rows", 0)),
+                          str(s.get("extra_tokens", 0)), str(s.get("wins", 0)),
+                          str(s.get("won_tokens", 0)))
+        console.print(table)
 
 
 def with_speedups(rows: Sequence[Row]) -> list[Row]:

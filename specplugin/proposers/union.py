@@ -40,6 +40,17 @@ logger = logging.getLogger("specplugin")
 
 
 @dataclass(frozen=True)
+class Scored:
+    """How a request's candidates fared when the batch-expanding scorer verified extra
+    candidates beside its draft (None where the acceptance rule does not tell)."""
+
+    own_accepted: int | None  # tokens of the draft itself that the target accepted
+    extra_accepted: tuple[int | None, ...]  # per extra candidate, in the order sent
+    extra_lengths: tuple[int, ...]  # tokens of each extra candidate actually verified
+    winner: int | None  # index of the extra candidate whose tokens were emitted (None: the draft's)
+
+
+@dataclass(frozen=True)
 class Verified:
     """The engine step that just ran, for the requests of the current batch rows."""
 
@@ -48,6 +59,7 @@ class Verified:
     num_emitted: np.ndarray  # [num_reqs] tokens the row emitted (accepted drafts + 1)
     seconds: float | None  # wall time of the step (None: unknown, e.g. the first one)
     num_query_tokens: int  # tokens the target ran in it (all rows, drafts included)
+    scored: dict[str, Scored] | None = None  # req_id -> outcome, for requests with extras
 
 
 @dataclass
@@ -82,6 +94,7 @@ class Union:
         self.failures = [FailureCounter(name, logger) for name in names]
         self.stats = ProposerStats()
         self._pending: dict[str, _Pending] = {}
+        self._pending_extras: dict[str, list[_Pending]] = {}  # the scorer's extra candidates
         # [num_reqs] index of the proposer whose candidate each row of the last step
         # verifies (None: no draft); the vLLM layer needs it to attach draft probabilities
         self.last_sources: list[int | None] = []
@@ -107,7 +120,7 @@ class Union:
         if self.arbiter is not None:
             self.speculating = self.arbiter.speculate(num_reqs, sampled)
         if not self.speculating:
-            self._pending = {}
+            self._pending, self._pending_extras = {}, {}
             self.last_sources = [None] * num_reqs
             self.stats.steps += 1
             self.stats.steps_without_drafts += 1
@@ -155,8 +168,10 @@ class Union:
     def _alternates(self, batch: StepBatch, offers, acceptance, choices, drafts) -> None:
         """Fill :attr:`last_alternates`: the extra candidates worth verifying too."""
         tokens: list[list[np.ndarray]] = [[] for _ in choices]
+        offers_signal: list[list[np.ndarray]] = [[] for _ in choices]
         for r, _, c in offers:
             tokens[r].append(c.token_ids)
+            offers_signal[r].append(c.signal)
         sources: list[list[int]] = [[] for _ in choices]
         for r, i, _ in offers:
             sources[r].append(i)
@@ -174,15 +189,23 @@ class Union:
         extras = expand(choices, acceptance, diverge, self.cost.step_seconds,
                         self.max_candidates - int(self.decoy_primary), eligible=eligible,
                         spec_overhead=self.cost.spec_overhead_s)
+        histories = self._histories(batch)
         for r, row_extras in enumerate(extras):
             self.last_alternates[r] = [tokens[r][e.candidate][:e.num_tokens].tolist()
                                        for e in row_extras]
             self.stats.extra_candidates += len(row_extras)
+            if row_extras:
+                self._pending_extras[batch.req_ids[r]] = [
+                    _Pending(sources[r][e.candidate], bool(batch.sampled[r]), histories[r],
+                             offers_signal[r][e.candidate][:e.num_tokens]) for e in row_extras]
         if self.decoy_primary:
             for r, draft in enumerate(drafts):
                 if draft and eligible[r]:
                     self.last_alternates[r].insert(0, list(draft))
                     drafts[r] = [t - 1 if t > 0 else t + 1 for t in draft]
+                    # what is learned is the real draft's fate (the decoy is nobody's)
+                    sent = self._pending.pop(batch.req_ids[r])
+                    self._pending_extras.setdefault(batch.req_ids[r], []).insert(0, sent)
 
     def _histories(self, batch: StepBatch) -> list[int]:
         return [history_bucket(self.history.get(req_id)) for req_id in batch.req_ids]
@@ -190,7 +213,7 @@ class Union:
     def forget_pending(self) -> None:
         """The engine skipped drafting for a step: the drafts proposed before it were
         verified in a step whose results never reach :meth:`step`."""
-        self._pending = {}
+        self._pending, self._pending_extras = {}, {}
         self.last_alternates = []
 
     def finish_requests(self, req_ids: Sequence[str]) -> None:
@@ -199,6 +222,7 @@ class Union:
         self.history.forget(req_ids)
         for req_id in req_ids:
             self._pending.pop(req_id, None)
+            self._pending_extras.pop(req_id, None)
 
     def _ask(self, index: int, batch: StepBatch) -> list[Candidate | None]:
         proposer = self.proposers[index]
@@ -231,7 +255,7 @@ class Union:
         return np.split(estimate, starts[1:])
 
     def _remember(self, batch: StepBatch, offers, histories, choices) -> list[list[int]]:
-        self._pending = {}
+        self._pending, self._pending_extras = {}, {}
         drafts: list[list[int]] = []
         self.last_sources = [None] * len(choices)
         self.stats.steps += 1
@@ -254,6 +278,18 @@ class Union:
             self.stats.steps_without_drafts += 1
         return drafts
 
+    def _learn_extras(self, extras: list[_Pending], outcome: Scored, emitted: int,
+                      judged_parts: list) -> None:
+        """The scorer's extra candidates: each one's accepted tokens (where the rule tells)
+        to the estimator; the winner's emitted tokens to its proposer's counters."""
+        for j, extra in enumerate(extras[: len(outcome.extra_accepted)]):
+            accepted = outcome.extra_accepted[j]
+            if accepted is not None:
+                length = min(len(extra.signal), outcome.extra_lengths[j])
+                judged_parts.append((extra, min(length, accepted + 1), min(accepted, length)))
+        if outcome.winner is not None and outcome.winner < len(extras):
+            self.stats.won(self.proposers[extras[outcome.winner].proposer].name, emitted)
+
     def _learn(self, verified: Verified) -> None:
         """One estimator update for every judged token of the step just verified."""
         if verified.seconds is not None:
@@ -262,18 +298,27 @@ class Union:
         if self.arbiter is not None:
             self.arbiter.observe(int(np.sum(verified.num_emitted)), verified.seconds)
         pending, self._pending = self._pending, {}
+        pending_extras, self._pending_extras = self._pending_extras, {}
+        scored = verified.scored or {}
         judged_parts: list[tuple[_Pending, int, int]] = []  # (sent, judged, accepted)
         for r, req_id in enumerate(verified.req_ids):
-            sent = pending.get(req_id)
             scheduled = int(verified.num_scheduled_drafts[r])
-            if sent is None or scheduled <= 0:
+            if scheduled <= 0:
                 continue
-            k = min(len(sent.signal), scheduled)
-            num_accepted = int(min(max(verified.num_emitted[r] - 1, 0), k))
-            judged = min(k, num_accepted + 1)
-            judged_parts.append((sent, judged, num_accepted))
-            self.history.update(req_id, np.arange(judged) < num_accepted)
-            self.stats.verified(self.proposers[sent.proposer].name, k, num_accepted)
+            emitted = int(max(verified.num_emitted[r] - 1, 0))  # accepted tokens emitted
+            outcome = scored.get(req_id)
+            sent = pending.get(req_id)
+            if sent is not None:
+                k = min(len(sent.signal), scheduled)
+                won = outcome is not None and outcome.winner is not None
+                own = min(emitted, k) if outcome is None else outcome.own_accepted
+                self.history.update(req_id, np.arange(min(k, emitted + 1)) < emitted)
+                self.stats.verified(self.proposers[sent.proposer].name, k,
+                                    0 if won else min(emitted, k))
+                if own is not None:
+                    judged_parts.append((sent, min(k, own + 1), min(own, k)))
+            if outcome is not None:
+                self._learn_extras(pending_extras.get(req_id, []), outcome, emitted, judged_parts)
         if judged_parts:
             lengths = np.array([j for _, j, _ in judged_parts])
             starts = np.cumsum(lengths) - lengths

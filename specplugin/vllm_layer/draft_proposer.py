@@ -421,8 +421,10 @@ class PluginDraftProposer(DraftModelProposer):
                 return True
             self.arbiter.observe(num_reqs + int(num_accepted.sum()), self._step_seconds)
             return self.arbiter.speculate(num_reqs, mostly_sampled)
+        expander = getattr(self.plugin_runner, "expander", None)
         verified = Verified(tuple(context.req_ids[:num_reqs]), scheduled, num_accepted + 1,
-                            self._step_seconds, context.num_query_tokens)
+                            self._step_seconds, context.num_query_tokens,
+                            None if expander is None else dict(expander.outcomes))
         return self.union.begin(verified, num_reqs, mostly_sampled)
 
     def _plain_step(self, num_reqs: int) -> torch.Tensor:

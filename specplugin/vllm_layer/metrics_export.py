@@ -25,7 +25,9 @@ Names (counters; ``proposer`` label where it applies):
 - ``vllm:specplugin_arbiter_blocks_total{mode}``: blocks the step arbiter ran speculating
   or plain;
 - ``vllm:specplugin_proposer_failures_total{proposer}``: failures caught (each cost its
-  step's drafts, never a request); ``union`` is the drafting step as a whole.
+  step's drafts, never a request); ``union`` is the drafting step as a whole;
+- ``vllm:specplugin_scorer_{extra_rows,extra_tokens,wins}_total``: the batch-expanding
+  scorer's extra candidates, their query tokens, and how many beat the request's draft.
 
 With several API-server processes (``--api-server-count`` > 1) vLLM serves a
 multiprocess registry that this collector does not join: the plugin's counters are
@@ -97,17 +99,27 @@ def read_snapshots(folders: Iterable[Path]) -> list[dict[str, Any]]:
     return snapshots
 
 
+# the batch-expanding scorer's counters published as vllm:specplugin_scorer_<name>_total
+SCORER_COUNTERS = {
+    "extra_rows": "Extra candidates verified as extra rows of the target's pass.",
+    "extra_tokens": "Query tokens of those extra rows.",
+    "wins": "Extra candidates that beat the request's own draft.",
+}
+
+
 def merge(snapshots: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """The sum of several workers' snapshots (data-parallel engines each publish one)."""
     total: dict[str, Any] = {"steps": 0, "steps_without_drafts": 0, "k_histogram": Counter(),
                              "proposers": {}, "proposer_failures": Counter(),
-                             "arbiter": Counter()}
+                             "arbiter": Counter(), "scorer": Counter()}
     for snap in snapshots:
         total["steps"] += snap.get("steps", 0)
         total["steps_without_drafts"] += snap.get("steps_without_drafts", 0)
         total["k_histogram"].update(snap.get("k_histogram", {}))
         total["proposer_failures"].update(snap.get("proposer_failures", {}))
         total["arbiter"].update(snap.get("arbiter") or {})
+        total["scorer"].update({k: v for k, v in (snap.get("scorer") or {}).items()
+                                if k in SCORER_COUNTERS})
         for name, counts in snap.get("proposers", {}).items():
             mine = total["proposers"].setdefault(name, {})
             for key, value in counts.items():
@@ -156,7 +168,12 @@ def metric_families(total: dict[str, Any]) -> list:
                       "drafts, never a request).", ["proposer"])
     for name, count in sorted(total["proposer_failures"].items()):
         failures.add_metric([name], count)
-    return [*per_proposer.values(), *per_pos.values(), k, steps, idle, blocks, failures]
+    scorer = []
+    for key, doc in SCORER_COUNTERS.items():
+        scorer.append(family(f"scorer_{key}", doc, []))
+        scorer[-1].add_metric([], total["scorer"].get(key, 0))
+    return [*per_proposer.values(), *per_pos.values(), k, steps, idle, blocks, failures,
+            *scorer]
 
 
 class _Collector:

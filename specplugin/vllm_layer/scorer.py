@@ -52,6 +52,7 @@ from vllm.forward_context import get_forward_context, override_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.sample.sampler import _SAMPLING_EPS
 
+from specplugin.proposers.union import Scored
 from specplugin.scorers.multi_draft import longest_accepted, one_hot_multi_draft_verify
 
 logger = logging.getLogger("specplugin")
@@ -102,6 +103,7 @@ class ExtraRow:
     """One extra candidate of batch row ``row``, verified as its own row."""
 
     row: int
+    index: int  # its place among the request's extra candidates, as the drafter sent them
     draft_ids: tuple[int, ...]  # [k] the candidate's tokens (k <= the row's scheduled drafts)
     start: int  # offset of its first query token in the expanded batch (>= T)
     first_position: int  # position of its first query token (the request's last token)
@@ -150,11 +152,18 @@ class BatchExpander:
         # model's cache, if any, is written by its own forward)
         self._layer_names = [name for g in groups for name in g.layer_names
                              if name not in draft_layers]
-        self.usable = len(groups) == 1 and self.num_scratch > 0 and self.first_scratch > 0
-        if len(groups) != 1:
-            logger.warning("specplugin: max_candidates > 1 needs one KV cache group; this "
-                           "model has %d, so each request verifies one candidate.", len(groups))
+        backends = {g.backend.get_name() for g in runner.attn_groups[0]} if groups else set()
+        self.usable = (len(groups) == 1 and backends == {"CPU_ATTN"} and self.num_scratch > 0
+                       and self.first_scratch > 0)
+        if not self.usable:
+            # CPU_ATTN: KV caches are [num_blocks, ...], so a block is cache[b]; other
+            # backends lay blocks out differently (e.g. [2, num_blocks, ...]): not run here
+            logger.warning("specplugin: max_candidates > 1 needs one KV cache group on the "
+                           "CPU attention backend; here %d group(s), backends %s: each request "
+                           "verifies one candidate.", len(groups), sorted(backends))
         self.pending: dict[str, list[tuple[int, ...]]] = {}  # req_id -> extra candidates
+        # req_id -> how its candidates fared in the step just verified (for the drafter)
+        self.outcomes: dict[str, Scored] = {}
         self.stats = ScorerStats()
         self._rows: list[ExtraRow] = []
         self._hidden: torch.Tensor | None = None  # [E, hidden_size] of the last forward
@@ -190,7 +199,7 @@ class BatchExpander:
     def forward(self, runner, forward, input_ids, positions, **kwargs):
         """``forward(input_ids=..., positions=..., **kwargs)`` over the batch plus the
         extra rows; returns the batch's own hidden states (``[T, hidden_size]``)."""
-        self._rows, self._hidden, self._sampled = [], None, {}
+        self._rows, self._hidden, self._sampled, self.outcomes = [], None, {}, {}
         pending, self.pending = self.pending, {}
         if not pending or not self.usable or positions is None or positions.dim() != 1:
             return forward(input_ids=input_ids, positions=positions, **kwargs)
@@ -229,7 +238,7 @@ class BatchExpander:
         tables: list[torch.Tensor] = []
         next_block = self.first_scratch
         for row, req_id in enumerate(batch.req_ids):
-            for cand in pending.get(req_id, ()):
+            for index, cand in enumerate(pending.get(req_id, ())):
                 k = min(len(cand), len(scheduled.get(req_id, ())))
                 if k == 0 or len(rows) == MAX_EXTRA_ROWS:
                     continue
@@ -248,7 +257,7 @@ class BatchExpander:
                     continue
                 table, blocks = self._row_table(own_table, first, k, next_block)
                 next_block += len(blocks)
-                rows.append(ExtraRow(row, cand[:k], num_tokens + sum(
+                rows.append(ExtraRow(row, index, cand[:k], num_tokens + sum(
                     1 + len(r.draft_ids) for r in rows), first, blocks,
                     self._slots(table, first, k)))
                 tables.append(table)
@@ -352,10 +361,12 @@ class BatchExpander:
         sampled = sampler_output.sampled_token_ids  # [num_reqs, max_spec_len + 1] int32
         for row, extras in by_row.items():
             if row in sampled_rows:
-                tokens, winner = self._sample_row(runner, row, extras, target_logits.get(row),
-                                                  sampled_rows[row])
+                tokens, winner, outcome = self._sample_row(
+                    runner, row, extras, target_logits.get(row), sampled_rows[row])
             else:
-                tokens, winner = self._greedy_row(sampled[row], extras)
+                tokens, winner, outcome = self._greedy_row(sampled[row], extras)
+            if outcome is not None:
+                self.outcomes[runner.input_batch.req_ids[row]] = outcome
             if tokens is None:
                 continue
             sampled[row] = PLACEHOLDER_TOKEN_ID
@@ -365,26 +376,28 @@ class BatchExpander:
                 self._keep_winner(winner, len(tokens) - 1)
 
     def _greedy_row(self, own_output: torch.Tensor, extras):
-        """(tokens, winning extra row) when an extra candidate's accepted prefix is
-        longer than the row's own; (None, None) when the row's own output stands."""
-        best = int((own_output != PLACEHOLDER_TOKEN_ID).sum()) - 1  # accepted by vLLM
-        choice = None
+        """(tokens, winning extra row, outcome): tokens None when the row's own output
+        stands (its accepted prefix is the longest; it wins ties, then the lower index)."""
+        own = best = int((own_output != PLACEHOLDER_TOKEN_ID).sum()) - 1  # accepted by vLLM
+        choice, accepted_by_index = None, {}
         for r, span in extras:
             target = span.argmax(-1).cpu()  # [1 + k]
             accepted = longest_accepted(torch.tensor(r.draft_ids), target)
-            if accepted > best:  # strict: the primary wins ties, then the lower index
+            accepted_by_index[r.index] = (accepted, len(r.draft_ids))
+            if accepted > best:
                 best, choice = accepted, (r, target)
+        outcome = _outcome(own, accepted_by_index, None if choice is None else choice[0].index)
         if choice is None:
-            return None, None
+            return None, None, outcome
         r, target = choice
-        self.stats.won_tokens += best - (int((own_output != PLACEHOLDER_TOKEN_ID).sum()) - 1)
-        return list(r.draft_ids[:best]) + [int(target[best])], r
+        self.stats.won_tokens += best - own
+        return list(r.draft_ids[:best]) + [int(target[best])], r, outcome
 
     def _sample_row(self, runner, row: int, extras, own_logits, temperature: float):
         """Recursive rejection sampling over the row's own draft and its extra
         candidates (all deterministic), replacing vLLM's draw for this row."""
         if own_logits is None:
-            return None, None
+            return None, None, None
         req_id = runner.input_batch.req_ids[row]
         own_ids = torch.tensor(runner.step_scheduler_output.scheduled_spec_decode_tokens[req_id])
         probs = [torch.softmax(own_logits.float() / temperature, -1)]
@@ -392,7 +405,12 @@ class BatchExpander:
         result = one_hot_multi_draft_verify(
             [own_ids] + [torch.tensor(r.draft_ids) for r, _ in extras], probs)
         winner = None if result.winner == 0 else extras[result.winner - 1][0]
-        return result.token_ids.tolist(), winner
+        accepted = len(result.token_ids) - 1
+        # only the winner's acceptance is known: the others were judged on another draw
+        outcome = _outcome(accepted if winner is None else None,
+                           {} if winner is None else {winner.index: (accepted, len(winner.draft_ids))},
+                           None if winner is None else winner.index)
+        return result.token_ids.tolist(), winner, outcome
 
     def _keep_winner(self, r: ExtraRow, accepted: int) -> None:
         """The winner's KV: the scratch blocks holding its accepted positions replace the
@@ -420,6 +438,15 @@ class BatchExpander:
         block's interior (vLLM's CPU kernels pack it per instruction set)."""
         for cache in self.kv_caches():  # [num_blocks, ...]
             cache[dst].copy_(cache[src])
+
+
+def _outcome(own: int | None, accepted_by_index: dict[int, tuple[int, int]],
+             winner: int | None) -> Scored:
+    """The drafter's record of one request's candidates (extras by their sent index)."""
+    size = 1 + max(accepted_by_index, default=-1)
+    accepted = tuple(accepted_by_index.get(i, (None, 0))[0] for i in range(size))
+    lengths = tuple(accepted_by_index.get(i, (None, 0))[1] for i in range(size))
+    return Scored(own, accepted, lengths, winner)
 
 
 def reserve_scratch_blocks(initialize_kv_caches, engine_core, vllm_config):

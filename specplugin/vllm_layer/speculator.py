@@ -85,9 +85,11 @@ class Speculator:
         now = time.perf_counter()
         seconds = None if self._last_call is None else now - self._last_call
         self._last_call = now
+        expander = getattr(self.runner, "expander", None)
         return Verified(tuple(context.req_ids), np.asarray(context.num_scheduled_drafts),
                         np.array([len(s) for s in sampled_token_ids]), seconds,
-                        context.num_query_tokens)
+                        context.num_query_tokens,
+                        None if expander is None else dict(expander.outcomes))
 
     def _batch(self, context, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> StepBatch:
         num_reqs = len(sampled_token_ids)
