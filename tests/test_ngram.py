@@ -97,3 +97,13 @@ def _oracle(ctx: list[int], min_n: int, max_n: int) -> tuple[int, int]:
 def test_matcher_agrees_with_brute_force(ctx, min_n, extra):
     got = longest_suffix_match(np.array(ctx, dtype=np.int32), min_n, min_n + extra)
     assert got == _oracle(ctx, min_n, min_n + extra)
+
+
+def test_alternatives_are_earlier_matches_that_go_on_differently():
+    # "1 2" occurs three times before the tail: followed by 3, then 4, then 3 again
+    context = [1, 2, 3, 9, 1, 2, 4, 9, 1, 2, 3, 8, 1, 2]
+    [cand] = NgramProposer(min_n=2, max_n=2, num_alternatives=2).propose(_batch([context], k=3))
+    assert cand.token_ids.tolist() == [3, 8, 1]  # the most recent occurrence
+    assert [a.token_ids.tolist() for a in cand.alternatives] == [[4, 9, 1]]  # not "3" again
+    [plain] = NgramProposer(min_n=2, max_n=2).propose(_batch([context], k=3))
+    assert plain.token_ids.tolist() == [3, 8, 1] and plain.alternatives == ()

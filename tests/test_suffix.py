@@ -344,3 +344,16 @@ def test_adapter_feeds_the_cache_from_the_batch_and_stores_finished_outputs():
     assert cand.token_ids.tolist() == [5, 6]
     assert np.all((cand.signal > 0.5) & (cand.signal < 1.0))  # seen once: (1 + 1) / (1 + 2)
     p.finish_requests(["b", "never-seen"])  # unknown ids are ignored
+
+
+def test_branches_start_where_the_places_disagree_most_frequent_first():
+    cache = SuffixCache(SuffixConfig(min_match=2))
+    # after "5 6": 7 8 (twice), 7 9 (once), 4 (once)
+    cache.start_request("r", [5, 6, 7, 8, 0, 5, 6, 7, 8, 1, 5, 6, 7, 9, 2, 5, 6, 4, 3, 5, 6])
+    found = cache.propose("r", 2, num_alternatives=2)
+    assert found.token_ids.tolist() == [7, 8]
+    branches = [b.token_ids.tolist() for b in found.alternatives]
+    assert branches[0] == [4, 3], branches  # the earliest branch point first
+    assert {tuple(b) for b in branches} == {(7, 9), (4, 3)}
+    assert all(0 < c <= 1 for b in found.alternatives for c in b.confidences)
+    assert cache.propose("r", 2).alternatives == ()

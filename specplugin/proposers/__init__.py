@@ -18,13 +18,14 @@ if TYPE_CHECKING:
 def _ngram(config: "SpecPluginConfig") -> Proposer:
     from specplugin.proposers.ngram import NgramProposer
 
-    return NgramProposer(min_n=config.ngram.min_n, max_n=config.ngram.max_n)
+    return NgramProposer(min_n=config.ngram.min_n, max_n=config.ngram.max_n,
+                         num_alternatives=config.max_candidates - 1)
 
 
 def _suffix(config: "SpecPluginConfig") -> Proposer:
     from specplugin.proposers.suffix import SuffixProposer
 
-    return SuffixProposer()
+    return SuffixProposer(num_alternatives=config.max_candidates - 1)
 
 
 _FACTORIES: dict[str, Callable[["SpecPluginConfig"], Proposer]] = {"ngram": _ngram,

@@ -61,10 +61,16 @@ class StepBatch:
 
 @dataclass(frozen=True)
 class Candidate:
-    """A guessed continuation: deterministic tokens, verified as one-hot drafts."""
+    """A guessed continuation: deterministic tokens, verified as one-hot drafts.
+
+    ``alternatives``: the proposer's other guesses for the same row (another match, a
+    less frequent branch), offered only when the batch-expanding scorer may verify
+    several candidates per request (``max_candidates`` > 1); the union weighs them like
+    any other candidate."""
 
     token_ids: np.ndarray  # [k] int64
     signal: np.ndarray  # [k] float64 in [0, 1]
+    alternatives: tuple[Candidate, ...] = ()
 
     def __post_init__(self):
         assert self.token_ids.shape == self.signal.shape, (self.token_ids.shape, self.signal.shape)

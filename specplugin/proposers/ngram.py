@@ -20,9 +20,10 @@ context (the periodic continuation of a loop, a guess about a guess).
 
 from __future__ import annotations
 
-import numpy as np
-
+import dataclasses
 from collections.abc import Iterable
+
+import numpy as np
 
 from specplugin.proposers.base import Candidate, StepBatch
 
@@ -37,24 +38,36 @@ def longest_suffix_match(
     least one token follows it. ``match_len`` is the longest in ``[min_n, max_n]`` and
     ``end`` the latest such position; ``(0, -1)`` when there is none.
     """
+    match_len, ends = suffix_match_ends(context, min_n, max_n)
+    return (match_len, int(ends[-1])) if match_len else (0, -1)
+
+
+def suffix_match_ends(
+    context: np.ndarray,  # [num_tokens]
+    min_n: int,
+    max_n: int,
+) -> tuple[int, np.ndarray]:
+    """Like :func:`longest_suffix_match`, with every ``end`` of the longest match, in
+    ascending order (``(0, [])`` when there is none)."""
     num_tokens = context.shape[0]
+    none = np.empty(0, dtype=np.int64)
     if num_tokens < min_n + 1:
-        return 0, -1
+        return 0, none
     # candidate ends e = 0 .. num_tokens - 2; alive[e] <=> suffix of length d+1 matches at e
     alive = context[: num_tokens - 1] == context[num_tokens - 1]
-    best_len, best_end = 0, -1
+    best_len, best_ends = 0, none
     for d in range(1, max_n + 1):
         hits = np.flatnonzero(alive)
         if hits.size == 0:
             break
         # offset: alive[i] describes end e = i + (d - 1)
         if d >= min_n:
-            best_len, best_end = d, int(hits[-1]) + d - 1
+            best_len, best_ends = d, hits + d - 1
         if d == max_n or d >= num_tokens - 1:
             break
         # extend by one token to the left: compare context[e - d] with context[-1 - d]
         alive = alive[1:] & (context[: num_tokens - 1 - d] == context[num_tokens - 1 - d])
-    return best_len, best_end
+    return best_len, best_ends
 
 
 def continuation(
@@ -76,11 +89,15 @@ class NgramProposer:
 
     name = "ngram"
 
-    def __init__(self, min_n: int = 2, max_n: int = 8):
+    def __init__(self, min_n: int = 2, max_n: int = 8, num_alternatives: int = 0):
+        """``num_alternatives``: also offer the continuations of up to that many earlier
+        occurrences of the match, each starting with a token no later one starts with
+        (for the batch-expanding scorer)."""
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n; got min_n={min_n}, max_n={max_n}")
         self.min_n = min_n
         self.max_n = max_n
+        self.num_alternatives = num_alternatives
 
     def propose(self, batch: StepBatch) -> list[Candidate | None]:
         candidates: list[Candidate | None] = [None] * batch.num_reqs
@@ -89,13 +106,26 @@ class NgramProposer:
             if limit <= 0:
                 continue
             context = batch.context(row)
-            match_len, end = longest_suffix_match(context, self.min_n, self.max_n)
-            if match_len:
-                token_ids = continuation(context, end + 1, limit).astype(np.int64)
-                signal = np.full(limit, match_len / self.max_n)
-                signal[len(context) - end - 1:] *= 0.5  # copied from the draft itself
-                candidates[row] = Candidate(token_ids, signal)
+            match_len, ends = suffix_match_ends(context, self.min_n, self.max_n)
+            if not match_len:
+                continue
+            # the most recent occurrence, then earlier ones that go on differently
+            chosen, firsts = [], set()
+            for end in ends[::-1].tolist():
+                if context[end + 1] not in firsts:
+                    chosen.append(end)
+                    firsts.add(context[end + 1])
+                if len(chosen) > self.num_alternatives:
+                    break
+            found = [self._candidate(context, end, match_len, limit) for end in chosen]
+            candidates[row] = dataclasses.replace(found[0], alternatives=tuple(found[1:]))
         return candidates
+
+    def _candidate(self, context: np.ndarray, end: int, match_len: int, limit: int) -> Candidate:
+        token_ids = continuation(context, end + 1, limit).astype(np.int64)
+        signal = np.full(limit, match_len / self.max_n)
+        signal[len(context) - end - 1:] *= 0.5  # copied from the draft itself
+        return Candidate(token_ids, signal)
 
     def finish_requests(self, req_ids: Iterable[str]) -> None:
         """Stateless: everything it reads is in the batch."""

@@ -49,6 +49,7 @@ output into another. The store evicts whole outputs, oldest first (the order
 
 from __future__ import annotations
 
+import dataclasses
 from array import array
 from bisect import bisect_left
 from collections import Counter, deque
@@ -121,6 +122,9 @@ class SuffixCandidate:
     match_len: int
     num_occurrences: int
     source: str
+    # less frequent branches of the same walk (see :func:`_branches`); asked for only by
+    # the batch-expanding scorer
+    alternatives: tuple[SuffixCandidate, ...] = ()
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -399,6 +403,32 @@ def _greedy_walk(windows: np.ndarray, min_confidence: float, min_support: int):
     return token_ids, confidences, support
 
 
+def _branches(windows: np.ndarray, token_ids: list[int], confidences: list[float],
+              support: list[int], count: int, min_confidence: float, min_support: int):
+    """Up to ``count`` other walks: going down the draft, wherever the places that agree
+    with it so far disagree, each runner-up token (most frequent first) starts a walk of
+    its own over the places that go on with it (as SpecInfer's token trees branch);
+    earlier branch points first. Returns ``(token_ids, confidences, support)`` lists."""
+    branches = []
+    agree = np.ones(windows.shape[0], dtype=bool)  # [num_places]
+    for step, token in enumerate(token_ids):
+        if len(branches) == count:
+            break
+        column = windows[agree, step]  # [num_agreeing]
+        values = column[column != SEP]
+        for other, n in Counter(values[values != token].tolist()).most_common():
+            if len(branches) == count:
+                break
+            places = windows[agree & (windows[:, step] == other)]  # [n, num_steps]
+            ids, conf, sup = _greedy_walk(places[:, step:], min_confidence, min_support)
+            if ids:
+                conf[0], sup[0] = n / len(values), len(values)  # the branch token's own
+                branches.append((token_ids[:step] + ids, confidences[:step] + conf,
+                                 support[:step] + sup))
+        agree &= windows[:, step] == token
+    return branches
+
+
 class SuffixCache:
     """Per-request suffix indexes plus the cross-request store of finished outputs.
 
@@ -451,9 +481,11 @@ class SuffixCache:
         self._store.add(text.span(output_start, text.num_positions).copy())
         return True
 
-    def propose(self, req_id: Hashable, max_tokens: int) -> SuffixCandidate:
+    def propose(self, req_id: Hashable, max_tokens: int,
+                num_alternatives: int = 0) -> SuffixCandidate:
         """At most ``max_tokens`` draft tokens for the request, with their evidence
-        (:data:`NO_CANDIDATE` when nothing matched or ``max_tokens <= 0``)."""
+        (:data:`NO_CANDIDATE` when nothing matched or ``max_tokens <= 0``), and up to
+        ``num_alternatives`` less frequent branches of the walk."""
         text = self._text(req_id)
         if max_tokens <= 0:
             return NO_CANDIDATE
@@ -473,8 +505,14 @@ class SuffixCache:
         windows = source_text.windows(ends, max_tokens, periodic=source == "request")
         ids, confidences, support = _greedy_walk(windows, self.config.min_confidence,
                                                  self.config.min_support)
-        return SuffixCandidate(_frozen(ids, np.int64), _frozen(confidences, np.float64),
-                               _frozen(support, np.int64), match_len, num_occurrences, source)
+        branches = _branches(windows, ids, confidences, support, num_alternatives,
+                             self.config.min_confidence, self.config.min_support)
+        return SuffixCandidate(
+            _frozen(ids, np.int64), _frozen(confidences, np.float64), _frozen(support, np.int64),
+            match_len, num_occurrences, source,
+            tuple(SuffixCandidate(_frozen(b_ids, np.int64), _frozen(b_conf, np.float64),
+                                  _frozen(b_sup, np.int64), match_len, num_occurrences, source)
+                  for b_ids, b_conf, b_sup in branches))
 
     def _text(self, req_id: Hashable) -> _IndexedText:
         entry = self._requests.get(req_id)
@@ -482,6 +520,12 @@ class SuffixCache:
             raise ValueError(f"request {req_id!r} was never started (or already stopped); "
                              "call start_request with its prompt first.")
         return entry[0]
+
+
+def _as_candidate(found: SuffixCandidate) -> Candidate:
+    count = found.confidences * found.support
+    signal = (count + 1.0) / (found.support + 2.0)
+    return Candidate(np.array(found.token_ids, dtype=np.int64), signal)
 
 
 class SuffixProposer:
@@ -496,8 +540,11 @@ class SuffixProposer:
 
     name = "suffix"
 
-    def __init__(self, config: SuffixConfig | None = None):
+    def __init__(self, config: SuffixConfig | None = None, num_alternatives: int = 0):
+        """``num_alternatives``: also offer up to that many less frequent branches of
+        each walk (for the batch-expanding scorer)."""
         self.cache = SuffixCache(config)
+        self.num_alternatives = num_alternatives
         self._fed: dict[str, int] = {}  # req id -> context tokens the cache has seen
 
     def propose(self, batch: StepBatch) -> list[Candidate | None]:
@@ -505,11 +552,12 @@ class SuffixProposer:
             self._feed(req_id, batch.context(row), int(batch.num_prompt_tokens[row]))
         candidates: list[Candidate | None] = [None] * batch.num_reqs
         for row in batch.rows:
-            found = self.cache.propose(batch.req_ids[row], int(batch.max_draft_lens[row]))
+            found = self.cache.propose(batch.req_ids[row], int(batch.max_draft_lens[row]),
+                                       self.num_alternatives)
             if len(found):
-                count = found.confidences * found.support
-                signal = (count + 1.0) / (found.support + 2.0)
-                candidates[row] = Candidate(np.array(found.token_ids, dtype=np.int64), signal)
+                candidates[row] = dataclasses.replace(
+                    _as_candidate(found),
+                    alternatives=tuple(_as_candidate(b) for b in found.alternatives))
         return candidates
 
     def _feed(self, req_id: str, context: np.ndarray, num_prompt_tokens: int) -> None:

@@ -131,8 +131,9 @@ class Union:
         if not self.speculating:
             return []
         per_proposer = {i: self._ask(i, batch) for i in proposers}
-        return [(r, i, c) for i, cands in per_proposer.items()
-                for r, c in enumerate(cands) if c is not None]
+        return [(r, i, offer) for i, cands in per_proposer.items()
+                for r, c in enumerate(cands) if c is not None
+                for offer in (c, *c.alternatives) if len(offer)]
 
     def expected_accepted(self, batch: StepBatch, offers) -> np.ndarray:  # [num_reqs]
         """Per request, the most accepted tokens any of its offers is expected to bring if
