@@ -134,7 +134,7 @@ class SpecPluginConfig:
     # test-only: proposers and draft forwards that fail on purpose (specplugin.faults)
     fault_injection: FaultSettings = field(default_factory=FaultSettings)
     # the batch-expanding scorer: most candidates verified per request per step (1: one
-    # chain, the scorer off); candidates come from different proposers of the union
+    # chain, the scorer off); from different proposers, or one proposer's alternatives
     max_candidates: int = 1
 
     def __post_init__(self):
@@ -188,11 +188,6 @@ class SpecPluginConfig:
             raise SpecPluginConfigError(
                 f"{_where('max_candidates')} must be an integer from 1 (one draft per request, "
                 f"the default) to {MAX_CANDIDATES}; got {n!r}.")
-        if n > len(self.proposers):
-            raise SpecPluginConfigError(
-                f"{_where('max_candidates')} = {n} needs as many proposers (each request's "
-                f"candidates come from different proposers); {_where('proposers')} = "
-                f"{list(self.proposers)}. Add proposers or lower max_candidates.")
         if self.fault_injection.decoy_primary and n < 2:
             raise SpecPluginConfigError(
                 f"{_where('fault_injection')}[\"decoy_primary\"] needs "

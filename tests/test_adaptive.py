@@ -430,3 +430,25 @@ def test_decoy_primary_sends_the_real_draft_as_the_extra_candidate():
     [alternates] = union.last_alternates
     assert 0 < len(draft) == len(alternates[0]) and alternates[0] == [5, 6, 7][:len(draft)]
     assert draft == [t - 1 for t in alternates[0]]  # every token changed
+
+
+class WithAlternative(Fixed):
+    """A proposer whose weak guess comes with a strong alternative."""
+
+    def propose(self, batch):
+        return [None if c is None else Candidate(
+            c.token_ids, np.full(len(c), 0.3),
+            alternatives=(Candidate(c.token_ids + 1, np.full(len(c), 0.99)),))
+            for c in super().propose(batch)]
+
+
+def test_alternatives_are_extra_candidates_never_the_chosen_draft():
+    cost = StepCostModel(max_tokens=64)
+    cost.calibrate(np.array([1, 2, 64]), np.array([0.010, 0.0101, 0.0102]))
+    union = Union([WithAlternative("a", [1, 2, 3], 0.3)], cost=cost, explore=False,
+                  max_candidates=2)
+    [draft] = union.step(_batch(["r"]), None)
+    assert draft and draft[0] == 1  # the proposer's own guess, not its alternative
+    assert union.last_alternates[0] and union.last_alternates[0][0][0] == 2
+    plain = Union([WithAlternative("a", [1, 2, 3], 0.3)], cost=cost, explore=False)
+    assert plain.step(_batch(["r"]), None) == [draft] and plain.last_alternates == [[]]

@@ -1,7 +1,8 @@
 """Per-request control inside real vLLM (offline ``LLM``): ``specplugin_max_k`` and
 ``specplugin_proposers`` through ``SamplingParams.extra_args``.
 
-One engine, the full union (draft model, n-gram, suffix), vLLM in-process in its own
+One engine, the full union (draft model, n-gram, suffix) with every 9th draft-model
+forward failing on purpose (``fault_injection.draft_forward``), vLLM in-process in its own
 Python process so that a probe can record which requests each proposer is asked
 about (and for which the draft model runs), and vLLM's per-request spec-decode
 metrics (``per_request_spec_decode_metrics="detailed"``) give each request's draft
@@ -21,6 +22,7 @@ from specplugin.zoo import zoo_path
 pytestmark = pytest.mark.vllm
 
 K = 8
+DRAFT_FORWARD_FAULT = 9
 CODE = '''def parse_header(line):
     """Split a header line into a key and a value."""
     key, sep, value = line.partition(":")
@@ -117,8 +119,11 @@ print("RESULT " + json.dumps({
 
 @pytest.fixture(scope="module")
 def probe(zoo_root):
+    # every 9th forward of the draft model fails on purpose (test-only fault injection):
+    # that step loses its drafts, never a request, and the failure is counted
     options = {"proposers": ["draft", "ngram", "suffix"],
-               "draft_model": str(zoo_path("draft", zoo_root))}
+               "draft_model": str(zoo_path("draft", zoo_root)),
+               "fault_injection": {"draft_forward": DRAFT_FORWARD_FAULT}}
     kwargs = engine_kwargs({**plugin_engine_kwargs(K, options),
                             "per_request_spec_decode_metrics": "detailed"}, eager=True)
     job = {"model": str(zoo_path("target", zoo_root)), "engine_kwargs": kwargs,
@@ -146,6 +151,14 @@ def test_a_bad_value_is_refused_before_scheduling_naming_the_key(probe, case):
 
 def test_output_is_identical_whatever_each_request_chose(probe):
     assert probe["mixed"] == probe["plain"]
+
+
+def test_draft_forwards_that_fail_mid_run_cost_drafts_never_requests(probe):
+    """The draft model failed every DRAFT_FORWARD_FAULT-th forward while the requests
+    ran: every request finished with the output it has without speculation, and the
+    failures are counted."""
+    assert probe["exact"]["proposer_failures"].get("draft", 0) > 0, probe["exact"]
+    assert len(probe["mixed"]) == len(PROMPTS) and all(len(t) == 48 for t in probe["mixed"])
 
 
 def test_max_k_zero_switches_speculation_off_for_that_request_only(probe):

@@ -102,6 +102,7 @@ class Union:
         self.decoy_primary = decoy_primary
         # [num_reqs] the extra candidates (token lists) each row of the last step verifies
         self.last_alternates: list[list[list[int]]] = []
+        self._alternative_offers: list[tuple[int, int, Candidate]] = []  # this step's
 
     def step(self, batch: StepBatch, verified: Verified | None) -> list[list[int]]:
         """Learn from ``verified``, then one draft per row of ``batch`` (``[]``: none)."""
@@ -113,7 +114,7 @@ class Union:
         """Learn from ``verified``; whether this step speculates (the arbiter's call;
         ``sampled``: most requests sample). A plain step needs nothing else: no
         proposer runs, and the caller need not even build the step's batch."""
-        self.last_alternates = []
+        self.last_alternates, self._alternative_offers = [], []
         if verified is not None:
             self._learn(verified)
         self.estimator.step()
@@ -131,9 +132,13 @@ class Union:
         if not self.speculating:
             return []
         per_proposer = {i: self._ask(i, batch) for i in proposers}
-        return [(r, i, offer) for i, cands in per_proposer.items()
-                for r, c in enumerate(cands) if c is not None
-                for offer in (c, *c.alternatives) if len(offer)]
+        # a proposer's alternatives are for the scorer only (see _alternates): the choice
+        # of each request's draft, and whether the draft model runs, stay the union's
+        self._alternative_offers += [(r, i, alt) for i, cands in per_proposer.items()
+                                     for r, c in enumerate(cands) if c is not None
+                                     for alt in c.alternatives if len(alt)]
+        return [(r, i, c) for i, cands in per_proposer.items()
+                for r, c in enumerate(cands) if c is not None]
 
     def expected_accepted(self, batch: StepBatch, offers) -> np.ndarray:  # [num_reqs]
         """Per request, the most accepted tokens any of its offers is expected to bring if
@@ -163,7 +168,10 @@ class Union:
         drafts = self._remember(batch, offers, histories, choices)
         self.last_alternates = [[] for _ in choices]
         if self.max_candidates > 1:
-            self._alternates(batch, offers, acceptance, choices, drafts)
+            alternatives = sorted(self._alternative_offers, key=lambda o: o[0])
+            for (r, _, _), a in zip(alternatives, self._estimate(alternatives, batch, histories)):
+                acceptance[r].append(a)
+            self._alternates(batch, offers + alternatives, acceptance, choices, drafts)
         return drafts
 
     def _alternates(self, batch: StepBatch, offers, acceptance, choices, drafts) -> None:
