@@ -452,3 +452,21 @@ def test_alternatives_are_extra_candidates_never_the_chosen_draft():
     assert union.last_alternates[0] and union.last_alternates[0][0][0] == 2
     plain = Union([WithAlternative("a", [1, 2, 3], 0.3)], cost=cost, explore=False)
     assert plain.step(_batch(["r"]), None) == [draft] and plain.last_alternates == [[]]
+
+
+def test_alternatives_that_lose_do_not_teach_the_estimator():
+    from specplugin.proposers.union import Scored
+
+    cost = StepCostModel(max_tokens=64)
+    cost.calibrate(np.array([1, 2, 64]), np.array([0.010, 0.0101, 0.0102]))
+    union = Union([WithAlternative("a", [1, 2, 3], 0.3)], cost=cost, explore=False,
+                  max_candidates=2)
+    [draft] = union.step(_batch(["r"]), None)
+    [[alternative]] = union.last_alternates
+    before = union.estimator.estimate(_cells(3, signal=0.99)).copy()
+    lost = Scored(own_accepted=len(draft), extra_accepted=(0,), extra_lengths=(len(alternative),),
+                  winner=None)
+    union.step(_batch(["r"]), Verified(("r",), np.array([len(draft)]),
+                                       np.array([len(draft) + 1]), None, 4, {"r": lost}))
+    after = union.estimator.estimate(_cells(3, signal=0.99))
+    assert np.all(after >= before - 1e-9), (before, after)

@@ -68,6 +68,9 @@ class _Pending:
     sampled: bool
     history: int  # the request's history bucket when it was sent
     signal: np.ndarray  # [k] signals of the k tokens sent for verification
+    # a proposer's alternative (not its own best guess): verified only as an extra
+    # candidate, and never learned from (see _learn_extras)
+    alternative: bool = False
 
 
 class Union:
@@ -171,16 +174,20 @@ class Union:
             alternatives = sorted(self._alternative_offers, key=lambda o: o[0])
             for (r, _, _), a in zip(alternatives, self._estimate(alternatives, batch, histories)):
                 acceptance[r].append(a)
-            self._alternates(batch, offers + alternatives, acceptance, choices, drafts)
+            self._alternates(batch, offers + alternatives, acceptance, choices, drafts,
+                             len(offers))
         return drafts
 
-    def _alternates(self, batch: StepBatch, offers, acceptance, choices, drafts) -> None:
+    def _alternates(self, batch: StepBatch, offers, acceptance, choices, drafts,
+                    num_main: int) -> None:
         """Fill :attr:`last_alternates`: the extra candidates worth verifying too."""
         tokens: list[list[np.ndarray]] = [[] for _ in choices]
         offers_signal: list[list[np.ndarray]] = [[] for _ in choices]
-        for r, _, c in offers:
+        main = [[] for _ in choices]
+        for o, (r, _, c) in enumerate(offers):
             tokens[r].append(c.token_ids)
             offers_signal[r].append(c.signal)
+            main[r].append(o < num_main)
         sources: list[list[int]] = [[] for _ in choices]
         for r, i, _ in offers:
             sources[r].append(i)
@@ -206,7 +213,8 @@ class Union:
             if row_extras:
                 self._pending_extras[batch.req_ids[r]] = [
                     _Pending(sources[r][e.candidate], bool(batch.sampled[r]), histories[r],
-                             offers_signal[r][e.candidate][:e.num_tokens]) for e in row_extras]
+                             offers_signal[r][e.candidate][:e.num_tokens],
+                             not main[r][e.candidate]) for e in row_extras]
         if self.decoy_primary:
             for r, draft in enumerate(drafts):
                 if draft and eligible[r]:
@@ -290,10 +298,15 @@ class Union:
     def _learn_extras(self, extras: list[_Pending], outcome: Scored, emitted: int,
                       judged_parts: list) -> None:
         """The scorer's extra candidates: each one's accepted tokens (where the rule tells)
-        to the estimator; the winner's emitted tokens to its proposer's counters."""
+        to the estimator; the winner's emitted tokens to its proposer's counters.
+
+        A proposer's alternatives are not learned from: they carry its signals but are
+        its second guesses, verified only where expected to pay; learned as its own
+        guesses they would teach the estimator that the proposer is worse than it is
+        (measured: the n-gram proposer's share of drafts halved)."""
         for j, extra in enumerate(extras[: len(outcome.extra_accepted)]):
             accepted = outcome.extra_accepted[j]
-            if accepted is not None:
+            if accepted is not None and not extra.alternative:
                 length = min(len(extra.signal), outcome.extra_lengths[j])
                 judged_parts.append((extra, min(length, accepted + 1), min(accepted, length)))
         if outcome.winner is not None and outcome.winner < len(extras):
