@@ -161,8 +161,9 @@ class PluginDraftProposer(DraftModelProposer):
         :mod:`specplugin.vllm_layer.metrics_export`)."""
         arbiter = self.arbiter if self.union is None else self.union.arbiter
         failures = self.failures.snapshot()
-        if self.union is not None:
-            failures.update((f.name, f.count) for f in self.union.failures)
+        if self.union is not None:  # the union's counter "draft" adds to the drafter's own
+            for f in self.union.failures:
+                failures[f.name] = failures.get(f.name, 0) + f.count
         return {**self.proposer_stats.as_dict(), "proposer_failures": failures,
                 "arbiter": None if arbiter is None else arbiter.stats()}
 
