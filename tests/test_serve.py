@@ -1,5 +1,5 @@
 """`vllm serve` (the stock console script) with the plugin: completions, per-request
-options, metrics, faults (a proposer failing every 3rd call, a client leaving
+options, metrics, the batch-expanding scorer, faults (a proposer failing every 3rd call, a client leaving
 mid-stream) under a few concurrent streaming clients, start-up errors. The full load
 run (64 clients, 2,000 requests) is ``specplugin load``, not part of the suite."""
 
@@ -24,9 +24,12 @@ SPEC = json.dumps({"method": "custom_class", "model": "specplugin.Speculator",
                    "num_speculative_tokens": 8})
 
 
-# one fault (test-only setting): the n-gram proposer raises at every 3rd call
-SETTINGS = {"specplugin": {"proposers": ["ngram", "suffix"],
-                           "fault_injection": {"proposers": {"ngram": 3}}}}
+# one fault (test-only setting): the n-gram proposer raises at every 3rd call; and the
+# batch-expanding scorer with every draft verified as an extra candidate beside a decoy
+# (test-only), so that its winners carry the served output
+SETTINGS = {"specplugin": {"proposers": ["ngram", "suffix"], "max_candidates": 2,
+                           "fault_injection": {"proposers": {"ngram": 3},
+                                               "decoy_primary": True}}}
 
 
 def _free_port() -> int:
@@ -160,6 +163,8 @@ def test_concurrent_streaming_clients_all_succeed_with_unchanged_output_despite_
     assert _metric(metrics, 'vllm:specplugin_proposer_failures_total{proposer="ngram"}') > 0
     assert _metric(metrics, 'vllm:specplugin_proposer_failures_total{proposer="suffix"}') == 0
     assert _metric(metrics, "vllm:specplugin_accepted_tokens_total{") > 0
+    # the scorer ran in vllm serve: extra candidates won and carried the output
+    assert _metric(metrics, "vllm:specplugin_scorer_wins_total") > 0
 
 
 def test_a_client_leaving_mid_stream_frees_its_kv_cache(server):
