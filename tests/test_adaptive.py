@@ -172,6 +172,14 @@ def _batch(req_ids, k=8, sampled=False):
                      np.full(n, 5), np.full(n, k), np.full(n, sampled), tuple(range(n)))
 
 
+def flat_cost() -> StepCostModel:
+    """A target forward that costs about the same for 1 to 64 query tokens (batch 1 on
+    CPU): extra candidates are cheap to verify."""
+    cost = StepCostModel(max_tokens=64)
+    cost.calibrate(np.array([1, 2, 64]), np.array([0.010, 0.0101, 0.0102]))
+    return cost
+
+
 def _union(*proposers, explore=False):
     cost = StepCostModel(max_tokens=64)
     cost.calibrate(np.array([1, 2, 64]), np.array([0.010, 0.011, 0.073]))
@@ -401,8 +409,7 @@ def test_arbiter_keeps_greedy_and_sampled_batches_apart():
 
 
 def test_union_sends_extra_candidates_beside_the_chosen_draft():
-    cost = StepCostModel(max_tokens=64)
-    cost.calibrate(np.array([1, 2, 64]), np.array([0.010, 0.0101, 0.0102]))  # flat: batch 1
+    cost = flat_cost()
     union = Union([Fixed("a", [1, 2, 3, 4], 0.9), Fixed("b", [1, 7, 8, 9], 0.9)], cost=cost,
                   explore=False, max_candidates=2)
     [draft] = union.step(_batch(["r"]), None)
@@ -443,8 +450,7 @@ class WithAlternative(Fixed):
 
 
 def test_alternatives_are_extra_candidates_never_the_chosen_draft():
-    cost = StepCostModel(max_tokens=64)
-    cost.calibrate(np.array([1, 2, 64]), np.array([0.010, 0.0101, 0.0102]))
+    cost = flat_cost()
     union = Union([WithAlternative("a", [1, 2, 3], 0.3)], cost=cost, explore=False,
                   max_candidates=2)
     [draft] = union.step(_batch(["r"]), None)
@@ -457,8 +463,7 @@ def test_alternatives_are_extra_candidates_never_the_chosen_draft():
 def test_alternatives_that_lose_do_not_teach_the_estimator():
     from specplugin.proposers.union import Scored
 
-    cost = StepCostModel(max_tokens=64)
-    cost.calibrate(np.array([1, 2, 64]), np.array([0.010, 0.0101, 0.0102]))
+    cost = flat_cost()
     union = Union([WithAlternative("a", [1, 2, 3], 0.3)], cost=cost, explore=False,
                   max_candidates=2)
     [draft] = union.step(_batch(["r"]), None)

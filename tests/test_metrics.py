@@ -125,13 +125,10 @@ def test_an_extra_candidate_that_won_is_credited_to_its_proposer():
     import numpy as np
 
     from specplugin.proposers.union import Scored, Union, Verified
-    from tests.test_adaptive import Fixed, _batch
-    from specplugin.adaptive.cost import StepCostModel
+    from tests.test_adaptive import Fixed, _batch, flat_cost
 
-    cost = StepCostModel(max_tokens=64)
-    cost.calibrate(np.array([1, 2, 64]), np.array([0.010, 0.0101, 0.0102]))
     union = Union([Fixed("ngram", [1, 2, 3, 4], 0.9), Fixed("suffix", [1, 7, 8, 9], 0.9)],
-                  cost=cost, explore=False, max_candidates=2)
+                  cost=flat_cost(), explore=False, max_candidates=2)
     [draft] = union.step(_batch(["r"]), None)
     [[extra]] = union.last_alternates
     k = len(draft)

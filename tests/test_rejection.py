@@ -351,8 +351,11 @@ def test_negative_control_recovered_from_target_is_detected(monkeypatch):
 CANDIDATE_LENGTHS = (2, 1, 2)  # candidates 0 and 2 may share a prefix, then branch
 
 
-def multi_draft_step(drafters):
-    """A step of multi-draft verification; ``drafters[c]`` None means sampled from DRAFT_TABLE."""
+def multi_draft_step(drafters, verify=None):
+    """A step of multi-draft verification; ``drafters[c]`` None means sampled from DRAFT_TABLE.
+    ``verify(ids, probs, targets, generator)``: one request's verification (default the
+    reference)."""
+    verify = verify or reference_multi_draft_verify
 
     def step(prev_ids, generator):
         num_reqs = prev_ids.shape[0]
@@ -365,7 +368,7 @@ def multi_draft_step(drafters):
             TARGET_TABLE[torch.cat([prev_ids[:, None], ids], dim=1)] for ids, _ in chains
         ]
         for r in range(num_reqs):
-            result = reference_multi_draft_verify(
+            result = verify(
                 [ids[r] for ids, _ in chains],
                 [None if probs is None else probs[r] for _, probs in chains],
                 [target[r] for target in targets],
@@ -415,21 +418,8 @@ def test_sampling_is_seeded():
 
 def one_hot_serving_step(drafters):
     """``multi_draft_step`` through the serving path for deterministic candidates."""
-
-    def step(prev_ids, generator):
-        num_reqs = prev_ids.shape[0]
-        chains = [draft_chain(prev_ids, k, d, generator) for k, d in zip(CANDIDATE_LENGTHS, drafters)]
-        tokens = torch.full((num_reqs, max(CANDIDATE_LENGTHS) + 1), PLACEHOLDER_TOKEN_ID)
-        num_emitted = torch.zeros(num_reqs, dtype=torch.long)
-        targets = [TARGET_TABLE[torch.cat([prev_ids[:, None], ids], dim=1)] for ids, _ in chains]
-        for r in range(num_reqs):
-            result = multi_draft.one_hot_multi_draft_verify(
-                [ids[r] for ids, _ in chains], [target[r] for target in targets], generator)
-            tokens[r, : len(result.token_ids)] = result.token_ids
-            num_emitted[r] = len(result.token_ids)
-        return tokens, num_emitted
-
-    return step
+    return multi_draft_step(drafters, lambda ids, _, targets, generator:
+                            multi_draft.one_hot_multi_draft_verify(ids, targets, generator))
 
 
 def test_one_hot_serving_path_follows_target():

@@ -102,27 +102,22 @@ def with_token_ids(llm, cell: dict[str, Any]) -> dict[str, Any]:
 ATTRIBUTED = ("drafts", "draft_tokens", "accepted_tokens", "chosen")
 
 
-def plugin_counters(llm) -> dict[str, dict[str, int]] | None:
-    """The plugin's per-proposer counters (``specplugin_stats`` on the drafting worker,
-    the numbers ``vllm:specplugin_*`` shows); None when the engine does not run it."""
+def plugin_counters(llm) -> tuple[dict[str, dict[str, int]] | None, dict[str, int] | None]:
+    """The plugin's per-proposer counters and the batch-expanding scorer's (extra rows,
+    wins, ...), from one read of ``specplugin_stats`` on the drafting worker (the numbers
+    ``vllm:specplugin_*`` shows). (None, None) when the engine does not run the plugin;
+    the scorer's part is None when it is off."""
     from specplugin.vllm_layer.metrics_export import engine_stats
 
     try:
-        proposers = engine_stats(llm)["proposers"]
+        stats = engine_stats(llm)
     except Exception:  # not the plugin's worker: a built-in method or no speculation
-        return None
-    return {name: {k: counts[k] for k in ATTRIBUTED} for name, counts in proposers.items()}
-
-
-def scorer_counters(llm) -> dict[str, int] | None:
-    """The batch-expanding scorer's counters (extra rows, wins, ...); None when it is off."""
-    from specplugin.vllm_layer.metrics_export import engine_stats
-
-    try:
-        scorer = engine_stats(llm).get("scorer")
-    except Exception:  # not the plugin's worker
-        return None
-    return None if scorer is None else {k: v for k, v in scorer.items() if isinstance(v, int)}
+        return None, None
+    attributed = {name: {k: counts[k] for k in ATTRIBUTED}
+                  for name, counts in stats["proposers"].items()}
+    scorer = stats.get("scorer")
+    return attributed, (None if scorer is None
+                        else {k: v for k, v in scorer.items() if isinstance(v, int)})
 
 
 def attribution_delta(after, before) -> dict[str, dict[str, int]] | None:
@@ -142,8 +137,7 @@ def run_cell(llm, cell: dict[str, Any], return_token_ids: bool,
     params = _sampling(cell)
     prompts, size = cell["prompts"], cell["batch_size"]
     before = spec_counters(llm)
-    attributed = plugin_counters(llm) if plugin else None
-    scored = scorer_counters(llm) if plugin else None
+    attributed, scored = plugin_counters(llm) if plugin else (None, None)
     seconds, num_tokens, token_ids = 0.0, 0, []
     for i in range(0, len(prompts), size):
         outputs, elapsed = _generate(llm, prompts[i : i + size], params)
@@ -155,10 +149,10 @@ def run_cell(llm, cell: dict[str, Any], return_token_ids: bool,
     result = {"key": cell["key"], "seconds": seconds, "num_output_tokens": num_tokens,
               "num_requests": len(prompts), **counter_delta(spec_counters(llm), before)}
     if plugin:
-        result["attribution"] = attribution_delta(plugin_counters(llm), attributed)
-        after = scorer_counters(llm)
-        if after is not None:
-            result["scorer"] = {k: v - (scored or {}).get(k, 0) for k, v in after.items()}
+        attributed_after, scored_after = plugin_counters(llm)
+        result["attribution"] = attribution_delta(attributed_after, attributed)
+        if scored_after is not None:
+            result["scorer"] = {k: v - (scored or {}).get(k, 0) for k, v in scored_after.items()}
     if return_token_ids:
         result["token_ids"] = token_ids
     return result

@@ -175,22 +175,21 @@ class Union:
             for (r, _, _), a in zip(alternatives, self._estimate(alternatives, batch, histories)):
                 acceptance[r].append(a)
             self._alternates(batch, offers + alternatives, acceptance, choices, drafts,
-                             len(offers))
+                             histories, len(offers))
         return drafts
 
-    def _alternates(self, batch: StepBatch, offers, acceptance, choices, drafts,
+    def _alternates(self, batch: StepBatch, offers, acceptance, choices, drafts, histories,
                     num_main: int) -> None:
-        """Fill :attr:`last_alternates`: the extra candidates worth verifying too."""
-        tokens: list[list[np.ndarray]] = [[] for _ in choices]
-        offers_signal: list[list[np.ndarray]] = [[] for _ in choices]
-        main = [[] for _ in choices]
-        for o, (r, _, c) in enumerate(offers):
-            tokens[r].append(c.token_ids)
-            offers_signal[r].append(c.signal)
-            main[r].append(o < num_main)
+        """Fill :attr:`last_alternates`: the extra candidates worth verifying too.
+        ``offers``: the step's offers then its alternatives (the first ``num_main`` are
+        offers), per row in the order of ``acceptance[row]``."""
+        cands: list[list[Candidate]] = [[] for _ in choices]
         sources: list[list[int]] = [[] for _ in choices]
-        for r, i, _ in offers:
+        main: list[list[bool]] = [[] for _ in choices]
+        for o, (r, i, c) in enumerate(offers):
+            cands[r].append(c)
             sources[r].append(i)
+            main[r].append(o < num_main)
         # at temperature > 0 only deterministic candidates are verified together (the
         # draft model's are samples, verified against their own probabilities)
         greedy = ~np.asarray(batch.sampled, dtype=bool)
@@ -199,21 +198,20 @@ class Union:
         eligible = [choice.candidate != NO_CANDIDATE and usable[r][choice.candidate]
                     for r, choice in enumerate(choices)]
         never = 1 << 30  # a divergence past any draft: never an extra candidate
-        diverge = [[divergence(tokens[r][choice.candidate], t) if ok else never
-                    for t, ok in zip(tokens[r], usable[r])]
+        diverge = [[divergence(cands[r][choice.candidate].token_ids, c.token_ids) if ok else never
+                    for c, ok in zip(cands[r], usable[r])]
                    if eligible[r] else [] for r, choice in enumerate(choices)]
         extras = expand(choices, acceptance, diverge, self.cost.step_seconds,
                         self.max_candidates - int(self.decoy_primary), eligible=eligible,
                         spec_overhead=self.cost.spec_overhead_s)
-        histories = self._histories(batch)
         for r, row_extras in enumerate(extras):
-            self.last_alternates[r] = [tokens[r][e.candidate][:e.num_tokens].tolist()
+            self.last_alternates[r] = [cands[r][e.candidate].token_ids[:e.num_tokens].tolist()
                                        for e in row_extras]
             self.stats.extra_candidates += len(row_extras)
             if row_extras:
                 self._pending_extras[batch.req_ids[r]] = [
                     _Pending(sources[r][e.candidate], bool(batch.sampled[r]), histories[r],
-                             offers_signal[r][e.candidate][:e.num_tokens],
+                             cands[r][e.candidate].signal[:e.num_tokens],
                              not main[r][e.candidate]) for e in row_extras]
         if self.decoy_primary:
             for r, draft in enumerate(drafts):

@@ -52,12 +52,11 @@ from vllm.forward_context import get_forward_context, override_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.sample.sampler import _SAMPLING_EPS
 
+from specplugin.adaptive.controller import MAX_EXTRA_ROWS  # the scratch pool is sized for them
 from specplugin.proposers.union import Scored
 from specplugin.scorers.multi_draft import longest_accepted, one_hot_multi_draft_verify
 
 logger = logging.getLogger("specplugin")
-# most extra rows one step verifies: the scratch pool is sized for them
-MAX_EXTRA_ROWS = 8
 PLACEHOLDER_TOKEN_ID = -1  # vLLM's padding in the rejection sampler's output
 
 
@@ -231,14 +230,14 @@ class BatchExpander:
             self.stats.skipped["padded batch"] += len(pending)
             return None
         self._zero_scratch_once()
-        batch = runner.input_batch
         scheduled = runner.step_scheduler_output.scheduled_spec_decode_tokens
         query_start = meta.query_start_loc.tolist()  # [num_reqs + 1]
+        index_of = runner.input_batch.req_id_to_index
         rows: list[ExtraRow] = []
         tables: list[torch.Tensor] = []
-        next_block = self.first_scratch
-        for row, req_id in enumerate(batch.req_ids):
-            for index, cand in enumerate(pending.get(req_id, ())):
+        next_block, start_of_row = self.first_scratch, num_tokens
+        for row, req_id in sorted((index_of[r], r) for r in pending if r in index_of):
+            for index, cand in enumerate(pending[req_id]):
                 k = min(len(cand), len(scheduled.get(req_id, ())))
                 if k == 0 or len(rows) == MAX_EXTRA_ROWS:
                     continue
@@ -247,19 +246,19 @@ class BatchExpander:
                 if kind is None:
                     self.stats.skipped["sampling not reproduced"] += 1
                     continue
-                if kind == SAMPLED:
-                    self._sampled[row] = params.temperature
                 start, first = query_start[row], int(positions[query_start[row]])
                 own_table = meta.block_table[row]
                 own = meta.slot_mapping[start:start + 1 + k]
                 if not torch.equal(self._slots(own_table, first, k), own):
                     self.stats.skipped["block table not understood"] += 1
                     continue
+                if kind == SAMPLED:
+                    self._sampled[row] = params.temperature
                 table, blocks = self._row_table(own_table, first, k, next_block)
                 next_block += len(blocks)
-                rows.append(ExtraRow(row, index, cand[:k], num_tokens + sum(
-                    1 + len(r.draft_ids) for r in rows), first, blocks,
-                    self._slots(table, first, k)))
+                rows.append(ExtraRow(row, index, cand[:k], start_of_row, first, blocks,
+                                     self._slots(table, first, k)))
+                start_of_row += 1 + k
                 tables.append(table)
         if not rows:
             return None

@@ -92,9 +92,11 @@ class PluginRunnerMixin:
         # per-request specplugin_max_k / specplugin_proposers (checked in the front end)
         self.request_options = RequestOptionsCache(config.num_speculative_tokens,
                                                    config.proposers)
+        self._plugin_config = config
         self._draft_lengths: list[int] | None = None
-        self._scheduler_output = None
-        self.step_scheduler_output = None  # the step being run (the scorer reads its drafts)
+        # the step being run: which drafts the scheduler verified in it (step_context,
+        # the scorer)
+        self.step_scheduler_output = None
         # the batch-expanding scorer (max_candidates > 1), built with the KV cache
         self.expander = None
         if "draft" in config.proposers:
@@ -116,7 +118,7 @@ class PluginRunnerMixin:
             for p, s in zip(params, states)
         ]
         block_table = batch.block_table[0].get_device_tensor(len(req_ids))
-        so = self._scheduler_output
+        so = self.step_scheduler_output
         scheduled = getattr(so, "scheduled_spec_decode_tokens", None) or {}
         num_scheduled = [len(scheduled.get(r, ())) for r in req_ids]
         options = [self.request_options.get(r, None if p is None else p.extra_args)
@@ -223,11 +225,10 @@ class PluginRunnerMixin:
 
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
-        config = plugin_config(self.vllm_config)
-        if config.max_candidates > 1:
+        if self._plugin_config.max_candidates > 1:
             from specplugin.vllm_layer.scorer import BatchExpander
 
-            self.expander = BatchExpander(self, config)
+            self.expander = BatchExpander(self, self._plugin_config)
 
     def _model_forward(self, input_ids=None, positions=None, **kwargs):
         """With the batch-expanding scorer, the step's extra candidates run as extra rows
@@ -279,14 +280,6 @@ class PluginRunnerMixin:
             return super()._prepare_inputs(scheduler_output, *args, **kwargs)
         finally:
             self.speculative_config = spec
-
-    def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
-        # kept for step_context(): which drafts the scheduler verified in this step
-        self._scheduler_output = scheduler_output
-        try:
-            return super().propose_draft_token_ids(scheduler_output, *args, **kwargs)
-        finally:
-            self._scheduler_output = None
 
     def _copy_draft_token_ids_to_cpu(self, scheduler_output, zeros_only: bool = False) -> None:
         super()._copy_draft_token_ids_to_cpu(scheduler_output, zeros_only=zeros_only)
