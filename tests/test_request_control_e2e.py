@@ -18,18 +18,13 @@ import pytest
 
 from specplugin.bench.runner import CHILD_ENV_DEFAULTS, engine_kwargs, plugin_engine_kwargs
 from specplugin.zoo import zoo_path
+from tests.prompts import PARSE_HEADER
 
 pytestmark = pytest.mark.vllm
 
 K = 8
 DRAFT_FORWARD_FAULT = 9
-CODE = '''def parse_header(line):
-    """Split a header line into a key and a value."""
-    key, sep, value = line.partition(":")
-    if not sep:
-        raise ValueError("not a header: %r" % (line,))
-    return key.strip().lower(), value.strip()
-'''
+CODE = PARSE_HEADER
 # distinct first tokens (the probe tells requests apart by them), copy-friendly bodies
 PROMPTS = [f"# {name}.py\n" + CODE + "\n\n# The same function again:\n" + CODE[:60]
            for name in ("alpha", "beta", "gamma", "delta")]

@@ -21,6 +21,7 @@ import pytest
 from specplugin.bench.runner import CHILD_ENV_DEFAULTS, engine_kwargs, plugin_engine_kwargs
 from specplugin.vllm_layer.scorer import blocks_per_row, MAX_EXTRA_ROWS
 from specplugin.zoo import zoo_path
+from tests.prompts import PARSE_HEADER
 
 pytestmark = pytest.mark.vllm
 
@@ -28,13 +29,7 @@ K = 8
 BLOCK_SIZE = 32
 NUM_BLOCKS = 60  # the workers' pool; the scheduler gets it minus the scratch blocks
 SCRATCH = MAX_EXTRA_ROWS * blocks_per_row(K, BLOCK_SIZE)
-CODE = '''def parse_header(line):
-    """Split a header line into a key and a value."""
-    key, sep, value = line.partition(":")
-    if not sep:
-        raise ValueError("not a header: %r" % (line,))
-    return key.strip().lower(), value.strip()
-'''
+CODE = PARSE_HEADER
 # copy-friendly prompts of different lengths (contexts end at different block offsets)
 PROMPTS = [f"# {name}.py\n" + CODE * (1 + i % 3) + "\n# The same function again:\n"
            + CODE[: 30 + 17 * i] for i, name in enumerate(

@@ -19,16 +19,11 @@ import pytest
 
 from specplugin.bench.runner import CHILD_ENV_DEFAULTS, engine_kwargs, plugin_engine_kwargs
 from specplugin.zoo import zoo_path
+from tests.prompts import PARSE_HEADER
 
 pytestmark = pytest.mark.vllm
 
-CODE = '''def parse_header(line):
-    """Split a header line into a key and a value."""
-    key, sep, value = line.partition(":")
-    if not sep:
-        raise ValueError("not a header: %r" % (line,))
-    return key.strip().lower(), value.strip()
-'''
+CODE = PARSE_HEADER
 PROMPTS = [CODE + "\n\n# The same function again:\n" + CODE[:60],
            "import os\nimport sys\n\n\ndef main(argv):\n",
            "class Stack:\n    def __init__(self):\n",

@@ -12,16 +12,11 @@ import pytest
 
 from specplugin.bench.runner import plugin_engine_kwargs, run_engine
 from specplugin.zoo import zoo_path
+from tests.prompts import PARSE_HEADER
 
 pytestmark = pytest.mark.vllm
 
-CODE = '''def parse_header(line):
-    """Split a header line into a key and a value."""
-    key, sep, value = line.partition(":")
-    if not sep:
-        raise ValueError("not a header: %r" % (line,))
-    return key.strip().lower(), value.strip()
-'''
+CODE = PARSE_HEADER
 # an edit (copies a long span), fresh code, and the same opening twice: the second
 # request can copy what the first one generated (the suffix proposer's store)
 PROMPTS = [CODE + "\n\n# The same function again:\n" + CODE[:60],

@@ -9,16 +9,11 @@ import pytest
 
 from specplugin.bench.runner import engine_kwargs, plugin_engine_kwargs, run_engine
 from specplugin.zoo import zoo_path
+from tests.prompts import PARSE_HEADER
 
 pytestmark = pytest.mark.vllm
 
-CODE = '''def parse_header(line):
-    """Split a header line into a key and a value."""
-    key, sep, value = line.partition(":")
-    if not sep:
-        raise ValueError("not a header: %r" % (line,))
-    return key.strip().lower(), value.strip()
-
+CODE = PARSE_HEADER + '''
 
 def parse_headers(lines):
     headers = {}
