@@ -5,7 +5,6 @@ run (64 clients, 2,000 requests) is ``specplugin load``, not part of the suite."
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from specplugin.bench.load import free_port, wait_healthy
 from specplugin.zoo import zoo_path
 
 pytestmark = pytest.mark.vllm
@@ -32,12 +32,6 @@ SETTINGS = {"specplugin": {"proposers": ["ngram", "suffix"], "max_candidates": 2
                                                "decoy_primary": True}}}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve_args(model, port, additional: dict) -> list[str]:
     return [VLLM, "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
             "--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.1",
@@ -53,24 +47,17 @@ def _http(url: str, body: dict | None = None) -> str:
 
 @pytest.fixture(scope="module")
 def server(zoo_root, tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(_serve_args(zoo_path("target", zoo_root), port, SETTINGS),
                                 stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail("vllm serve exited early:\n" + log.read_text()[-3000:])
-        try:
-            _http(base + "/health")
-            break
-        except OSError:
-            time.sleep(2)
-    else:
+    try:
+        wait_healthy(base, proc, log, timeout_s=300)
+    except RuntimeError as err:  # exited early, or not up in time
         proc.kill()
-        pytest.fail("vllm serve did not come up in 300 s:\n" + log.read_text()[-3000:])
+        pytest.fail(str(err))
     yield base
     proc.terminate()
     try:
@@ -93,7 +80,7 @@ def test_completions_through_the_openai_api_use_the_plugin(server):
 
 
 def test_bad_setting_stops_vllm_serve_with_the_fix_in_its_output(zoo_root):
-    out = subprocess.run(_serve_args(zoo_path("target", zoo_root), _free_port(),
+    out = subprocess.run(_serve_args(zoo_path("target", zoo_root), free_port(),
                                      {"specplugin": {"proposers": ["ngrm"]}}),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode != 0

@@ -148,7 +148,7 @@ def load_one(name: str, model: str, engine_kwargs: dict, dataset: Path, args, ou
              leave_mid_stream: bool = False) -> LoadResult:
     from specplugin.bench.runner import CHILD_ENV_DEFAULTS
 
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = out_dir / f"{name}.server.log"
     env = {**CHILD_ENV_DEFAULTS, **os.environ}
@@ -279,7 +279,8 @@ def wait_healthy(base: str, server: subprocess.Popen, log: Path, timeout_s: floa
             return
         except OSError:
             time.sleep(2)
-    raise RuntimeError(f"vllm serve did not come up in {timeout_s:.0f} s; see {log}")
+    raise RuntimeError(f"vllm serve did not come up in {timeout_s:.0f} s; see {log}:\n"
+                       + log.read_text()[-3000:])
 
 
 def _get(url: str) -> str:
@@ -293,7 +294,8 @@ def _sum_metric(metrics: str, name: str) -> float | None:
     return sum(values) if values else None
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for a server started next)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
