@@ -189,13 +189,15 @@ class PluginDraftProposer(DraftModelProposer):
         # [num_reqs] rejected drafts of the step just verified, on the host once (None: no drafts)
         rejected = (None if num_rejected_tokens_gpu is None
                     else num_rejected_tokens_gpu[:num_reqs].cpu().numpy())
-        num_accepted = _num_accepted(context, num_reqs, rejected)
+        # [num_reqs] draft tokens each row had verified in that step
+        scheduled = np.asarray(context.num_scheduled_drafts[:num_reqs], dtype=np.int64)
+        num_accepted = _num_accepted(scheduled, rejected)
         rule = self._rule_for_this_step(context, num_accepted, rejected)
         sampled = _sampled_rows(sampling_metadata, num_reqs)
         caps = _caps(context.remaining_tokens[:num_reqs], context.max_k[:num_reqs])
         # rows still in chunked prefill have no token to draft from yet
         caps[self.plugin_runner.discard_request_mask.np[:num_reqs]] = 0
-        if not self._speculating(context, num_accepted, sampled):
+        if not self._speculating(context, scheduled, num_accepted, sampled):
             return self._plain_step(num_reqs)
         batch = _step_batch(self.plugin_runner.input_batch, context, sampled, caps,
                             num_accepted, next_token_ids[:num_reqs])
@@ -409,11 +411,11 @@ class PluginDraftProposer(DraftModelProposer):
         return token_ids, draft_probs
 
 
-    def _speculating(self, context, num_accepted: np.ndarray, sampled: np.ndarray) -> bool:
+    def _speculating(self, context, scheduled: np.ndarray, num_accepted: np.ndarray,
+                     sampled: np.ndarray) -> bool:
         """Learn from the step just verified (the union) and ask the step arbiter whether
-        this step speculates at all."""
+        this step speculates at all. ``scheduled``: [num_reqs] drafts each row verified."""
         num_reqs, mostly_sampled = len(num_accepted), bool(sampled.mean() > 0.5)
-        scheduled = np.asarray(context.num_scheduled_drafts[:num_reqs])  # [num_reqs]
         if self.union is None:
             drafted = scheduled > 0  # [num_reqs] rows whose drafts were just verified
             for k, a in zip(scheduled[drafted].tolist(), num_accepted[drafted].tolist()):
@@ -544,10 +546,9 @@ def _step_batch(input_batch, context, sampled: np.ndarray, caps: np.ndarray,
                      context.allowed)
 
 
-def _num_accepted(context, num_reqs: int, rejected: np.ndarray | None) -> np.ndarray:
-    """[num_reqs] draft tokens each row had accepted in the step just verified (vLLM
-    passes no rejection counts when no row had drafts)."""
-    scheduled = np.asarray(context.num_scheduled_drafts[:num_reqs], dtype=np.int64)
+def _num_accepted(scheduled: np.ndarray, rejected: np.ndarray | None) -> np.ndarray:
+    """[num_reqs] draft tokens each row had accepted in the step just verified, from the
+    [num_reqs] drafts it verified (vLLM passes no rejection counts when no row had drafts)."""
     if rejected is None:
         return scheduled
     return np.maximum(scheduled - rejected, 0)
