@@ -1,5 +1,5 @@
 """The ``specplugin`` command: ``zoo``, ``demo``, ``bench``, ``check-lossless``,
-``cost-curve``, ``load``.
+``profile``, ``cost-curve``, ``load``.
 
 Each subcommand is a module with ``add_arguments(parser)`` and ``run(args)``. Only the
 module of the subcommand being run is imported (its name is read from the command line
@@ -21,6 +21,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("specplugin.bench.cli", "vLLM's speculative methods and the plugin, side by side"),
     "check-lossless": ("specplugin.bench.lossless",
                        "speculation leaves outputs exactly the target's"),
+    "profile": ("specplugin.bench.profile",
+                "where each engine step's time goes, method beside method"),
     "cost-curve": ("specplugin.bench.costcurve",
                    "the target's forward time against query tokens per row"),
     "load": ("specplugin.bench.load",

@@ -2,8 +2,10 @@
 
 vLLM calls :func:`register` in every process it starts (front end, engine core,
 workers), possibly more than once. It must be cheap and idempotent: it checks the
-vLLM version and installs the config check and the per-request option check (and on
-CPU a kernel fix), nothing else. Token-level proposers are
+vLLM version and installs, through the patch registry, the config check, the
+per-request option check, the scorer's scratch-block reservation, the draft handoff
+(the step's drafts ride back on its output), on CPU a kernel fix, and in
+``specplugin profile``'s engines only the profiler's RPC; nothing else. Token-level proposers are
 built by vLLM's ``custom_class`` hook from ``speculative_config.model``; the draft
 proposer by the plugin's worker, which the config check selects.
 """
@@ -69,6 +71,15 @@ def register() -> None:
 
     if not patches.is_patched(EngineCore, "_initialize_kv_caches"):
         patches.patch_around(EngineCore, "_initialize_kv_caches", reserve_scratch_blocks)
+    # the plugin's drafts come back with the step's output (one worker round trip less)
+    from specplugin.vllm_layer import draft_handoff
+
+    draft_handoff.install()
+    # `specplugin profile`'s engines only: its timers are reached through collective_rpc
+    from specplugin.vllm_layer import profiling
+
+    if profiling.requested():
+        profiling.install_rpc()
     if current_platform.is_cpu():
         # vLLM registers its CPU kernel fallbacks in each worker right after loading
         # plugins, reading this module attribute then: replacing it here is enough.

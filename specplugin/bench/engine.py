@@ -19,6 +19,7 @@ cell's drafts and acceptances.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -176,10 +177,16 @@ def cpu_expand_is_broken() -> bool:
     import torch
 
     try:
-        import vllm._C  # noqa: F401  (registers the C++ ops; the front end does not load them)
+        from vllm.platforms import current_platform
         from vllm.utils import cpu_triton_utils
     except ImportError:  # not the CPU build
         return False
+    if not current_platform.is_cpu():
+        return False
+    # vLLM's C++ ops (torch.ops._C), as vLLM loads them: from the library built for this
+    # processor (_C_AVX2, _C_AVX512 or _C). Importing ``vllm._C`` by name on a machine
+    # whose build is another library registers the namespace twice and aborts the process.
+    current_platform.import_kernels()
     out = torch.zeros(3)
     try:
         cpu_triton_utils._expand_kernel_impl(out, torch.tensor([0.5, 2.0]),
@@ -219,10 +226,46 @@ def run_forward_times(llm, job: dict[str, Any], emit: Emit) -> None:
         emit({"event": "cell", "key": cell["key"], "seconds": max(seconds)})
 
 
+def _profile_rpc(llm, action: str) -> list:
+    return llm.collective_rpc("specplugin_profile", args=(action,))
+
+
+def run_profile(llm, job: dict[str, Any], emit: Emit) -> None:
+    """Cells of prompts, each generated once with ``specplugin profile``'s timers on (the
+    ledger: a fresh cell, as ``bench`` times it), then ``overhead_pairs`` times more with
+    the timers off and on in turn (the same prompts, every cache already warm for both),
+    so that the timers' own cost shows as a tok/s ratio measured in this one engine."""
+    from specplugin.vllm_layer.profiling import FrontEndTimer
+
+    cells = [with_token_ids(llm, cell) for cell in job["cells"]]
+    warm_up(llm, cells)
+    front_end = FrontEndTimer()
+    front_end.install()
+    device = _profile_rpc(llm, "device")[0]["worker"]
+    timer_cost_s = max(max(r["engine"], r["worker"]) for r in _profile_rpc(llm, "timer_cost"))
+    for cell in cells:
+        _profile_rpc(llm, "start")
+        front_end.enabled = True
+        result = run_cell(llm, cell, return_token_ids=False)
+        front_end.enabled = False
+        ledger = _profile_rpc(llm, "stop")[0]  # rank 0's worker and the engine core
+        rates: dict[str, list[float]] = {"off": [], "on": []}
+        _profile_rpc(llm, "start")
+        for i in range(job["overhead_pairs"]):
+            for state in (("off", "on") if i % 2 == 0 else ("on", "off")):
+                _profile_rpc(llm, "resume" if state == "on" else "pause")
+                run = run_cell(llm, cell, return_token_ids=False)
+                rates[state].append(run["num_output_tokens"] / run["seconds"])
+        _profile_rpc(llm, "stop")
+        emit({"event": "cell", **result, "ledger": ledger, "front_end_s": front_end.take(),
+              "timer_cost_s": timer_cost_s, "device": device, "overhead_tok_s": rates})
+
+
 # what a job's cells are -> how the child runs them
 JOB_KINDS: dict[str, Callable[[Any, dict[str, Any], Emit], None]] = {
     "generate": run_generate,
     "forward_times": run_forward_times,
+    "profile": run_profile,
 }
 
 
@@ -238,7 +281,7 @@ def main(job_path: str, out_path: str) -> None:
             out.write(json.dumps(record) + "\n")
             out.flush()
 
-        emit({"event": "ready", "startup_s": time.perf_counter() - started})
+        emit({"event": "ready", "startup_s": time.perf_counter() - started, "pid": os.getpid()})
         if cpu_expand_is_broken():
             emit({"event": "warning", "text": CPU_EXPAND_BUG})
         run(llm, job, emit)

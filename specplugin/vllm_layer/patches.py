@@ -1,6 +1,6 @@
 """Every change the plugin makes to vLLM's classes lives here, in one registry.
 
-Four lasting patches today, and two scoped replacements:
+Five lasting patches today, the profiler's (its engines only), and a scoped replacement:
 
 - a wrapper around the current platform's ``check_and_update_config``, which
   ``VllmConfig.__post_init__`` calls in the front-end process. vLLM offers no hook
@@ -22,6 +22,15 @@ Four lasting patches today, and two scoped replacements:
   the workers keep every block, so the last ones are the scorer's alone. vLLM has no
   setting that reserves blocks per worker (``tests/test_scorer_e2e.py`` checks the
   scheduler's pool shrank);
+- around ``MultiprocExecutor.sample_tokens`` and ``take_draft_token_ids`` (engine-core
+  process): the step's drafts, which the plugin's runner attaches to the step's output,
+  are handed to the scheduler without a second round trip to the worker
+  (:mod:`specplugin.vllm_layer.draft_handoff`); outputs without them (vLLM's own methods)
+  keep vLLM's call. ``tests/test_draft_handoff.py`` fails loudly if vLLM moves the
+  post-step fetch;
+- in ``specplugin profile``'s engines only (``SPECPLUGIN_PROFILE=1``): around
+  ``EngineCore.collective_rpc``, and from the profiler's ``start`` on, timers around the
+  per-step methods listed in :mod:`specplugin.vllm_layer.profiling`;
 - while the plugin's CPU worker initialises, the name ``CPUModelRunner`` that vLLM's
   ``CPUWorker.init_device`` builds its runner from points at the plugin's runner
   (:func:`swapped`): the CUDA worker has a factory method for this, the CPU worker
@@ -102,17 +111,23 @@ def patch_method(owner: type, name: str, after: Callable[..., None]) -> AppliedP
     return applied
 
 
+def wrapping(func: Callable[..., Any], around: Callable[..., Any]) -> Callable[..., Any]:
+    """The method ``patch_around`` installs: ``around(func, self, *args, **kwargs)``."""
+
+    @functools.wraps(func)
+    def wrapper(self, *args, **kwargs):
+        return around(func, self, *args, **kwargs)
+
+    return wrapper
+
+
 def patch_around(owner: type, name: str, around: Callable[..., Any]) -> AppliedPatch:
     """Replace method ``owner.name(self, *args, **kwargs)`` by
     ``around(original, self, *args, **kwargs)``, which decides when to call the original."""
     if is_patched(owner, name) or (owner, name) in _APPLIED:
         raise DoublePatchError(f"{owner.__qualname__}.{name} is already patched by specplugin")
     func = getattr(owner, name)
-
-    @functools.wraps(func)
-    def wrapper(self, *args, **kwargs):
-        return around(func, self, *args, **kwargs)
-
+    wrapper = wrapping(func, around)
     setattr(wrapper, _MARKER, True)
     applied = AppliedPatch(owner, name, owner.__dict__.get(name, func))
     setattr(owner, name, wrapper)

@@ -35,13 +35,14 @@ import torch
 from vllm.v1.worker import cpu_worker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.utils.torch_utils import set_random_seed
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from specplugin.proposers.draft import truncate_rows
 from specplugin.request_options import RequestOptionsCache
 from specplugin.vllm_layer.metrics_export import StatsPublisher
 from specplugin.vllm_layer.ranks import RankZeroClock, agree_array, tensor_parallel_rank
-from specplugin.vllm_layer import patches
+from specplugin.vllm_layer import draft_handoff, patches
 from specplugin.vllm_layer.config_hook import plugin_config
 
 _NO_LIMIT = 1 << 30
@@ -294,6 +295,14 @@ class PluginRunnerMixin:
             self._draft_lengths = getattr(self.drafter, "last_lengths", None)
             if self.expander is not None:
                 self.expander.remember(self.input_batch.req_ids, self.drafter.last_alternates)
+
+    def sample_tokens(self, grammar_output):
+        """vLLM's step output, with the step's drafts riding on it: the engine core then
+        need not ask this worker for them in a second round trip (:mod:`.draft_handoff`)."""
+        output = super().sample_tokens(grammar_output)
+        if isinstance(output, ModelRunnerOutput) and output is not EMPTY_MODEL_RUNNER_OUTPUT:
+            draft_handoff.attach(output, self.take_draft_token_ids())
+        return output
 
     def _get_draft_token_ids_cpu(self) -> tuple[list[list[int]], list[str]]:
         draft_token_ids, req_ids = super()._get_draft_token_ids_cpu()

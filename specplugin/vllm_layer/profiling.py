@@ -1,0 +1,369 @@
+"""Timers on vLLM's and the plugin's per-step methods, for ``specplugin profile`` only.
+
+Nothing here runs in a normal engine. ``specplugin profile`` starts its engine child
+with ``SPECPLUGIN_PROFILE=1``; ``register()`` then wraps one method,
+``EngineCore.collective_rpc``, so that ``llm.collective_rpc("specplugin_profile",
+args=(action,))`` reaches the engine-core process and, through vLLM's executor, every
+worker process (vLLM runs its workers in processes of their own on CPU). ``"start"``
+wraps the methods of :data:`ENGINE_TIMED` (engine core) and :data:`WORKER_TIMED`
+(worker) through the patch registry, once per process, and switches each process's
+:class:`~specplugin.profiling.PhaseClock` on; ``"stop"`` switches them off and returns
+both ledgers, which :func:`specplugin.profiling.combine` joins. Every wrapper first
+checks whether a step is being timed, so outside the window a wrapped method costs one
+attribute read.
+
+The step is ``EngineCoreProc._process_engine_step`` (schedule, execute, sample, draft,
+update, outputs to the queue: one busy-loop iteration with work); in the worker, the
+model runner's ``execute_model``, ``sample_tokens`` and ``take_draft_token_ids`` are its
+roots. Every phase is charged its exclusive time (:mod:`specplugin.profiling`). A method
+that vLLM or the plugin renames makes ``start`` fail loudly (the patch registry cannot
+find it), and ``tests/test_profile.py`` checks that every row still names a real method.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import os
+import time
+from typing import Any
+
+import torch
+
+from specplugin.profiling import (DRAFT_FORWARDS, DRAFT_TOKENS, QUERY_TOKENS, WORKER,
+                                  PhaseClock)
+from specplugin.vllm_layer import patches
+
+ENV = "SPECPLUGIN_PROFILE"  # "1" in specplugin profile's engine children only
+RPC = "specplugin_profile"
+# One clock per process: the engine core's, and each worker's.
+CLOCK = PhaseClock()
+
+_RUNNER = "vllm.v1.worker.gpu_model_runner"
+_PLUGIN_RUNNER = "specplugin.vllm_layer.worker"
+_DRAFT = "specplugin.vllm_layer.draft_proposer"
+_UNION = "specplugin.proposers.union"
+
+# (module, class (None: a module-level function), attribute, phase). Phase names with a
+# "plugin:", "propose:", "draft:" or "scorer:" prefix are the plugin's own work.
+Timed = tuple[tuple[str, str | None, str, str], ...]
+# The engine-core process: the scheduler, and the waits on the workers.
+ENGINE_TIMED: Timed = (
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", "schedule"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output", "update_from_output"),
+    ("vllm.v1.engine.core", "EngineCore", "post_step", "draft handoff"),
+    ("vllm.v1.executor.multiproc_executor", "MultiprocExecutor", "collective_rpc", WORKER),
+    ("vllm.v1.executor.multiproc_executor", "FutureWrapper", "result", WORKER),
+)
+ENGINE_ROOT = ("vllm.v1.engine.core", "EngineCoreProc", "_process_engine_step")
+# The worker's calls of one step: each is a root in the worker's own process (nested
+# phases if the worker shares the engine core's process). The first is the step.
+WORKER_ROOTS: Timed = (
+    (_RUNNER, "GPUModelRunner", "execute_model", "runner (other)"),
+    (_RUNNER, "GPUModelRunner", "sample_tokens", "runner (other)"),
+    (_RUNNER, "GPUModelRunner", "take_draft_token_ids", "draft handoff"),
+)
+# The worker process: vLLM's model runner, for every method, then the plugin.
+WORKER_TIMED: Timed = (
+    (_RUNNER, "GPUModelRunner", "_update_states", "update_states"),
+    (_RUNNER, "GPUModelRunner", "_prepare_inputs", "prepare_inputs"),
+    (_RUNNER, "GPUModelRunner", "_calc_spec_decode_metadata", "prepare_inputs"),
+    (_RUNNER, "GPUModelRunner", "_model_forward", "forward"),
+    (_RUNNER, "GPUModelRunner", "_sample", "sample"),
+    (_RUNNER, "GPUModelRunner", "_update_states_after_model_execute", "bookkeeping"),
+    (_RUNNER, "GPUModelRunner", "_bookkeeping_sync", "bookkeeping"),
+    (_RUNNER, "GPUModelRunner", "propose_draft_token_ids", "drafting"),
+    (_RUNNER, "GPUModelRunner", "_copy_draft_token_ids_to_cpu", "draft handoff"),
+    # the plugin's worker layer
+    (_PLUGIN_RUNNER, "PluginRunnerMixin", "step_context", "plugin: context"),
+    (_PLUGIN_RUNNER, "PluginRunnerMixin", "_update_states", "plugin: runner"),
+    (_PLUGIN_RUNNER, "PluginRunnerMixin", "_prepare_inputs", "plugin: runner"),
+    (_PLUGIN_RUNNER, "PluginRunnerMixin", "_model_forward", "scorer: expand"),
+    (_PLUGIN_RUNNER, "PluginRunnerMixin", "_sample", "scorer: resolve"),
+    (_PLUGIN_RUNNER, "PluginRunnerMixin", "_copy_draft_token_ids_to_cpu", "plugin: hand back"),
+    (_PLUGIN_RUNNER, "PluginRunnerMixin", "_get_draft_token_ids_cpu", "plugin: hand back"),
+    ("specplugin.vllm_layer.metrics_export", "StatsPublisher", "maybe_publish", "plugin: metrics"),
+    # the token-level drafter (specplugin.Speculator)
+    ("specplugin.vllm_layer.speculator", "Speculator", "propose", "plugin: other"),
+    ("specplugin.vllm_layer.speculator", "Speculator", "_batch", "plugin: context"),
+    ("specplugin.vllm_layer.speculator", "Speculator", "_verified", "plugin: context"),
+    # the draft-model drafter
+    (_DRAFT, "PluginDraftProposer", "propose", "plugin: other"),
+    (_DRAFT, "PluginDraftProposer", "_rule_for_this_step", "plugin: learn"),
+    (_DRAFT, "PluginDraftProposer", "_speculating", "plugin: learn"),
+    (_DRAFT, None, "_step_batch", "plugin: context"),
+    (_DRAFT, "PluginDraftProposer", "_union_offers", "plugin: plan"),
+    (_DRAFT, "PluginDraftProposer", "_first_pass_inputs", "draft: inputs"),
+    (_DRAFT, "PluginDraftProposer", "_forward", "draft: inputs"),  # metadata around the forward
+    (_DRAFT, "PluginDraftProposer", "_sample_into", "draft: sample"),
+    (_DRAFT, "PluginDraftProposer", "_draft", "draft: loop"),
+    (_DRAFT, "PluginDraftProposer", "_finish", "plugin: hand back"),
+    (_DRAFT, "PluginDraftProposer", "_finish_union", "plugin: hand back"),
+    (_DRAFT, "PluginDraftProposer", "_full_rows", "plugin: hand back"),
+    (_DRAFT, "PluginDraftProposer", "_mixed_output", "plugin: hand back"),
+    # the union (vLLM-free core)
+    (_UNION, "Union", "step", "plugin: other"),
+    (_UNION, "Union", "begin", "plugin: learn"),
+    (_UNION, "Union", "ask", "plugin: ask"),
+    (_UNION, "Union", "_estimate", "plugin: estimate"),
+    (_UNION, "Union", "expected_accepted", "plugin: plan"),
+    (_UNION, "Union", "choose", "plugin: plan"),
+    (_UNION, "Union", "finish_requests", "plugin: learn"),
+    # each proposer's candidates
+    ("specplugin.proposers.ngram", "NgramProposer", "propose", "propose: ngram"),
+    ("specplugin.proposers.suffix", "SuffixProposer", "propose", "propose: suffix"),
+    ("specplugin.proposers.draft", "DraftCandidates", "propose", "propose: draft"),
+)
+# Modules whose draft-model forwards run inside ``with set_forward_context(...)``: the
+# with-block is the forward ("draft forward", counted), vLLM's draft_model and the plugin's.
+DRAFT_FORWARD_MODULES = ("vllm.v1.spec_decode.llm_base_proposer", _DRAFT)
+DRAFT_FORWARD = "draft forward"
+# Tensor methods that wait for the device and copy to the host: counted per phase.
+SYNC_METHODS = ("cpu", "item", "tolist")
+
+
+def _timed(phase: str, clock: PhaseClock | None = None):
+    clock = clock or CLOCK
+
+    def around(original, self, *args, **kwargs):
+        if not clock.stack:  # not inside a timed step
+            return original(self, *args, **kwargs)
+        clock.enter(phase)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            clock.exit()
+
+    return around
+
+
+def timed_call_cost_s(repeats: int = 20000) -> float:
+    """Seconds one timed call adds, measured here: a method wrapped exactly as the
+    methods of the tables are (the patch registry's wrapper around :func:`_timed`), called
+    inside an open step, minus the same method called plainly."""
+
+    class Probe:
+        def method(self):
+            return None
+
+    clock = PhaseClock(CLOCK.sync)
+    patches_wrapper = patches.wrapping(Probe.method, _timed("probe", clock))
+    probe = Probe()
+    clock.begin_step()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        patches_wrapper(probe)
+    timed = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(repeats):
+        probe.method()
+    plain = time.perf_counter() - start
+    clock.end_step()
+    return max(timed - plain, 0.0) / repeats
+
+
+def _timed_function(phase: str, original):
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        if not CLOCK.stack:
+            return original(*args, **kwargs)
+        CLOCK.enter(phase)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            CLOCK.exit()
+
+    return wrapper
+
+
+def _root(phase: str, step: bool):
+    """A root of the clock while it is enabled; a nested phase inside an open one."""
+    nested = _timed(phase)
+
+    def around(original, self, *args, **kwargs):
+        if CLOCK.stack:
+            return nested(original, self, *args, **kwargs)
+        if not CLOCK.enabled:
+            return original(self, *args, **kwargs)
+        CLOCK.begin_step(phase, step)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            CLOCK.end_step()
+
+    return around
+
+
+def _counted_schedule(original, self, *args, **kwargs):
+    """The scheduler's phase, and what the step verifies: query tokens, draft tokens."""
+    if not CLOCK.stack:
+        return original(self, *args, **kwargs)
+    CLOCK.enter("schedule")
+    try:
+        output = original(self, *args, **kwargs)
+    finally:
+        CLOCK.exit()
+    CLOCK.count(QUERY_TOKENS, output.total_num_scheduled_tokens)
+    CLOCK.count(DRAFT_TOKENS, sum(len(d) for d in output.scheduled_spec_decode_tokens.values()))
+    return output
+
+
+def _timed_forward_context(original):
+    @contextlib.contextmanager
+    def wrapper(*args, **kwargs):
+        with original(*args, **kwargs) as context:
+            if not CLOCK.stack:
+                yield context
+                return
+            CLOCK.count(DRAFT_FORWARDS)
+            CLOCK.enter(DRAFT_FORWARD)
+            try:
+                yield context
+            finally:
+                CLOCK.exit()
+
+    return wrapper
+
+
+def _counted_sync(original):
+    @functools.wraps(original)
+    def wrapper(self, *args, **kwargs):
+        if CLOCK.stack:
+            CLOCK.count_sync()
+        return original(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _owner(module_name: str, class_name: str | None):
+    module = importlib.import_module(module_name)
+    return module if class_name is None else getattr(module, class_name)
+
+
+def _install_table(table: Timed) -> None:
+    for module_name, class_name, attribute, phase in table:
+        owner = _owner(module_name, class_name)
+        if class_name is None:
+            patches.replace_attribute(owner, attribute,
+                                      _timed_function(phase, getattr(owner, attribute)))
+        elif attribute == "schedule":
+            patches.patch_around(owner, attribute, _counted_schedule)
+        else:
+            patches.patch_around(owner, attribute, _timed(phase))
+
+
+def install_engine_core() -> None:
+    """The engine-core process's timers (once): its steps, the scheduler, the waits."""
+    root = _owner(*ENGINE_ROOT[:2])
+    if patches.is_patched(root, ENGINE_ROOT[2]):
+        return
+    _install_table(ENGINE_TIMED)
+    patches.patch_around(root, ENGINE_ROOT[2], _root("rest", step=True))
+
+
+def install_worker(runner) -> None:
+    """A worker process's timers (once): the model runner's and the plugin's phases,
+    draft forwards, host syncs; the target's ``compute_logits`` (an attribute of the
+    loaded model, wrapped on the instance) is charged to ``forward``."""
+    first = _owner(*WORKER_ROOTS[0][:2])
+    if patches.is_patched(first, WORKER_ROOTS[0][2]):
+        return
+    _install_table(WORKER_TIMED)
+    for module_name, class_name, attribute, phase in WORKER_ROOTS:
+        patches.patch_around(_owner(module_name, class_name), attribute,
+                             _root(phase, step=attribute == "execute_model"))
+    for module_name in DRAFT_FORWARD_MODULES:
+        module = importlib.import_module(module_name)
+        patches.replace_attribute(module, "set_forward_context",
+                                  _timed_forward_context(module.set_forward_context))
+    for name in SYNC_METHODS:
+        patches.replace_attribute(torch.Tensor, name, _counted_sync(getattr(torch.Tensor, name)))
+    model = runner.model
+    model.compute_logits = _timed_function("forward", model.compute_logits)
+    if runner.device.type == "cuda":
+        CLOCK.sync = torch.cuda.synchronize
+
+
+def _act(action: str, install) -> Any:
+    """One process's part of an RPC action."""
+    if action == "start":
+        install()
+        CLOCK.take()
+        CLOCK.enabled = True
+        return None
+    if action == "stop":
+        CLOCK.enabled = False
+        return CLOCK.take().as_dict()
+    if action in ("pause", "resume"):
+        CLOCK.enabled = action == "resume"
+        return None
+    if action == "timer_cost":
+        return timed_call_cost_s()
+    if action == "device":
+        return "cuda (timers synchronise)" if CLOCK.sync is not None else "synchronous"
+    raise ValueError(f"{RPC}: unknown action {action!r}; one of start, stop, pause, resume, "
+                     "timer_cost, device.")
+
+
+def worker_rpc(worker, action: str) -> Any:
+    """Sent by the engine core to every worker (vLLM's executor pickles it)."""
+    if action == "device":
+        return ("cuda (timers synchronise)" if worker.model_runner.device.type == "cuda"
+                else "cpu (every phase synchronous)")
+    return _act(action, lambda: install_worker(worker.model_runner))
+
+
+def engine_rpc(original, engine_core, method, timeout=None, args=(), kwargs=None):
+    """Around ``EngineCore.collective_rpc``: ``specplugin_profile`` is answered by the
+    engine core and its workers, ``[{"engine": ..., "worker": ...}]`` (one per worker)."""
+    if method != RPC:
+        return original(engine_core, method, timeout, args, kwargs)
+    engine = _act(args[0], install_engine_core)
+    workers = original(engine_core, worker_rpc, timeout, args, kwargs)
+    return [{"engine": engine, "worker": w} for w in workers]
+
+
+def install_rpc() -> None:
+    """``register()`` calls this in every vLLM process when ``SPECPLUGIN_PROFILE=1``."""
+    from vllm.v1.engine.core import EngineCore
+
+    if not patches.is_patched(EngineCore, "collective_rpc"):
+        patches.patch_around(EngineCore, "collective_rpc", engine_rpc)
+
+
+def requested() -> bool:
+    return os.environ.get(ENV) == "1"
+
+
+# the front end (the process that calls LLM.generate): its output processing runs
+# beside the engine core's steps, reported next to the ledger, not in its sum
+FRONT_END = ("vllm.v1.engine.output_processor", "OutputProcessor", "process_outputs")
+
+
+class FrontEndTimer:
+    """Seconds the front end spends in vLLM's output processing (detokenizing included)."""
+
+    def __init__(self):
+        self.enabled = False
+        self.seconds = 0.0
+
+    def install(self) -> None:
+        owner = _owner(*FRONT_END[:2])
+        if patches.is_patched(owner, FRONT_END[2]):
+            return
+
+        def around(original, this, *args, **kwargs):
+            if not self.enabled:
+                return original(this, *args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return original(this, *args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        patches.patch_around(owner, FRONT_END[2], around)
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds

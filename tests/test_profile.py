@@ -1,0 +1,180 @@
+"""``specplugin profile``: the ledger's arithmetic (unit) and the timers inside real vLLM (e2e)."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from specplugin.profiling import (DRAFT_FORWARDS, IPC, REST, SYNC_PREFIX, TIMER_CALLS, WORKER,
+                                  Ledger, PhaseClock, combine, summarize)
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_phases_are_exclusive_and_sum_to_the_step():
+    clock = PhaseClock()
+    clock.enabled = True
+    clock.begin_step()
+    _spin(0.002)
+    clock.enter("outer")
+    _spin(0.003)
+    clock.enter("inner")
+    _spin(0.004)
+    clock.count_sync()
+    clock.exit()
+    clock.exit()
+    clock.count(DRAFT_FORWARDS, 2)
+    clock.end_step()
+    ledger = clock.take()
+    assert ledger.num_steps == 1
+    assert sum(ledger.phases_s.values()) == pytest.approx(ledger.wall_s, rel=1e-9)
+    assert ledger.phases_s["inner"] >= 0.004
+    assert 0.003 <= ledger.phases_s["outer"] < 0.004 + 0.003  # its own time, not inner's
+    assert ledger.phases_s[REST] >= 0.002
+    assert ledger.counts[SYNC_PREFIX + "inner"] == 1
+    assert ledger.counts[DRAFT_FORWARDS] == 2
+    assert ledger.counts[TIMER_CALLS] == 3  # inner, outer, the step
+    assert clock.take().num_steps == 0  # take() starts a new ledger
+
+
+def test_nothing_is_counted_outside_a_step():
+    clock = PhaseClock()
+    clock.count(DRAFT_FORWARDS)
+    clock.count_sync()
+    assert clock.take().counts == {}
+
+
+def test_roots_that_are_not_steps_add_time_but_no_step():
+    clock = PhaseClock()
+    clock.begin_step("runner", step=True)
+    clock.end_step()
+    clock.begin_step("runner", step=False)
+    clock.end_step()
+    ledger = clock.take()
+    assert ledger.num_steps == 1
+    assert ledger.wall_s == pytest.approx(ledger.phases_s["runner"])
+
+
+def test_combine_replaces_the_wait_by_the_workers_phases():
+    engine = Ledger(10, 1.0, {REST: 0.1, "schedule": 0.1, WORKER: 0.8}, {"query_tokens": 40})
+    worker = Ledger(10, 0.7, {"forward": 0.6, "sample": 0.1}, {DRAFT_FORWARDS: 5})
+    out = combine(engine, worker)
+    assert WORKER not in out.phases_s
+    assert out.phases_s[IPC] == pytest.approx(0.1)
+    assert out.phases_s["forward"] == pytest.approx(0.6)
+    assert sum(out.phases_s.values()) == pytest.approx(out.wall_s)
+    assert out.counts == {"query_tokens": 40, DRAFT_FORWARDS: 5}
+    assert combine(engine, None).phases_s[IPC] == pytest.approx(0.8)
+
+
+def test_summary_per_step_shares_and_json_shape():
+    ledger = Ledger(4, 0.040, {"forward": 0.024, "plugin: plan": 0.004, "draft forward": 0.008,
+                               REST: 0.004},
+                    {DRAFT_FORWARDS: 6, "query_tokens": 20, SYNC_PREFIX + "plugin: plan": 8,
+                     SYNC_PREFIX + "sample": 4})
+    s = summarize(ledger, num_output_tokens=12, seconds=0.05)
+    assert s["step_ms"] == pytest.approx(10.0)
+    assert s["phases_ms"]["forward"] == pytest.approx(6.0)
+    assert sum(s["phases_ms"].values()) == pytest.approx(s["step_ms"])
+    assert s["shares"]["forward"] == pytest.approx(0.6)
+    assert s["tok_s"] == pytest.approx(240.0)
+    assert s["emitted_per_step"] == pytest.approx(3.0)
+    assert s["draft_forwards_per_step"] == pytest.approx(1.5)
+    assert s["query_tokens_per_step"] == pytest.approx(5.0)
+    assert s["plugin_syncs_per_step"] == pytest.approx(2.0)  # vLLM's sampler syncs excluded
+    assert s["own_ms"] == pytest.approx(1.0)  # the plugin's phases without the draft forward
+    json.dumps(s)  # plain JSON
+    assert Ledger.from_dict(json.loads(json.dumps(ledger.as_dict()))) == ledger
+
+
+def test_every_timed_method_exists_in_this_vllm_and_plugin():
+    """A method renamed under the table would otherwise fail only inside an engine."""
+    from specplugin.vllm_layer import profiling as p
+
+    for module, owner, attribute, _ in (*p.ENGINE_TIMED, p.ENGINE_ROOT + ("",), *p.WORKER_ROOTS,
+                                        *p.WORKER_TIMED, p.FRONT_END + ("",)):
+        target = p._owner(module, owner)
+        assert callable(getattr(target, attribute, None)), f"{module}.{owner}.{attribute}"
+    for module in p.DRAFT_FORWARD_MODULES:
+        assert callable(getattr(p.importlib.import_module(module), "set_forward_context"))
+
+
+def test_overrides_parse_as_json_and_reach_plugin_methods_only():
+    from specplugin.bench.methods import METHODS
+    from specplugin.bench.profile import parse_overrides, settings_for
+
+    o = parse_overrides(["step_arbiter=false", "max_candidates=2", "name=x"])
+    assert o == {"step_arbiter": False, "max_candidates": 2, "name": "x"}
+    assert settings_for(METHODS["plugin-ngram"], o)["step_arbiter"] is False
+    assert "step_arbiter" not in settings_for(METHODS["vllm-ngram"], o)
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_overrides(["no-equals"])
+
+
+def test_overhead_two_ways():
+    from specplugin.bench.profile import overhead
+
+    o = overhead([100.0, 102.0], [99.0, 97.0], timers_ms=0.05, step_ms=5.0)
+    assert o["measured"] == pytest.approx(1 - 98.0 / 101.0)
+    assert o["estimated"] == pytest.approx(0.01)
+
+
+# ------------------------------------------------------------------ inside real vLLM
+
+# A built-in without a draft model, and a union with the draft model and one token-level
+# proposer (not suffix): every phase, and per-proposer phases only for proposers that run.
+# The step arbiter is off (--set) so that a few steps are sure to speculate.
+E2E_METHODS = ("vllm-ngram", "plugin-draft+ngram")
+VLLM_PHASES = ("schedule", "update_states", "prepare_inputs", "forward", "sample",
+               "bookkeeping", "update_from_output", "runner (other)", REST, IPC)
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile")
+    path = out / "profile.json"
+    cmd = [sys.executable, "-m", "specplugin.cli", "profile", "--quick", "--eager",
+           "--methods", ",".join(E2E_METHODS), "--batch-size", "4", "--overhead-pairs", "1",
+           "--set", "step_arbiter=false",
+           "--json", str(path), "--out-dir", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return json.loads(path.read_text()), run.stdout, out
+
+
+@pytest.mark.vllm
+def test_ledger_has_every_phase_and_adds_up(profiled):
+    payload, stdout, out = profiled
+    for name in E2E_METHODS:
+        m = payload["methods"][name]
+        for key in ("step_ms", "tok_s", "emitted_per_step", "draft_forwards_per_step"):
+            assert isinstance(m[key], float), (name, key)
+        missing = [p for p in VLLM_PHASES if m["phases_ms"].get(p, 0.0) <= 0.0]
+        assert not missing, (name, missing)
+        assert sum(m["phases_ms"].values()) == pytest.approx(m["step_ms"], rel=0.05)
+        assert m["phases_ms"][IPC] >= 0.0  # the wait on the worker covers its timed work
+        assert m["num_steps"] > 0 and m["emitted_per_step"] >= 1.0
+    assert "executor (IPC)" in stdout and (out / "profile.png").stat().st_size > 0
+
+
+@pytest.mark.vllm
+def test_drafting_phases_follow_the_method(profiled):
+    builtin, plugin = (profiled[0]["methods"][n] for n in E2E_METHODS)
+    assert builtin["draft_forwards_per_step"] == 0.0
+    assert builtin["phases_ms"].get("drafting", 0.0) > 0.0  # vLLM's n-gram propose
+    assert not [p for p in builtin["phases_ms"] if p.startswith(("plugin:", "propose:"))]
+    phases = plugin["phases_ms"]
+    assert plugin["draft_forwards_per_step"] > 0.0
+    assert phases["draft forward"] > 0.0 and phases["propose: ngram"] > 0.0
+    assert "propose: suffix" not in phases  # not configured, never asked
+    for phase in ("plugin: learn", "plugin: estimate", "plugin: plan", "plugin: hand back",
+                  "draft: sample", "plugin: context"):
+        assert phases.get(phase, 0.0) > 0.0, phase
+    assert plugin["plugin_syncs_per_step"] > 0.0
+    assert plugin["overhead"]["estimated"] < 0.03
