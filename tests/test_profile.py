@@ -93,6 +93,21 @@ def test_summary_per_step_shares_and_json_shape():
     assert Ledger.from_dict(json.loads(json.dumps(ledger.as_dict()))) == ledger
 
 
+def test_plain_decode_steps_are_the_whole_batch_without_drafts():
+    from specplugin.profiling import plain_steps_ms
+
+    ledger = Ledger(4, 0.1, {REST: 0.1}, {}, [(0.010, 8, 0), (0.030, 200, 0), (0.012, 24, 16),
+                                             (0.020, 8, 0)])
+    assert plain_steps_ms(ledger, 8) == pytest.approx([10.0, 20.0])  # not prefill, not drafts
+    s = summarize(ledger, 16, 0.1, batch_size=8)
+    assert s["num_plain_steps"] == 2 and s["plain_step_ms"] == pytest.approx(15.0)
+    clock = PhaseClock()
+    clock.begin_step()
+    clock.count("query_tokens", 8)
+    clock.end_step()
+    assert clock.take().steps[0][1:] == (8, 0)
+
+
 def test_every_timed_method_exists_in_this_vllm_and_plugin():
     """A method renamed under the table would otherwise fail only inside an engine."""
     from specplugin.vllm_layer import profiling as p

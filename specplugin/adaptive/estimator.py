@@ -108,10 +108,11 @@ class AcceptanceEstimator:
         np.add.at(self.judged, cell, 1.0)
         np.add.at(self.accepted, cell, np.asarray(accepted, dtype=float))
 
-    def step(self) -> None:
-        """Once per engine step: old evidence fades."""
-        self.judged *= self.decay
-        self.accepted *= self.decay
+    def step(self, num_steps: int = 1) -> None:
+        """Once per engine step (or for ``num_steps`` steps at once): old evidence fades."""
+        factor = self.decay ** num_steps
+        self.judged *= factor
+        self.accepted *= factor
 
 
 def history_bucket(recent_acceptance: float | None) -> int:

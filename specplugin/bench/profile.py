@@ -173,7 +173,8 @@ def profile_method(spec, models, prompts, args, out_dir: Path) -> dict[str, Any]
     cell = next(iter(result.cells.values()))
     ledger = combine(Ledger.from_dict(cell["ledger"]["engine"]),
                      Ledger.from_dict(cell["ledger"]["worker"]))
-    summary = summarize(ledger, cell["num_output_tokens"], cell["seconds"])
+    summary = summarize(ledger, cell["num_output_tokens"], cell["seconds"],
+                        prompts.cell.batch_size)
     steps = max(summary["num_steps"], 1)
     off, on = cell["overhead_tok_s"]["off"], cell["overhead_tok_s"]["on"]
     summary.update({
@@ -241,6 +242,7 @@ def ledger_rows(results: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, lis
         ("draft forwards / step", [f"{r['draft_forwards_per_step']:.2f}" for r in rs]),
         ("host syncs / step (drafting)", [f"{r['drafting_syncs_per_step']:.2f}" for r in rs]),
         ("steps", [str(r["num_steps"]) for r in rs]),
+        ("plain decode step ms (median; steps)", [_plain(r, results) for r in rs]),
         ("engine busy (steps / wall)", [f"{r['busy_share']:.0%}" for r in rs]),
         ("front end ms / step (alongside)", [f"{r['front_end_ms_per_step']:.3f}" for r in rs]),
         ("timer overhead: measured", [_pct(r["overhead"]["measured"]) for r in rs]),
@@ -296,6 +298,17 @@ def _ms_share(result: Mapping[str, Any], phase: str) -> str:
     if ms is None:
         return "-"
     return f"{ms:.3f} ({result['shares'][phase]:.0%})"
+
+
+def _plain(result: Mapping[str, Any], results: Mapping[str, Mapping[str, Any]]) -> str:
+    """A method's plain decode step (the whole batch, no draft), and its ratio to the
+    engine without speculation's when that ran too."""
+    ms = result.get("plain_step_ms")
+    if ms is None:
+        return "-"
+    none = results.get("none", {}).get("plain_step_ms")
+    ratio = f", {ms / none:.2f}x none" if none and result is not results.get("none") else ""
+    return f"{ms:.3f} ({result['num_plain_steps']}{ratio})"
 
 
 def _pct(value: float | None) -> str:

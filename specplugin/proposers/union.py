@@ -106,6 +106,8 @@ class Union:
         # [num_reqs] the extra candidates (token lists) each row of the last step verifies
         self.last_alternates: list[list[list[int]]] = []
         self._alternative_offers: list[tuple[int, int, Candidate]] = []  # this step's
+        self._observed = False  # plain_step observed the last step and chose to speculate
+        self._skipped_steps = 0  # plain steps since begin() last ran (estimator decay)
 
     def step(self, batch: StepBatch, verified: Verified | None) -> list[list[int]]:
         """Learn from ``verified``, then one draft per row of ``batch`` (``[]``: none)."""
@@ -116,20 +118,54 @@ class Union:
     def begin(self, verified: Verified | None, num_reqs: int, sampled: bool) -> bool:
         """Learn from ``verified``; whether this step speculates (the arbiter's call;
         ``sampled``: most requests sample). A plain step needs nothing else: no
-        proposer runs, and the caller need not even build the step's batch."""
+        proposer runs, and the caller need not even build the step's batch.
+        After :meth:`plain_step` said True, the step was observed and decided there."""
         self.last_alternates, self._alternative_offers = [], []
+        observed, self._observed = self._observed, False
         if verified is not None:
-            self._learn(verified)
-        self.estimator.step()
-        if self.arbiter is not None:
+            self._learn(verified, observe=not observed)
+        self.estimator.step(1 + self._skipped_steps)
+        self._skipped_steps = 0
+        if self.arbiter is not None and not observed:
             self.speculating = self.arbiter.speculate(num_reqs, sampled)
         if not self.speculating:
-            self._pending, self._pending_extras = {}, {}
-            self.last_sources = [None] * num_reqs
-            self.stats.steps += 1
-            self.stats.steps_without_drafts += 1
-            self.stats.k_histogram[0] += num_reqs
+            self._count_plain_step(num_reqs)
         return self.speculating
+
+    def plain_step(self, seconds: float | None, num_reqs: int, num_query_tokens: int,
+                   sampled: bool) -> bool:
+        """The cheap path for a step that verified no draft: observe its time (cost model,
+        step arbiter) and say whether the next step speculates. False: the next step is
+        plain and nothing else runs for it (the caller skips drafting; no proposer is
+        asked, nothing is estimated). True: the caller plans it with :meth:`begin`, which
+        then neither observes this step again nor asks the arbiter again. Without an
+        arbiter, or with drafts still waiting for their verdict, always True."""
+        if self.arbiter is None or self._pending or self._pending_extras:
+            return True
+        self._observe(seconds, num_query_tokens, num_reqs, speculative=False)
+        self.speculating = self.arbiter.speculate(num_reqs, sampled)
+        if self.speculating:
+            self._observed = True
+        else:
+            self._skipped_steps += 1
+            self.last_alternates = []
+            self._count_plain_step(num_reqs)
+        return self.speculating
+
+    def _count_plain_step(self, num_reqs: int) -> None:
+        self._pending, self._pending_extras = {}, {}
+        self.last_sources = [None] * num_reqs
+        self.stats.steps += 1
+        self.stats.steps_without_drafts += 1
+        self.stats.k_histogram[0] += num_reqs
+
+    def _observe(self, seconds: float | None, num_query_tokens: int, num_emitted: int,
+                 speculative: bool) -> None:
+        """A step's wall time, to the cost model and the step arbiter."""
+        if seconds is not None:
+            self.cost.observe(num_query_tokens, seconds, speculative=speculative)
+        if self.arbiter is not None:
+            self.arbiter.observe(num_emitted, seconds)
 
     def ask(self, batch: StepBatch, proposers: Sequence[int]) -> list[tuple[int, int, Candidate]]:
         if not self.speculating:
@@ -310,13 +346,13 @@ class Union:
         if outcome.winner is not None and outcome.winner < len(extras):
             self.stats.won(self.proposers[extras[outcome.winner].proposer].name, emitted)
 
-    def _learn(self, verified: Verified) -> None:
-        """One estimator update for every judged token of the step just verified."""
-        if verified.seconds is not None:
-            self.cost.observe(verified.num_query_tokens, verified.seconds,
-                              speculative=bool(np.any(verified.num_scheduled_drafts > 0)))
-        if self.arbiter is not None:
-            self.arbiter.observe(int(np.sum(verified.num_emitted)), verified.seconds)
+    def _learn(self, verified: Verified, observe: bool = True) -> None:
+        """One estimator update for every judged token of the step just verified
+        (``observe``: its wall time too, unless :meth:`plain_step` already did)."""
+        if observe:
+            self._observe(verified.seconds, verified.num_query_tokens,
+                          int(np.sum(verified.num_emitted)),
+                          bool(np.any(verified.num_scheduled_drafts > 0)))
         pending, self._pending = self._pending, {}
         pending_extras, self._pending_extras = self._pending_extras, {}
         scored = verified.scored or {}

@@ -83,6 +83,9 @@ class PluginDraftProposer(DraftModelProposer):
         self._last_forwards = self._last_draft_tokens = 0  # of the previous propose()
         self._mean_forwards: float | None = None  # per step that ran the draft (average)
         self._steps_without_draft = 0  # speculative steps since the draft model last ran
+        # skip_drafting observed the step just run and decided to speculate: the full
+        # path neither times it again nor asks the draft-alone arbiter again
+        self._observed = False
         self.failures = FailureCounter("draft", logger)
         # under tensor parallelism every rank decides from rank 0's timings (ranks.py):
         # draft forwards timed during a step are shared at the next step's start
@@ -133,6 +136,42 @@ class PluginDraftProposer(DraftModelProposer):
         self.cursor.forget(req_ids)
         if self.union is not None:
             self.union.finish_requests(list(req_ids))
+
+    def skip_drafting(self, num_reqs: int, num_query_tokens: int, mostly_sampled: bool) -> bool:
+        """The runner asks before a step's drafting, when that step verified no draft:
+        True if the next step decodes plainly too, so that nothing of the draft model's
+        machinery runs (the step's time is observed; the draft KV of the skipped rows is
+        caught up in their next draft pass). Under tensor parallelism every rank decides
+        in the full path from rank 0's clock, so this says False."""
+        if self.clock.shared:
+            return False
+        now = time.perf_counter()
+        self._step_seconds = None if self._last_call is None else now - self._last_call
+        self._last_call = now
+        if self._step_seconds is not None:
+            self.costs.observe_step(self._step_seconds, num_reqs, self._last_forwards,
+                                    self._last_draft_tokens)
+        self._last_forwards = self._last_draft_tokens = 0
+        try:
+            if self.union is not None:
+                plain = not self.union.plain_step(self._step_seconds, num_reqs,
+                                                  num_query_tokens, mostly_sampled)
+            elif self.arbiter is None:
+                plain = False
+            else:
+                self.arbiter.observe(num_reqs, self._step_seconds)
+                plain = not self.arbiter.speculate(num_reqs, mostly_sampled)
+        except Exception:  # a bug here costs the fast path, never a request
+            self.failures.record()
+            plain = False
+        if plain:
+            self.outcomes.forget()
+            self.last_lengths = [0] * num_reqs
+            if self.union is None:
+                self._count_step(np.zeros(num_reqs, dtype=np.int64))
+        else:
+            self._observed = True  # the full path must not observe this step again
+        return plain
 
     def propose(self, num_speculative_tokens: int, *args, **kwargs) -> torch.Tensor:
         """vLLM's drafting call (arguments as :meth:`_propose`). A failure here costs the
@@ -285,6 +324,8 @@ class PluginDraftProposer(DraftModelProposer):
         self.outcomes.resolve(
             context.req_ids, context.num_scheduled_drafts[:num_reqs],
             None if rejected is None else rejected.tolist())
+        if self._observed:  # skip_drafting timed this step already
+            return self._rule_with_thresholds()
         now = time.perf_counter()
         # wall time of the step just run (None: first step, or the last one failed)
         self._step_seconds = None if self._last_call is None else now - self._last_call
@@ -294,6 +335,9 @@ class PluginDraftProposer(DraftModelProposer):
             self.costs.observe_step(self._step_seconds, num_reqs + int(num_accepted.sum()),
                                     self._last_forwards, self._last_draft_tokens)
         self._last_call = now
+        return self._rule_with_thresholds()
+
+    def _rule_with_thresholds(self) -> StopRule:
         if self.fixed_min_acceptance is not None:
             return dataclasses.replace(self.rule, row_threshold=self.fixed_min_acceptance)
         row, per_pass = self.costs.thresholds()
@@ -416,11 +460,12 @@ class PluginDraftProposer(DraftModelProposer):
         """Learn from the step just verified (the union) and ask the step arbiter whether
         this step speculates at all. ``scheduled``: [num_reqs] drafts each row verified."""
         num_reqs, mostly_sampled = len(num_accepted), bool(sampled.mean() > 0.5)
+        observed, self._observed = self._observed, False
         if self.union is None:
             drafted = scheduled > 0  # [num_reqs] rows whose drafts were just verified
             for k, a in zip(scheduled[drafted].tolist(), num_accepted[drafted].tolist()):
                 self.proposer_stats.verified(DraftCandidates.name, k, a)
-            if self.arbiter is None:
+            if self.arbiter is None or observed:  # (skip_drafting decided: speculate)
                 return True
             self.arbiter.observe(num_reqs + int(num_accepted.sum()), self._step_seconds)
             return self.arbiter.speculate(num_reqs, mostly_sampled)

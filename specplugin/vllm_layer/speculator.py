@@ -81,6 +81,21 @@ class Speculator:
             self.union.forget_pending()
             return [[] for _ in range(num_reqs)]
 
+    def skip_drafting(self, num_reqs: int, num_query_tokens: int, mostly_sampled: bool) -> bool:
+        """The runner asks before a step's drafting, when that step verified no draft:
+        True if the next step decodes plainly too, so drafting is skipped altogether
+        (:meth:`Union.plain_step <specplugin.proposers.union.Union.plain_step>`: the
+        step's time is observed, no proposer runs)."""
+        now = time.perf_counter()
+        seconds = None if self._last_call is None else now - self._last_call
+        self._last_call = now
+        try:
+            return not self.union.plain_step(seconds, num_reqs, num_query_tokens,
+                                             mostly_sampled)
+        except Exception:  # a bug here costs the fast path, never a request
+            self.failures.record()
+            return False
+
     def _verified(self, context, sampled_token_ids) -> Verified:
         now = time.perf_counter()
         seconds = None if self._last_call is None else now - self._last_call

@@ -36,6 +36,7 @@ from vllm.v1.worker import cpu_worker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.sample.sampler import _SAMPLING_EPS
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from specplugin.proposers.draft import truncate_rows
@@ -298,11 +299,45 @@ class PluginRunnerMixin:
 
     def sample_tokens(self, grammar_output):
         """vLLM's step output, with the step's drafts riding on it: the engine core then
-        need not ask this worker for them in a second round trip (:mod:`.draft_handoff`)."""
-        output = super().sample_tokens(grammar_output)
+        need not ask this worker for them in a second round trip (:mod:`.draft_handoff`).
+
+        A plain step is a plain step: when this step verified no draft and the drafter
+        says the next one decodes plainly too (:meth:`_skip_drafting`), vLLM samples on
+        its non-speculative path (no drafting call, no draft copies, no draft-model
+        preparation) and the step hands back no drafts."""
+        if self._skip_drafting():
+            spec, self.speculative_config = self.speculative_config, None
+            try:
+                output = super().sample_tokens(grammar_output)
+            finally:
+                self.speculative_config = spec
+            self._draft_token_req_ids = None  # nothing for anyone to fetch
+            self._draft_lengths = None
+            if self.expander is not None:
+                self.expander.forget()
+            drafts = None
+        else:
+            output = super().sample_tokens(grammar_output)
+            drafts = self.take_draft_token_ids()
         if isinstance(output, ModelRunnerOutput) and output is not EMPTY_MODEL_RUNNER_OUTPUT:
-            draft_handoff.attach(output, self.take_draft_token_ids())
+            draft_handoff.attach(output, drafts)
         return output
+
+    def _skip_drafting(self) -> bool:
+        """Whether this step's drafting can be skipped: the step verified no draft (nothing
+        to learn but its time), vLLM keeps no per-step speculative state for this model,
+        one rank decides alone, and the drafter's step arbiter keeps the next step plain."""
+        so = self.step_scheduler_output
+        skip = getattr(self.drafter, "skip_drafting", None)
+        if (skip is None or not self._plain_steps_allowed or so is None
+                or self.execute_model_state is None
+                or self.parallel_config.tensor_parallel_size > 1
+                or any(so.scheduled_spec_decode_tokens.values())):
+            return False
+        num_reqs = self.input_batch.num_reqs
+        sampled = self.input_batch.temperature_cpu[:num_reqs] >= _SAMPLING_EPS
+        return skip(num_reqs, so.total_num_scheduled_tokens,
+                    bool(num_reqs and sampled.mean() > 0.5))
 
     def _get_draft_token_ids_cpu(self) -> tuple[list[list[int]], list[str]]:
         draft_token_ids, req_ids = super()._get_draft_token_ids_cpu()

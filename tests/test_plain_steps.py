@@ -1,0 +1,87 @@
+"""A plain step is a plain step: the union's cheap path for steps that verified no draft."""
+
+import numpy as np
+
+from specplugin.adaptive.arbiter import PLAIN, SPECULATE, StepArbiter
+from specplugin.proposers.union import Union, Verified
+from tests.test_adaptive import Fixed, _batch, flat_cost
+
+
+class Scripted(StepArbiter):
+    """An arbiter whose choices are given; it records what it was told."""
+
+    def __init__(self, choices):
+        super().__init__()
+        self.choices, self.observed, self.asked = list(choices), [], 0
+
+    def observe(self, num_tokens, seconds):
+        self.observed.append((num_tokens, seconds))
+
+    def speculate(self, num_reqs, sampled=False):
+        self.asked += 1
+        return self.choices.pop(0)
+
+
+class Counting(Fixed):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.calls = 0
+
+    def propose(self, batch):
+        self.calls += 1
+        return super().propose(batch)
+
+
+def _union(choices, proposer=None):
+    proposer = proposer or Counting("p", [1, 2, 3], 0.9)
+    return Union([proposer], cost=flat_cost(), explore=False, arbiter=Scripted(choices)), proposer
+
+
+def _none_verified(n=2, seconds=0.01):
+    return Verified(tuple(f"r{i}" for i in range(n)), np.zeros(n, dtype=int), np.ones(n, dtype=int),
+                    seconds, n)
+
+
+def test_a_plain_step_asks_no_proposer_and_counts_as_plain():
+    union, proposer = _union([PLAIN, PLAIN])
+    assert union.plain_step(0.01, 2, 2, False) is False
+    assert union.plain_step(0.01, 2, 2, False) is False
+    assert proposer.calls == 0
+    assert union.arbiter.observed == [(2, 0.01), (2, 0.01)]
+    assert union.stats.steps == 2 and union.stats.steps_without_drafts == 2
+    assert union.stats.k_histogram[0] == 4
+
+
+def test_a_step_observed_by_plain_step_is_not_observed_again_by_begin():
+    union, proposer = _union([SPECULATE])
+    assert union.plain_step(0.01, 2, 2, False) is True
+    drafts = union.step(_batch(["r0", "r1"]), _none_verified(seconds=1e-6))
+    assert union.arbiter.asked == 1 and len(union.arbiter.observed) == 1  # once, not twice
+    assert proposer.calls == 1 and all(drafts)
+    # the next begin observes and asks as usual again
+    union.arbiter.choices.append(PLAIN)
+    union.step(_batch(["r0", "r1"]), _none_verified())
+    assert union.arbiter.asked == 2 and len(union.arbiter.observed) == 2
+
+
+def test_drafts_waiting_for_their_verdict_always_take_the_full_path():
+    union, _ = _union([SPECULATE])
+    union.step(_batch(["r0"]), None)  # drafts sent: their verdict comes in the next step
+    assert union._pending
+    observed = len(union.arbiter.observed)
+    assert union.plain_step(0.01, 1, 1, False) is True
+    assert len(union.arbiter.observed) == observed  # the full path learns it, once
+
+
+def test_without_an_arbiter_every_step_is_planned():
+    union = Union([Counting("p", [1], 0.9)], cost=flat_cost(), explore=False)
+    assert union.plain_step(0.01, 1, 1, False) is True
+
+
+def test_skipped_steps_still_age_the_estimators_evidence():
+    union, _ = _union([PLAIN, PLAIN, PLAIN, SPECULATE])
+    union.estimator.judged[:] = 1.0
+    for _ in range(3):
+        union.plain_step(0.01, 1, 1, False)
+    union.step(_batch(["r0"]), _none_verified(1))
+    assert np.allclose(union.estimator.judged, union.estimator.decay ** 4)
