@@ -97,12 +97,16 @@ class FaultSettings:
     # real draft is verified as an extra candidate, so that the batch-expanding scorer's
     # non-primary winners carry the output (needs max_candidates >= 2)
     decoy_primary: bool = False
+    # the step arbiter alternates speculative and plain blocks whatever it measures, so
+    # that plain steps (drafting skipped altogether) and speculative ones interleave
+    alternate_blocks: bool = False
 
     def __post_init__(self):
         where = _where("fault_injection")
-        if not isinstance(self.decoy_primary, bool):
-            raise SpecPluginConfigError(
-                f"{where}[\"decoy_primary\"] must be true or false; got {self.decoy_primary!r}.")
+        for key in ("decoy_primary", "alternate_blocks"):
+            if not isinstance(getattr(self, key), bool):
+                raise SpecPluginConfigError(
+                    f"{where}[\"{key}\"] must be true or false; got {getattr(self, key)!r}.")
         if not isinstance(self.proposers, dict):
             raise SpecPluginConfigError(
                 f"{where}[\"proposers\"] must be an object mapping proposer names to N; got "

@@ -45,6 +45,7 @@ class ProposerStats:
     k_histogram: Counter = field(default_factory=Counter)  # k -> requests (0: no drafts)
     steps: int = 0
     steps_without_drafts: int = 0
+    steps_skipped: int = 0  # of those, steps whose drafting was skipped altogether
     extra_candidates: int = 0  # candidates sent to the batch-expanding scorer beside the chosen
 
     def verified(self, proposer: str, num_draft_tokens: int, num_accepted: int) -> None:
@@ -82,6 +83,7 @@ class ProposerStats:
                 "draft_tokens_per_pos": [self.draft_tokens_per_pos[name, p] for p in range(depth)],
                 "accepted_tokens_per_pos": [self.accepted_per_pos[name, p] for p in range(depth)]}
         return {"steps": self.steps, "steps_without_drafts": self.steps_without_drafts,
+                "steps_skipped": self.steps_skipped,
                 "extra_candidates": self.extra_candidates,
                 "k_histogram": {str(k): n for k, n in sorted(self.k_histogram.items())},
                 "proposers": proposers}

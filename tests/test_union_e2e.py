@@ -3,7 +3,9 @@
 Three engines for the module: no speculation; the token-level union
 ``["ngram", "suffix"]``; and the full union ``["draft", "ngram", "suffix"]``, where
 draft-model rows carry their draft probabilities and token-level rows one-hot ones
-in the same batch. Greedy output must be identical token for token; the sampled
+in the same batch. The full union's step arbiter alternates speculative and plain
+blocks (``fault_injection.alternate_blocks``), so that plain steps skip drafting
+altogether and the draft model catches up on the tokens it skipped. Greedy output must be identical token for token; the sampled
 distribution of both unions is tested statistically by ``check-lossless``
 (tests/test_lossless.py runs it on every plugin method).
 """
@@ -49,7 +51,8 @@ def token_union(target):
 @pytest.fixture(scope="module")
 def full_union(target, zoo_root):
     options = {"proposers": ["draft", "ngram", "suffix"],
-               "draft_model": str(zoo_path("draft", zoo_root))}
+               "draft_model": str(zoo_path("draft", zoo_root)),
+               "fault_injection": {"alternate_blocks": True}}
     return _run(target, plugin_engine_kwargs(K, options))
 
 
@@ -69,3 +72,13 @@ def test_drafts_are_verified_and_accepted(request, union):
     assert run.mean_acceptance_length > 1.3, run
     # the controller sizes drafts per step: not every draft is the longest allowed
     assert run.num_draft_tokens < K * run.num_drafts
+
+
+def test_plain_steps_skip_drafting_and_speculation_resumes(full_union):
+    """Every other block of 4 steps is plain: its steps after the first skip drafting
+    (vLLM's non-speculative path), and the next speculative block drafts again from the
+    tokens the skipped steps emitted (output identical above)."""
+    steps = full_union.plugin_steps
+    assert steps is not None and steps["steps_skipped"] > 10, steps
+    assert steps["steps"] - steps["steps_without_drafts"] > 10, steps  # speculative steps too
+    assert full_union.num_drafts > 0 and full_union.mean_acceptance_length > 1.3

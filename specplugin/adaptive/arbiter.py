@@ -51,7 +51,11 @@ class _Bucket:
 
 class StepArbiter:
     def __init__(self, block_steps: int = 4, smoothing: float = 0.3, min_interval: int = 4,
-                 max_interval: int = 256, gap_unit: float = 0.05, warmup_blocks: int = 2):
+                 max_interval: int = 256, gap_unit: float = 0.05, warmup_blocks: int = 2,
+                 alternate: bool = False):
+        """``alternate``: test only (``fault_injection.alternate_blocks``): speculative and
+        plain blocks take turns whatever the rates say."""
+        self.alternate = alternate
         if block_steps < 1:
             raise ValueError(f"block_steps must be >= 1; got {block_steps}")
         self.block_steps, self.smoothing, self.warmup_blocks = block_steps, smoothing, warmup_blocks
@@ -117,7 +121,8 @@ class StepArbiter:
         self._bucket, self._steps, self._tokens, self._seconds = bucket, 0, 0.0, 0.0
 
     def _next_choice(self, state: _Bucket) -> bool:
-        if min(state.blocks.values()) < self.warmup_blocks:  # alternate, speculation first
+        if self.alternate or min(state.blocks.values()) < self.warmup_blocks:
+            # alternate, speculation first
             return state.blocks[SPECULATE] <= state.blocks[PLAIN]
         spec, plain = state.rate[SPECULATE], state.rate[PLAIN]
         best = SPECULATE if spec >= plain else PLAIN
@@ -125,3 +130,11 @@ class StepArbiter:
         interval = min(self.max_interval,
                        max(self.min_interval, round(self.min_interval * gap / self.gap_unit)))
         return (not best) if state.blocks_since[not best] >= interval else best
+
+
+def arbiter_for(config) -> StepArbiter | None:
+    """The step arbiter a :class:`~specplugin.config.SpecPluginConfig` asks for (None:
+    ``step_arbiter`` off, every step planned)."""
+    if not config.step_arbiter:
+        return None
+    return StepArbiter(alternate=config.fault_injection.alternate_blocks)

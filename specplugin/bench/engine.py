@@ -101,13 +101,14 @@ def with_token_ids(llm, cell: dict[str, Any]) -> dict[str, Any]:
 
 
 ATTRIBUTED = ("drafts", "draft_tokens", "accepted_tokens", "chosen")
+STEP_COUNTERS = ("steps", "steps_without_drafts", "steps_skipped")
 
 
 def plugin_counters(llm) -> tuple[dict[str, dict[str, int]] | None, dict[str, int] | None]:
-    """The plugin's per-proposer counters and the batch-expanding scorer's (extra rows,
-    wins, ...), from one read of ``specplugin_stats`` on the drafting worker (the numbers
-    ``vllm:specplugin_*`` shows). (None, None) when the engine does not run the plugin;
-    the scorer's part is None when it is off."""
+    """The plugin's per-proposer counters and its other counters (its steps, and the
+    batch-expanding scorer's extra rows, wins, ... when it is on), from one read of
+    ``specplugin_stats`` on the drafting worker (the numbers ``vllm:specplugin_*``
+    shows). (None, None) when the engine does not run the plugin."""
     from specplugin.vllm_layer.metrics_export import engine_stats
 
     try:
@@ -116,9 +117,11 @@ def plugin_counters(llm) -> tuple[dict[str, dict[str, int]] | None, dict[str, in
         return None, None
     attributed = {name: {k: counts[k] for k in ATTRIBUTED}
                   for name, counts in stats["proposers"].items()}
+    others = {k: stats.get(k, 0) for k in STEP_COUNTERS}
     scorer = stats.get("scorer")
-    return attributed, (None if scorer is None
-                        else {k: v for k, v in scorer.items() if isinstance(v, int)})
+    if scorer is not None:
+        others.update({f"scorer_{k}": v for k, v in scorer.items() if isinstance(v, int)})
+    return attributed, others
 
 
 def attribution_delta(after, before) -> dict[str, dict[str, int]] | None:
@@ -138,7 +141,7 @@ def run_cell(llm, cell: dict[str, Any], return_token_ids: bool,
     params = _sampling(cell)
     prompts, size = cell["prompts"], cell["batch_size"]
     before = spec_counters(llm)
-    attributed, scored = plugin_counters(llm) if plugin else (None, None)
+    attributed, others = plugin_counters(llm) if plugin else (None, None)
     seconds, num_tokens, token_ids = 0.0, 0, []
     for i in range(0, len(prompts), size):
         outputs, elapsed = _generate(llm, prompts[i : i + size], params)
@@ -150,10 +153,14 @@ def run_cell(llm, cell: dict[str, Any], return_token_ids: bool,
     result = {"key": cell["key"], "seconds": seconds, "num_output_tokens": num_tokens,
               "num_requests": len(prompts), **counter_delta(spec_counters(llm), before)}
     if plugin:
-        attributed_after, scored_after = plugin_counters(llm)
+        attributed_after, others_after = plugin_counters(llm)
         result["attribution"] = attribution_delta(attributed_after, attributed)
-        if scored_after is not None:
-            result["scorer"] = {k: v - (scored or {}).get(k, 0) for k, v in scored_after.items()}
+        if others_after is not None:
+            delta = {k: v - (others or {}).get(k, 0) for k, v in others_after.items()}
+            result["plugin_steps"] = {k: delta[k] for k in STEP_COUNTERS}
+            scorer = {k[len("scorer_"):]: v for k, v in delta.items() if k.startswith("scorer_")}
+            if scorer:
+                result["scorer"] = scorer
     if return_token_ids:
         result["token_ids"] = token_ids
     return result

@@ -284,6 +284,9 @@ class EngineRun:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # [num_speculative_tokens]
+    # the plugin's own step counters for the cell (steps, steps_without_drafts,
+    # steps_skipped); None when the engine does not run the plugin
+    plugin_steps: dict[str, int] | None = None
     warnings: list[str] = field(default_factory=list)
     log_path: Path | None = None
 
@@ -294,7 +297,8 @@ class EngineRun:
         counters = {k: out[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
                                          "accepted_per_pos")}
         return cls(token_ids=out["token_ids"], texts=out.get("texts"), seconds=out["seconds"],
-                   startup_s=result.startup_s, warnings=list(result.warnings),
+                   startup_s=result.startup_s, plugin_steps=out.get("plugin_steps"),
+                   warnings=list(result.warnings),
                    log_path=result.log_path, **counters)
 
     @property

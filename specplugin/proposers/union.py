@@ -150,6 +150,7 @@ class Union:
             self._skipped_steps += 1
             self.last_alternates = []
             self._count_plain_step(num_reqs)
+            self.stats.steps_skipped += 1
         return self.speculating
 
     def _count_plain_step(self, num_reqs: int) -> None:

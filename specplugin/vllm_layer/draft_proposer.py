@@ -33,7 +33,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.sample.sampler import _SAMPLING_EPS
 
-from specplugin.adaptive.arbiter import StepArbiter
+from specplugin.adaptive.arbiter import arbiter_for
 from specplugin.adaptive.cost import StepCostModel
 from specplugin.config import SpecPluginConfig
 from specplugin.faults import EveryNth
@@ -109,11 +109,11 @@ class PluginDraftProposer(DraftModelProposer):
             max_tokens = max(2, vllm_config.scheduler_config.max_num_batched_tokens)
             self.union = Union([*proposers, self.draft_candidates],
                                cost=StepCostModel(max_tokens=max_tokens),
-                               arbiter=StepArbiter() if plugin_config.step_arbiter else None,
+                               arbiter=arbiter_for(plugin_config),
                                max_candidates=plugin_config.max_candidates,
                                decoy_primary=plugin_config.fault_injection.decoy_primary)
         # the draft model alone: whether speculating pays at all, measured (the union has its own)
-        self.arbiter = StepArbiter() if plugin_config.step_arbiter else None
+        self.arbiter = arbiter_for(plugin_config)
         # drafts and acceptances per proposer (the union keeps them itself)
         self.proposer_stats = ProposerStats() if self.union is None else self.union.stats
 
@@ -169,6 +169,7 @@ class PluginDraftProposer(DraftModelProposer):
             self.last_lengths = [0] * num_reqs
             if self.union is None:
                 self._count_step(np.zeros(num_reqs, dtype=np.int64))
+                self.proposer_stats.steps_skipped += 1
         else:
             self._observed = True  # the full path must not observe this step again
         return plain

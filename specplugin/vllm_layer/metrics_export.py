@@ -21,7 +21,8 @@ Names (counters; ``proposer`` label where it applies):
   ``..._accepted_tokens_per_pos_total{proposer,position}``;
 - ``vllm:specplugin_chosen_total{proposer}``: how often the controller sent its candidate;
 - ``vllm:specplugin_k_total{k}``: requests per step by the draft length chosen (0: none);
-- ``vllm:specplugin_steps_total``, ``vllm:specplugin_steps_without_drafts_total``;
+- ``vllm:specplugin_steps_total``, ``vllm:specplugin_steps_without_drafts_total``,
+  ``vllm:specplugin_steps_skipped_total``;
 - ``vllm:specplugin_arbiter_blocks_total{mode}``: blocks the step arbiter ran speculating
   or plain;
 - ``vllm:specplugin_proposer_failures_total{proposer}``: failures caught (each cost its
@@ -109,12 +110,14 @@ SCORER_COUNTERS = {
 
 def merge(snapshots: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """The sum of several workers' snapshots (data-parallel engines each publish one)."""
-    total: dict[str, Any] = {"steps": 0, "steps_without_drafts": 0, "k_histogram": Counter(),
+    total: dict[str, Any] = {"steps": 0, "steps_without_drafts": 0, "steps_skipped": 0,
+                             "k_histogram": Counter(),
                              "proposers": {}, "proposer_failures": Counter(),
                              "arbiter": Counter(), "scorer": Counter()}
     for snap in snapshots:
         total["steps"] += snap.get("steps", 0)
         total["steps_without_drafts"] += snap.get("steps_without_drafts", 0)
+        total["steps_skipped"] += snap.get("steps_skipped", 0)
         total["k_histogram"].update(snap.get("k_histogram", {}))
         total["proposer_failures"].update(snap.get("proposer_failures", {}))
         total["arbiter"].update(snap.get("arbiter") or {})
@@ -161,6 +164,9 @@ def metric_families(total: dict[str, Any]) -> list:
     steps.add_metric([], total["steps"])
     idle = family("steps_without_drafts", "Steps in which no request verified a draft.", [])
     idle.add_metric([], total["steps_without_drafts"])
+    skipped = family("steps_skipped", "Of those, steps whose drafting was skipped altogether "
+                     "(a plain step decoded on vLLM's non-speculative path).", [])
+    skipped.add_metric([], total["steps_skipped"])
     blocks = family("arbiter_blocks", "Blocks of steps the step arbiter ran, by mode.", ["mode"])
     for mode, key in (("speculative", "speculative_blocks"), ("plain", "plain_blocks")):
         blocks.add_metric([mode], total["arbiter"].get(key, 0))

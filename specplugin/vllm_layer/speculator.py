@@ -23,7 +23,7 @@ import time
 import numpy as np
 from vllm.v1.sample.sampler import _SAMPLING_EPS  # a temperature below it is greedy
 
-from specplugin.adaptive.arbiter import StepArbiter
+from specplugin.adaptive.arbiter import arbiter_for
 from specplugin.adaptive.cost import StepCostModel
 from specplugin.metrics import FailureCounter
 from specplugin.proposers import MODEL_PROPOSERS, StepBatch, build_proposer
@@ -43,7 +43,7 @@ class Speculator:
                      if name not in MODEL_PROPOSERS]
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.union = Union(proposers, cost=StepCostModel(max_tokens=max(2, max_tokens)),
-                           arbiter=StepArbiter() if self.config.step_arbiter else None,
+                           arbiter=arbiter_for(self.config),
                            max_candidates=self.config.max_candidates,
                            decoy_primary=self.config.fault_injection.decoy_primary)
         self.failures = FailureCounter("union", logger)
