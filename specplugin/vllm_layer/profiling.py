@@ -83,6 +83,7 @@ WORKER_TIMED: Timed = (
     (_PLUGIN_RUNNER, "PluginRunnerMixin", "_sample", "scorer: resolve"),
     (_PLUGIN_RUNNER, "PluginRunnerMixin", "_copy_draft_token_ids_to_cpu", "plugin: hand back"),
     (_PLUGIN_RUNNER, "PluginRunnerMixin", "_get_draft_token_ids_cpu", "plugin: hand back"),
+    (_PLUGIN_RUNNER, "PluginRunnerMixin", "_skip_drafting", "plugin: plain step"),
     ("specplugin.vllm_layer.metrics_export", "StatsPublisher", "maybe_publish", "plugin: metrics"),
     # the token-level drafter (specplugin.Speculator)
     ("specplugin.vllm_layer.speculator", "Speculator", "propose", "plugin: other"),
