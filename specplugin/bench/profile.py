@@ -93,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
         zoo_root, models = zoo_models(args.zoo)
         args.overrides = parse_overrides(args.set)
         for spec in specs:
-            spec.engine_kwargs(models, settings_for(spec, args.overrides))
+            kwargs = spec.engine_kwargs(models, settings_for(spec, args.overrides))
+            _check_plugin_settings(kwargs)
         if args.batch_size < 1 or args.overhead_pairs < 0:
             raise ValueError("--batch-size must be >= 1 and --overhead-pairs >= 0; got "
                              f"{args.batch_size} and {args.overhead_pairs}.")
@@ -130,6 +131,15 @@ def run(args: argparse.Namespace) -> int:
     for failure in failures:
         console.print(f"[red]FAILED {failure}[/red]")
     return 1 if failures or not results else 0
+
+
+def _check_plugin_settings(engine_kwargs: Mapping[str, Any]) -> None:
+    """A bad ``--set`` fails here, with the plugin's own message, not inside an engine."""
+    from specplugin.config import CONFIG_KEY, parse
+
+    options = (engine_kwargs.get("additional_config") or {}).get(CONFIG_KEY)
+    if options is not None:
+        parse(options, engine_kwargs["speculative_config"]["num_speculative_tokens"])
 
 
 def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
