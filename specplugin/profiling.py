@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,6 +117,10 @@ class Ledger:
             step: bool = True) -> None:
         self.num_steps += int(step)
         self.wall_s += wall_s
+        self.add_phases(phases_s, counts)
+
+    def add_phases(self, phases_s: Mapping[str, float], counts: Mapping[str, int]) -> None:
+        """Seconds per phase and counters, summed into this ledger's."""
         for name, seconds in phases_s.items():
             self.phases_s[name] = self.phases_s.get(name, 0.0) + seconds
         for name, n in counts.items():
@@ -131,19 +135,6 @@ class Ledger:
     def from_dict(cls, d: Mapping[str, Any]) -> Ledger:
         return cls(int(d["num_steps"]), float(d["wall_s"]), dict(d["phases_s"]), dict(d["counts"]),
                    [tuple(s) for s in d.get("steps", [])])
-
-    @classmethod
-    def merged(cls, ledgers: Iterable[Ledger]) -> Ledger:
-        out = cls()
-        for ledger in ledgers:
-            out.num_steps += ledger.num_steps
-            out.wall_s += ledger.wall_s
-            for name, seconds in ledger.phases_s.items():
-                out.phases_s[name] = out.phases_s.get(name, 0.0) + seconds
-            for name, n in ledger.counts.items():
-                out.counts[name] = out.counts.get(name, 0) + n
-            out.steps += ledger.steps
-        return out
 
 
 WORKER = "worker"  # the engine core waiting on its workers (replaced by theirs in combine)
@@ -166,11 +157,8 @@ def combine(engine: Ledger, worker: Ledger | None) -> Ledger:
     if worker is None:
         out.phases_s[IPC] = wait
         return out
-    for name, seconds in worker.phases_s.items():
-        out.phases_s[name] = out.phases_s.get(name, 0.0) + seconds
+    out.add_phases(worker.phases_s, worker.counts)
     out.phases_s[IPC] = wait - worker.wall_s
-    for name, n in worker.counts.items():
-        out.counts[name] = out.counts.get(name, 0) + n
     return out
 
 

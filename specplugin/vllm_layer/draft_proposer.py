@@ -145,9 +145,7 @@ class PluginDraftProposer(DraftModelProposer):
         in the full path from rank 0's clock, so this says False."""
         if self.clock.shared:
             return False
-        now = time.perf_counter()
-        self._step_seconds = None if self._last_call is None else now - self._last_call
-        self._last_call = now
+        self._step_seconds = self._tick()
         if self._step_seconds is not None:
             self.costs.observe_step(self._step_seconds, num_reqs, self._last_forwards,
                                     self._last_draft_tokens)
@@ -327,16 +325,22 @@ class PluginDraftProposer(DraftModelProposer):
             None if rejected is None else rejected.tolist())
         if self._observed:  # skip_drafting timed this step already
             return self._rule_with_thresholds()
-        now = time.perf_counter()
         # wall time of the step just run (None: first step, or the last one failed)
-        self._step_seconds = None if self._last_call is None else now - self._last_call
+        self._step_seconds = self._tick()
         if self.clock.shared:
             self._step_seconds = self._agree_on_timings(self._step_seconds)
         if self._step_seconds is not None:  # every row emitted one token plus its accepted drafts
             self.costs.observe_step(self._step_seconds, num_reqs + int(num_accepted.sum()),
                                     self._last_forwards, self._last_draft_tokens)
-        self._last_call = now
         return self._rule_with_thresholds()
+
+    def _tick(self) -> float | None:
+        """Seconds since the previous drafting call (one engine step; None: the first,
+        or the last one failed)."""
+        now = time.perf_counter()
+        seconds = None if self._last_call is None else now - self._last_call
+        self._last_call = now
+        return seconds
 
     def _rule_with_thresholds(self) -> StopRule:
         if self.fixed_min_acceptance is not None:

@@ -86,9 +86,7 @@ class Speculator:
         True if the next step decodes plainly too, so drafting is skipped altogether
         (:meth:`Union.plain_step <specplugin.proposers.union.Union.plain_step>`: the
         step's time is observed, no proposer runs)."""
-        now = time.perf_counter()
-        seconds = None if self._last_call is None else now - self._last_call
-        self._last_call = now
+        seconds = self._tick()
         try:
             return not self.union.plain_step(seconds, num_reqs, num_query_tokens,
                                              mostly_sampled)
@@ -96,10 +94,15 @@ class Speculator:
             self.failures.record()
             return False
 
-    def _verified(self, context, sampled_token_ids) -> Verified:
+    def _tick(self) -> float | None:
+        """Seconds since the previous drafting call (one engine step; None: the first)."""
         now = time.perf_counter()
         seconds = None if self._last_call is None else now - self._last_call
         self._last_call = now
+        return seconds
+
+    def _verified(self, context, sampled_token_ids) -> Verified:
+        seconds = self._tick()
         expander = getattr(self.runner, "expander", None)
         return Verified(tuple(context.req_ids), np.asarray(context.num_scheduled_drafts),
                         np.array([len(s) for s in sampled_token_ids]), seconds,
