@@ -267,6 +267,7 @@ class Union:
         verified in a step whose results never reach :meth:`step`."""
         self._pending, self._pending_extras = {}, {}
         self.last_alternates = []
+        self._observed = False  # a plain_step's decision for a step that then failed
 
     def finish_requests(self, req_ids: Sequence[str]) -> None:
         for proposer in self.proposers:

@@ -191,6 +191,7 @@ class PluginDraftProposer(DraftModelProposer):
         """vLLM skipped drafting for a step: the drafts recorded before it were verified
         in that step, whose results never reach this drafter."""
         self.outcomes.forget()
+        self._observed = False
         if self.union is not None:
             self.union.forget_pending()
 
