@@ -1,6 +1,7 @@
 """A plain step is a plain step: the union's cheap path for steps that verified no draft."""
 
 import numpy as np
+import pytest
 
 from specplugin.adaptive.arbiter import PLAIN, SPECULATE, StepArbiter
 from specplugin.proposers.union import Union, Verified
@@ -85,3 +86,42 @@ def test_skipped_steps_still_age_the_estimators_evidence():
         union.plain_step(0.01, 1, 1, False)
     union.step(_batch(["r0"]), _none_verified(1))
     assert np.allclose(union.estimator.judged, union.estimator.decay ** 4)
+
+
+def _speculator(union):
+    """specplugin.Speculator around ``union``, without an engine (its step timing only)."""
+    from specplugin.vllm_layer.speculator import Speculator
+
+    spec = Speculator.__new__(Speculator)
+    spec.union, spec.runner, spec._last_call = union, None, None
+    spec._step_seconds, spec._step_timed = None, False
+    return spec
+
+
+def _context(n):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(req_ids=[f"r{i}" for i in range(n)],
+                           num_scheduled_drafts=np.zeros(n, dtype=int), num_query_tokens=n)
+
+
+def test_the_speculator_reads_each_steps_time_once(monkeypatch):
+    """The plain-step check reads the step's time; when it lets the full path run (no
+    arbiter, or drafts waiting), that path must learn the same time, not the few
+    microseconds since the check (the cost model then thought steps cost nothing and
+    a suffix proposer alone drafted 2 times in 130 steps)."""
+    from specplugin.vllm_layer import speculator
+
+    clock = iter([1.0, 1.010, 1.020, 1.030, 1.0301])
+    monkeypatch.setattr(speculator.time, "perf_counter", lambda: next(clock))
+    union = Union([Counting("p", [1], 0.9)], cost=flat_cost(), explore=False)  # no arbiter
+    spec = _speculator(union)
+    spec._tick()  # the first step's drafting call (t = 1.0)
+    assert spec.skip_drafting(2, 2, False) is False  # t = 1.010: no arbiter, plan it
+    assert spec._verified(_context(2), [[1], [1]]).seconds == pytest.approx(0.010)
+    # a step without the check (it verified drafts) reads the clock itself
+    assert spec._verified(_context(2), [[1], [1]]).seconds == pytest.approx(0.010)  # t = 1.020
+    # a check whose step then failed leaves nothing behind for the next step
+    assert spec.skip_drafting(2, 2, False) is False  # t = 1.030
+    spec.forget_pending()
+    assert spec._verified(_context(2), [[1], [1]]).seconds == pytest.approx(0.0001)

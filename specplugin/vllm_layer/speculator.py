@@ -49,6 +49,9 @@ class Speculator:
         self.failures = FailureCounter("union", logger)
         self.runner = None
         self._last_call: float | None = None
+        # skip_drafting read this step's wall time and the full path has yet to use it
+        self._step_seconds: float | None = None
+        self._step_timed = False
 
     def attach(self, runner) -> None:
         """The plugin's model runner: the source of each step's request context."""
@@ -78,15 +81,17 @@ class Speculator:
             return self.union.step(batch, self._verified(context, sampled_token_ids))
         except Exception:  # a bug in drafting must not fail requests: decode plainly
             self.failures.record()
-            self.union.forget_pending()
+            self.forget_pending()
             return [[] for _ in range(num_reqs)]
 
     def skip_drafting(self, num_reqs: int, num_query_tokens: int, mostly_sampled: bool) -> bool:
         """The runner asks before a step's drafting, when that step verified no draft:
         True if the next step decodes plainly too, so drafting is skipped altogether
         (:meth:`Union.plain_step <specplugin.proposers.union.Union.plain_step>`: the
-        step's time is observed, no proposer runs)."""
-        seconds = self._tick()
+        step's time is observed, no proposer runs). When it says False the full path
+        runs next, in the same step, and takes the time read here (:meth:`_this_step`)."""
+        seconds = self._step_seconds = self._tick()
+        self._step_timed = True
         try:
             return not self.union.plain_step(seconds, num_reqs, num_query_tokens,
                                              mostly_sampled)
@@ -101,8 +106,17 @@ class Speculator:
         self._last_call = now
         return seconds
 
+    def _this_step(self) -> float | None:
+        """The wall time of the step just run, read once per step: by :meth:`skip_drafting`
+        if it ran this step (a second read would measure only the time since it, and the
+        cost model would learn that steps cost nothing), else now."""
+        if self._step_timed:
+            self._step_timed = False
+            return self._step_seconds
+        return self._tick()
+
     def _verified(self, context, sampled_token_ids) -> Verified:
-        seconds = self._tick()
+        seconds = self._this_step()
         expander = getattr(self.runner, "expander", None)
         return Verified(tuple(context.req_ids), np.asarray(context.num_scheduled_drafts),
                         np.array([len(s) for s in sampled_token_ids]), seconds,
@@ -135,6 +149,7 @@ class Speculator:
         self.union.finish_requests(list(req_ids))
 
     def forget_pending(self) -> None:
+        self._step_timed = False
         self.union.forget_pending()
 
     def stats(self) -> dict:
