@@ -15,6 +15,7 @@ from specplugin.bench.workloads import QUICK_CELLS, QUICK_SIZES, Cell
 from specplugin.config import CONFIG_KEY, SPECULATOR_CLASS
 
 MODELS = Models(target="/zoo/target", draft="/zoo/draft")
+QUICK_METHODS = ["none", "vllm-suffix", "plugin-union"]  # the quick bench run below
 
 
 def test_method_names_are_the_issues():
@@ -156,17 +157,23 @@ def test_table_plot_and_json(tmp_path, capsys):
 
 
 @pytest.mark.vllm
-def test_quick_bench_runs_every_method_on_real_vllm(quick_zoo, tmp_path):
+def test_quick_bench_runs_on_real_vllm(quick_zoo, tmp_path):
+    """The bench command end to end with one method per family (each costs an engine):
+    the reference, a vLLM built-in (the best-built-in column needs one) and the plugin's
+    full union. Every method's settings are checked without engines
+    (test_engine_arguments_of_each_method, test_plugin_settings_pass_the_plugins_own_config_check),
+    vLLM's draft_model runs in tests/test_vllm_e2e.py, its ngram in tests/test_profile.py."""
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, "-m", "specplugin.cli", "bench", "--quick", "--eager", "--zoo",
-         str(quick_zoo), "--json", str(out), "--out-dir", str(tmp_path / "bench")],
+         str(quick_zoo), "--json", str(out), "--out-dir", str(tmp_path / "bench"),
+         "--methods", ",".join(QUICK_METHODS)],
         capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "specplugin bench" in proc.stdout  # the table went to stdout
     assert (tmp_path / "bench" / "throughput.png").stat().st_size > 1000
     results = json.loads(out.read_text())["results"]
-    assert {r["method"] for r in results} == set(listed_names())
+    assert {r["method"] for r in results} == set(QUICK_METHODS)
     assert {(r["workload"], r["batch_size"], r["temperature"]) for r in results} == {
         (c.workload, c.batch_size, c.temperature) for c in QUICK_CELLS}
     for r in results:

@@ -4,6 +4,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from specplugin.vllm_layer.cpu_fixes import expand_kernel_impl
@@ -47,6 +48,7 @@ def test_vllm_fallback_is_still_wrong_for_floats():
     assert got.tolist() != torch.tensor([0.7, 0.7, 1.3, 1.3, 1.3, 0.25]).tolist()
 
 
+@pytest.mark.vllm
 def test_a_worker_process_gets_the_fixed_kernel():
     """As in a vLLM worker: plugins load, then the platform registers its kernel fallbacks."""
     code = textwrap.dedent("""

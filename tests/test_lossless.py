@@ -7,10 +7,10 @@ import sys
 import pytest
 
 from specplugin.bench.lossless import compare_samples, first_difference, greedy_mismatches
-from specplugin.bench.methods import PLUGIN, names_in
 from specplugin.bench.tinymodel import repetitive_prompts
 
-SCORER_METHOD = "plugin-scorer-decoy"
+SCORER_METHOD = "plugin-union-scorer-decoy"
+QUICK_METHODS = ["plugin-ngram+suffix", "plugin-draft"]
 
 
 def test_first_difference():
@@ -67,10 +67,16 @@ def test_repetitive_prompts_repeat_a_pattern_and_avoid_eos():
 def test_quick_check_lossless_passes_on_real_vllm(zoo_root, tmp_path):
     """The greedy check runs on the committed zoo: on the seconds-trained quick pair even
     vLLM's own draft_model gets no draft accepted, and identical outputs from drafts that
-    were all rejected would prove nothing (the check fails on that)."""
-    methods = names_in(PLUGIN)
-    # and the batch-expanding scorer with every draft beside a decoy, so that its extra
-    # candidates carry the output (greedy and temperature 1)
+    were all rejected would prove nothing (the check fails on that).
+
+    One method per drafting path (each method costs two engines): the token-level
+    proposers alone (the Speculator), the draft model alone, and the full union (draft
+    model, n-gram, suffix) with the batch-expanding scorer and every draft beside a
+    decoy, so that its extra candidates carry the output (greedy and temperature 1; at temperature 1 the draft model's rows,
+    which are never decoyed, carry their probabilities in the same batch). The union
+    without the scorer is greedy-checked in tests/test_union_e2e.py; the other subsets
+    differ from these in settings only."""
+    methods = QUICK_METHODS
     proc = subprocess.run(
         [sys.executable, "-m", "specplugin.cli", "check-lossless", "--quick", "--eager", "--zoo",
          str(zoo_root), "--out-dir", str(tmp_path / "lossless"),

@@ -28,6 +28,7 @@ def _run(code: str) -> str:
     return out.stdout
 
 
+@pytest.mark.vllm
 def test_vllm_discovers_the_entry_point_in_a_fresh_process():
     out = _run("""
         from importlib.metadata import entry_points
@@ -43,6 +44,7 @@ def test_vllm_discovers_the_entry_point_in_a_fresh_process():
     assert "PATCHED True" in out
 
 
+@pytest.mark.vllm
 def test_register_is_idempotent_and_refuses_double_patching():
     out = _run("""
         from specplugin.plugin import register

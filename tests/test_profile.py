@@ -1,6 +1,7 @@
 """``specplugin profile``: the ledger's arithmetic (unit) and the timers inside real vLLM (e2e)."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -9,6 +10,7 @@ import pytest
 
 from specplugin.profiling import (DRAFT_FORWARDS, IPC, REST, SYNC_PREFIX, TIMER_CALLS, WORKER,
                                   Ledger, PhaseClock, combine, summarize)
+from tests.shared_engine import MULTIPROCESS
 
 
 def _spin(seconds: float) -> None:
@@ -158,7 +160,9 @@ def profiled(tmp_path_factory):
            "--methods", ",".join(E2E_METHODS), "--batch-size", "4", "--overhead-pairs", "1",
            "--set", "step_arbiter=false",
            "--json", str(path), "--out-dir", str(out)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    # the profile's two clocks are the engine core's and the worker's processes
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                         env={**os.environ, **MULTIPROCESS})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return json.loads(path.read_text()), run.stdout, out
 

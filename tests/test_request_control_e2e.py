@@ -9,15 +9,12 @@ metrics (``per_request_spec_decode_metrics="detailed"``) give each request's dra
 length per step. The HTTP side (400 on a bad value) is in tests/test_serve.py.
 """
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from specplugin.bench.runner import CHILD_ENV_DEFAULTS, engine_kwargs, plugin_engine_kwargs
+from specplugin.bench.runner import engine_kwargs, plugin_engine_kwargs
 from specplugin.zoo import zoo_path
+from tests.probe import run_probe
 from tests.prompts import PARSE_HEADER
 
 pytestmark = pytest.mark.vllm
@@ -123,11 +120,7 @@ def probe(zoo_root):
                             "per_request_spec_decode_metrics": "detailed"}, eager=True)
     job = {"model": str(zoo_path("target", zoo_root)), "engine_kwargs": kwargs,
            "prompts": PROMPTS, "options": OPTIONS, "refused": REFUSED}
-    out = subprocess.run([sys.executable, "-c", PROBE, json.dumps(job)], capture_output=True,
-                         text=True, timeout=900, env={**CHILD_ENV_DEFAULTS, **os.environ})
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-5000:]
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = run_probe(PROBE, job)
     firsts = [tuple(t) for t in result["first_tokens"]]
     assert len(set(firsts)) == len(PROMPTS), "the probe cannot tell the prompts apart"
     # per proposer: the indices of the prompts it was asked about

@@ -11,16 +11,13 @@ block boundaries, contexts end exactly on one, and requests are preempted. Sampl
 ``tests/test_lossless.py``.
 """
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from specplugin.bench.runner import CHILD_ENV_DEFAULTS, engine_kwargs, plugin_engine_kwargs
+from specplugin.bench.runner import engine_kwargs, plugin_engine_kwargs
 from specplugin.vllm_layer.scorer import blocks_per_row, MAX_EXTRA_ROWS
 from specplugin.zoo import zoo_path
+from tests.probe import run_probe
 from tests.prompts import PARSE_HEADER
 
 pytestmark = pytest.mark.vllm
@@ -82,11 +79,7 @@ def probe(zoo_root):
                            eager=True)
     job = {"model": str(zoo_path("target", zoo_root)), "engine_kwargs": kwargs,
            "prompts": PROMPTS}
-    out = subprocess.run([sys.executable, "-c", PROBE, json.dumps(job)], capture_output=True,
-                         text=True, timeout=900, env={**CHILD_ENV_DEFAULTS, **os.environ})
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-5000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_probe(PROBE, job)
 
 
 def test_greedy_output_is_identical_when_extra_candidates_win(probe):

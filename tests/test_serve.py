@@ -16,6 +16,7 @@ import pytest
 
 from specplugin.bench.load import free_port, wait_healthy
 from specplugin.zoo import zoo_path
+from tests.shared_engine import MULTIPROCESS
 
 pytestmark = pytest.mark.vllm
 
@@ -51,7 +52,7 @@ def server(zoo_root, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "server.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(_serve_args(zoo_path("target", zoo_root), port, SETTINGS),
-                                stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **MULTIPROCESS})
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, proc, log, timeout_s=300)

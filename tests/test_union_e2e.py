@@ -1,20 +1,21 @@
 """The union of proposers and the K controller inside real vLLM (one drafting path).
 
-Three engines for the module: no speculation; the token-level union
-``["ngram", "suffix"]``; and the full union ``["draft", "ngram", "suffix"]``, where
-draft-model rows carry their draft probabilities and token-level rows one-hot ones
-in the same batch. The full union's step arbiter alternates speculative and plain
-blocks (``fault_injection.alternate_blocks``), so that plain steps skip drafting
-altogether and the draft model catches up on the tokens it skipped. Greedy output must be identical token for token; the sampled
-distribution of both unions is tested statistically by ``check-lossless``
-(tests/test_lossless.py runs it on every plugin method).
+Three cells of the session's shared engine (tests/shared_engine.py: the full union
+``["draft", "ngram", "suffix"]``): the reference, with drafts off per request
+(``specplugin_max_k: 0``); the token-level union, per request
+(``specplugin_proposers: "ngram,suffix"``); and the full union, where draft-model rows
+carry their draft probabilities and token-level rows one-hot ones in the same batch.
+The engine's step arbiter alternates speculative and plain blocks
+(``fault_injection.alternate_blocks``), so that plain steps skip drafting altogether
+and the draft model catches up on the tokens it skipped. Greedy output must be
+identical token for token; the sampled distribution is tested statistically by
+``check-lossless`` (tests/test_lossless.py).
 """
 
 import pytest
 
-from specplugin.bench.runner import plugin_engine_kwargs, run_engine
-from specplugin.zoo import zoo_path
 from tests.prompts import PARSE_HEADER
+from tests.shared_engine import K, REFERENCE, add_cell
 
 pytestmark = pytest.mark.vllm
 
@@ -25,35 +26,31 @@ PROMPTS = [CODE + "\n\n# The same function again:\n" + CODE[:60],
            "import os\nimport sys\n\n\ndef main(argv):\n",
            "class Stack:\n    def __init__(self):\n",
            "class Stack:\n    def __init__(self):\n"]
-K = 8
 
 
-def _run(target, overrides):
-    # one request at a time, so the repeated opening comes after its first run finished
-    return run_engine(target, overrides, PROMPTS, max_tokens=64, batch_size=1, eager=True)
-
-
-@pytest.fixture(scope="module")
-def target(zoo_root):
-    return zoo_path("target", zoo_root)
-
-
-@pytest.fixture(scope="module")
-def baseline(target):
-    return _run(target, {})
+# in the session's shared engine (full union, alternating blocks), one request at a time
+# so that the repeated opening comes after its first run finished: the prompts without
+# drafts, with the token-level proposers only, and with every proposer
+CELLS = {name: add_cell(f"union_e2e/{name}", PROMPTS, max_tokens=64, batch_size=1,
+                        options=options)
+         for name, options in (("baseline", REFERENCE),
+                               ("token_union", {"specplugin_proposers": "ngram,suffix"}),
+                               ("full_union", {}))}
 
 
 @pytest.fixture(scope="module")
-def token_union(target):
-    return _run(target, plugin_engine_kwargs(K, {"proposers": ["ngram", "suffix"]}))
+def baseline(shared_runs):
+    return shared_runs[CELLS["baseline"]]
 
 
 @pytest.fixture(scope="module")
-def full_union(target, zoo_root):
-    options = {"proposers": ["draft", "ngram", "suffix"],
-               "draft_model": str(zoo_path("draft", zoo_root)),
-               "fault_injection": {"alternate_blocks": True}}
-    return _run(target, plugin_engine_kwargs(K, options))
+def token_union(shared_runs):
+    return shared_runs[CELLS["token_union"]]
+
+
+@pytest.fixture(scope="module")
+def full_union(shared_runs):
+    return shared_runs[CELLS["full_union"]]
 
 
 @pytest.mark.parametrize("union", ["token_union", "full_union"])

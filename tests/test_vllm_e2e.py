@@ -1,8 +1,9 @@
 """The plugin inside real vLLM: greedy output identical, drafts accepted, bad settings stopped.
 
-Engines are few and shared: one without speculation, one with the plugin's n-gram
-proposer, one with vLLM's own draft_model method on the zoo pair (which also proves
-both zoo models load in vLLM).
+Engines are few and shared: the reference (drafts off per request) and the n-gram
+proposer alone (per request) run in the session's shared full-union engine
+(tests/shared_engine.py); one engine runs vLLM's own draft_model method on the zoo pair
+(which also proves both zoo models load in vLLM).
 """
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from specplugin.bench.runner import engine_kwargs, plugin_engine_kwargs, run_engine
 from specplugin.zoo import zoo_path
 from tests.prompts import PARSE_HEADER
+from tests.shared_engine import REFERENCE, add_cell
 
 pytestmark = pytest.mark.vllm
 
@@ -37,15 +39,21 @@ def target(zoo_root):
     return zoo_path("target", zoo_root)
 
 
-@pytest.fixture(scope="module")
-def baseline(target, tmp_path_factory):
-    return run_engine(target, {}, PROMPTS, workdir=tmp_path_factory.mktemp("none"), **GREEDY)
+# in the session's shared engine: the prompts without drafts, then with n-gram drafts only
+REFERENCE_CELL = add_cell("vllm_e2e/reference", PROMPTS, max_tokens=GREEDY["max_tokens"],
+                          options=REFERENCE)
+NGRAM_CELL = add_cell("vllm_e2e/ngram", PROMPTS, max_tokens=GREEDY["max_tokens"],
+                      options={"specplugin_proposers": "ngram"})
 
 
 @pytest.fixture(scope="module")
-def with_plugin(target, tmp_path_factory):
-    return run_engine(target, plugin_engine_kwargs(8, {"proposers": ["ngram"]}), PROMPTS,
-                      workdir=tmp_path_factory.mktemp("plugin"), **GREEDY)
+def baseline(shared_runs):
+    return shared_runs[REFERENCE_CELL]
+
+
+@pytest.fixture(scope="module")
+def with_plugin(shared_runs):
+    return shared_runs[NGRAM_CELL]
 
 
 def first_difference(want: list[list[int]], got: list[list[int]]) -> str:
@@ -67,7 +75,7 @@ def test_greedy_output_is_identical_token_for_token(baseline, with_plugin):
 
 
 def test_vllm_counters_show_drafts_accepted_on_repeating_text(baseline, with_plugin):
-    assert baseline.num_drafts == 0
+    assert baseline.num_drafts == 0  # specplugin_max_k 0: no request drafted
     assert with_plugin.num_drafts > 0
     assert with_plugin.num_accepted_tokens > 0
     assert with_plugin.mean_acceptance_length > 1.5, with_plugin

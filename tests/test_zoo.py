@@ -35,6 +35,7 @@ def test_target_and_draft_share_the_tokenizer(zoo_root):
     assert t_cfg["vocab_size"] == d_cfg["vocab_size"]
 
 
+@pytest.mark.vllm
 def test_quick_build_is_deterministic(quick_zoo, tmp_path):
     subprocess.run([sys.executable, "-m", "specplugin.cli", "zoo", "build", "--quick", "--out",
                     str(tmp_path)], check=True, capture_output=True, timeout=300)

@@ -65,6 +65,7 @@ def _sampling(cell: dict[str, Any], max_tokens: int | None = None):
         max_tokens=max_tokens or cell["max_tokens"],
         ignore_eos=True,
         detokenize=False,
+        extra_args=cell.get("extra_args"),  # per-request options (specplugin_max_k, ...)
     )
 
 

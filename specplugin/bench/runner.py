@@ -244,7 +244,10 @@ def _end_group(proc: subprocess.Popen) -> None:
 
 def _follow(proc: subprocess.Popen, job: EngineJob, out_path: Path, result: JobResult,
             on_event: Callable[[dict[str, Any]], None]) -> int | None:
-    """Pass the child's events on as they come; its exit code, or None on timeout."""
+    """Pass the child's events on as they come; its exit code, or None on timeout.
+    Once the child reported ``done`` its results are in: it counts as a success, and
+    vLLM's shutdown (about 5 s of waiting for its worker, which it then kills anyway)
+    is cut short by :func:`_end_group`."""
     deadline, seen = time.monotonic() + job.timeout_s, 0
     while True:
         code = proc.poll()
@@ -252,6 +255,8 @@ def _follow(proc: subprocess.Popen, job: EngineJob, out_path: Path, result: JobR
         for event in events:
             _record(result, event)
             on_event(event)
+            if event["event"] == "done":
+                return 0
         if code is not None:
             return code
         if time.monotonic() > deadline:
@@ -316,12 +321,15 @@ class EngineRun:
 
 
 def prompt_cell(prompts: Sequence[str | Sequence[int]], max_tokens: int, temperature: float = 0.0,
-                batch_size: int | None = None, key: str = "run") -> dict[str, Any]:
+                batch_size: int | None = None, key: str = "run",
+                extra_args: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A cell of ``prompts`` (strings, tokenized by the engine's tokenizer, or token ids)
-    submitted ``batch_size`` at a time (default: all at once)."""
+    submitted ``batch_size`` at a time (default: all at once); ``extra_args``: every
+    request's ``SamplingParams.extra_args`` (the plugin's per-request options)."""
     return {"key": key, "workload": "prompts", "batch_size": batch_size or len(prompts),
             "temperature": temperature, "max_tokens": max_tokens, "n": 1,
-            "prompts": [p if isinstance(p, str) else list(p) for p in prompts]}
+            "prompts": [p if isinstance(p, str) else list(p) for p in prompts],
+            "extra_args": dict(extra_args) if extra_args else None}
 
 
 def run_engine(model: str | Path, overrides: Mapping[str, Any],

@@ -549,13 +549,17 @@ class PluginDraftProposer(DraftModelProposer):
         else:
             self.outcomes.forget()
         self._note_drafts(run, chosen)
-        return self._mixed_output(token_ids, draft_probs, drafts, draft_rows)
+        # the scorer's decoy test (fault_injection.decoy_primary) put a decoy in place of
+        # greedy rows' drafts, the draft model's included: those rows verify the decoy
+        decoyed = self.union.decoy_primary & ~np.asarray(batch.sampled, dtype=bool)
+        return self._mixed_output(token_ids, draft_probs, drafts, draft_rows & ~decoyed)
 
     def _mixed_output(self, token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                       drafts, draft_rows: np.ndarray) -> torch.Tensor:
         """[num_reqs, k_out] token ids (and [num_reqs, k_out, vocab] probabilities when
         sampling) holding each row's chosen draft; ``token_ids`` [num_reqs, positions] and
-        ``draft_probs`` [num_reqs, positions, vocab] are the draft model's."""
+        ``draft_probs`` [num_reqs, positions, vocab] are the draft model's, taken for the
+        ``draft_rows``; the other rows' drafts are deterministic guesses (one-hot)."""
         num_reqs, k_out = len(drafts), max(1, max(len(d) for d in drafts))
         out = torch.zeros((num_reqs, k_out), dtype=token_ids.dtype, device=token_ids.device)
         probs = None

@@ -1,0 +1,37 @@
+"""The child-process probe several end-to-end tests share.
+
+Some checks need to look inside vLLM while it runs: wrap its rejection sampler, count
+which rows each proposer was asked about, read the scheduler's block pool. Such a test
+writes a short Python program (the probe) that builds ``vllm.LLM`` in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with its wrappers installed, and prints one line
+``RESULT <json>``. It runs in a Python process of its own, so that its patches and its
+engine never leak into the test session. The probe gets its job as JSON in ``argv[1]``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any, Mapping
+
+from specplugin.bench.runner import child_env
+
+MARKER = "RESULT "
+
+
+def run_probe(code: str, job: Mapping[str, Any], *, timeout: float = 900,
+              env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Run ``code`` with ``job`` in a fresh Python process; its last ``RESULT`` line, parsed.
+    ``env``: extra environment on top of the engine children's (``runner.child_env``).
+    A failed or silent probe fails the test with the tail of its output."""
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(job)], capture_output=True,
+                          text=True, timeout=timeout, env={**child_env(), **(env or {})})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(MARKER)]
+    assert proc.returncode == 0 and lines, (f"probe exited {proc.returncode}\n"
+                                            + proc.stdout[-3000:] + proc.stderr[-6000:])
+    return json.loads(lines[-1][len(MARKER):])
+
+
+def print_result(result: Any) -> None:  # (for probes: ``from tests.probe import print_result``)
+    print(MARKER + json.dumps(result), flush=True)
