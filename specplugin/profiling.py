@@ -30,6 +30,7 @@ REST = "rest"  # the step's own time: whatever no inner timer claims
 DRAFT_FORWARDS = "draft_forwards"
 QUERY_TOKENS = "query_tokens"  # tokens the target ran (prefill, decode and drafts)
 DRAFT_TOKENS = "draft_tokens"  # draft tokens the scheduler sent for verification
+DRAFTED = "drafted"  # the step handed drafts (maybe empty) to the scheduler: drafting ran
 SYNC_PREFIX = "syncs:"  # + phase: .cpu()/.item()/.tolist() calls made inside that phase
 TIMER_CALLS = "timer_calls"  # phases closed (the timers' own cost is this times one pair's)
 
@@ -65,7 +66,8 @@ class PhaseClock:
         self.ledger.add(wall, self._phases, self._counts, step=self._is_step)
         if self._is_step and QUERY_TOKENS in self._counts:  # the engine core's steps
             self.ledger.steps.append((wall, self._counts[QUERY_TOKENS],
-                                      self._counts.get(DRAFT_TOKENS, 0)))
+                                      self._counts.get(DRAFT_TOKENS, 0),
+                                      self._counts.get(DRAFTED, 0)))
 
     def enter(self, phase: str) -> None:
         if self.sync is not None:
@@ -110,8 +112,9 @@ class Ledger:
     wall_s: float = 0.0
     phases_s: dict[str, float] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
-    # per engine step: (wall seconds, query tokens, draft tokens); the engine core's only
-    steps: list[tuple[float, int, int]] = field(default_factory=list)
+    # per engine step (the engine core's only): (wall seconds, query tokens, draft tokens,
+    # drafted: 1 if drafting ran and handed drafts to the scheduler)
+    steps: list[tuple] = field(default_factory=list)
 
     def add(self, wall_s: float, phases_s: Mapping[str, float], counts: Mapping[str, int],
             step: bool = True) -> None:
@@ -168,12 +171,15 @@ def is_plugin_phase(phase: str) -> bool:
     return phase.split(":", 1)[0] in ("plugin", "propose", "draft", "scorer")
 
 
-def plain_steps_ms(ledger: Ledger, batch_size: int) -> list[float]:
+def plain_steps_ms(ledger: Ledger, batch_size: int, skipped: bool = False) -> list[float]:
     """Wall ms of the steps that decoded the whole batch plainly: ``batch_size`` query
     tokens and no draft. An engine without speculation has only such decode steps; the
-    plugin has them where it decided not to speculate. Their medians, side by side, say
-    what a plain step costs with the plugin on (issue 19: within 3% of none's)."""
-    return [w * 1e3 for w, q, d in ledger.steps if q == batch_size and d == 0]
+    plugin has them where it decided not to speculate. ``skipped``: only those in which
+    no drafting ran either (the plugin's plain steps that skip drafting; every plain
+    step of an engine without speculation). Their medians, side by side, say what a
+    plain step costs with the plugin on (issue 19: within 3% of none's)."""
+    return [s[0] * 1e3 for s in ledger.steps if s[1] == batch_size and s[2] == 0
+            and not (skipped and len(s) > 3 and s[3])]
 
 
 def summarize(ledger: Ledger, num_output_tokens: int, seconds: float,
@@ -216,5 +222,8 @@ def summarize(ledger: Ledger, num_output_tokens: int, seconds: float,
 
 def _plain_summary(ledger: Ledger, batch_size: int | None) -> dict[str, Any]:
     plain = plain_steps_ms(ledger, batch_size) if batch_size else []
+    skipped = plain_steps_ms(ledger, batch_size, skipped=True) if batch_size else []
     return {"num_plain_steps": len(plain),
-            "plain_step_ms": float(statistics.median(plain)) if plain else None}
+            "plain_step_ms": float(statistics.median(plain)) if plain else None,
+            "num_skipped_steps": len(skipped),
+            "skipped_step_ms": float(statistics.median(skipped)) if skipped else None}

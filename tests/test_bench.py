@@ -189,3 +189,34 @@ def test_quick_bench_runs_on_real_vllm(quick_zoo, tmp_path):
         # per cell that the union learns at the next step)
         attributed = sum(c["draft_tokens"] for c in r["attribution"].values())
         assert abs(attributed - r["num_draft_tokens"]) <= r["batch_size"] * 8, r
+
+
+def test_fresh_engine_starts_an_engine_for_every_cell_interleaving_methods(monkeypatch, tmp_path):
+    """``--fresh-engine``: one cell per engine, every method on a cell before the next
+    cell, methods rotated by round; without it one engine per method runs every cell."""
+    from specplugin.bench import suite
+    from specplugin.bench.runner import JobResult
+    from specplugin.bench.workloads import CellPrompts
+
+    jobs = []
+
+    def fake_run_job(job, workdir, on_event=lambda e: None, verbose=False):
+        jobs.append((job.label, [c["key"] for c in job.cells]))
+        return JobResult(log_path=None, cells={c["key"]: {"key": c["key"]} for c in job.cells})
+
+    monkeypatch.setattr(suite, "run_job", fake_run_job)
+    cells = [CellPrompts(Cell("edit", 1, 0.0), ((1, 2),), 4),
+             CellPrompts(Cell("complete", 8, 1.0), ((3, 4),), 4)]
+    entries = [suite.Entry(m, METHODS[m], METHODS[m].settings) for m in ("none", "vllm-ngram")]
+    result = suite.run_suite(entries, MODELS, cells, 2, tmp_path, fresh_engine=True)
+    assert [cells for _, cells in jobs] == [["edit/b1/t0"]] * 2 + [["complete/b8/t1"]] * 2 + \
+        [["edit/b1/t0"]] * 2 + [["complete/b8/t1"]] * 2
+    assert [label for label, _ in jobs[:4]] == ["r1-none-edit/b1/t0", "r1-vllm-ngram-edit/b1/t0",
+                                               "r1-none-complete/b8/t1",
+                                               "r1-vllm-ngram-complete/b8/t1"]
+    assert jobs[4][0] == "r2-vllm-ngram-edit/b1/t0"  # round 2 starts with the other method
+    assert len(result.cell_runs("none", "edit/b1/t0")) == 2
+    jobs.clear()
+    suite.run_suite(entries, MODELS, cells, 1, tmp_path)
+    assert jobs == [("r1-none", ["edit/b1/t0", "complete/b8/t1"]),
+                    ("r1-vllm-ngram", ["edit/b1/t0", "complete/b8/t1"])]

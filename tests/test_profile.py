@@ -98,23 +98,31 @@ def test_summary_per_step_shares_and_json_shape():
 def test_plain_decode_steps_are_the_whole_batch_without_drafts():
     from specplugin.profiling import plain_steps_ms
 
-    ledger = Ledger(4, 0.1, {REST: 0.1}, {}, [(0.010, 8, 0), (0.030, 200, 0), (0.012, 24, 16),
-                                             (0.020, 8, 0)])
-    assert plain_steps_ms(ledger, 8) == pytest.approx([10.0, 20.0])  # not prefill, not drafts
+    # (wall, query tokens, draft tokens, drafted): the last step drafted (nothing verified)
+    ledger = Ledger(5, 0.1, {REST: 0.1}, {}, [(0.010, 8, 0, 0), (0.030, 200, 0, 0),
+                                             (0.012, 24, 16, 1), (0.020, 8, 0, 0),
+                                             (0.040, 8, 0, 1)])
+    assert plain_steps_ms(ledger, 8) == pytest.approx([10.0, 20.0, 40.0])  # no prefill, drafts
+    assert plain_steps_ms(ledger, 8, skipped=True) == pytest.approx([10.0, 20.0])  # no drafting
     s = summarize(ledger, 16, 0.1, batch_size=8)
-    assert s["num_plain_steps"] == 2 and s["plain_step_ms"] == pytest.approx(15.0)
+    assert s["num_plain_steps"] == 3 and s["plain_step_ms"] == pytest.approx(20.0)
+    assert s["num_skipped_steps"] == 2 and s["skipped_step_ms"] == pytest.approx(15.0)
     clock = PhaseClock()
-    clock.begin_step()
-    clock.count("query_tokens", 8)
-    clock.end_step()
-    assert clock.take().steps[0][1:] == (8, 0)
+    for drafted in (False, True):
+        clock.begin_step()
+        clock.count("query_tokens", 8)
+        if drafted:
+            clock.count("drafted")
+        clock.end_step()
+    assert [s[1:] for s in clock.take().steps] == [(8, 0, 0), (8, 0, 1)]
 
 
 def test_every_timed_method_exists_in_this_vllm_and_plugin():
     """A method renamed under the table would otherwise fail only inside an engine."""
     from specplugin.vllm_layer import profiling as p
 
-    for module, owner, attribute, _ in (*p.ENGINE_TIMED, p.ENGINE_ROOT + ("",), *p.WORKER_ROOTS,
+    for module, owner, attribute, _ in (*p.ENGINE_TIMED, p.ENGINE_ROOT + ("",),
+                                        p.ENGINE_DRAFTS + ("",), *p.WORKER_ROOTS,
                                         *p.WORKER_TIMED, p.FRONT_END + ("",)):
         target = p._owner(module, owner)
         assert callable(getattr(target, attribute, None)), f"{module}.{owner}.{attribute}"
@@ -158,7 +166,8 @@ def profiled(tmp_path_factory):
     path = out / "profile.json"
     cmd = [sys.executable, "-m", "specplugin.cli", "profile", "--quick", "--eager",
            "--methods", ",".join(E2E_METHODS), "--batch-size", "4", "--overhead-pairs", "1",
-           "--set", "step_arbiter=false",
+           # speculative and plain blocks take turns: both kinds of step are measured
+           "--set", 'fault_injection={"alternate_blocks": true}',
            "--json", str(path), "--out-dir", str(out)]
     # the profile's two clocks are the engine core's and the worker's processes
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
@@ -180,6 +189,16 @@ def test_ledger_has_every_phase_and_adds_up(profiled):
         assert m["phases_ms"][IPC] >= 0.0  # the wait on the worker covers its timed work
         assert m["num_steps"] > 0 and m["emitted_per_step"] >= 1.0
     assert "executor (IPC)" in stdout and (out / "profile.png").stat().st_size > 0
+
+
+@pytest.mark.vllm
+def test_plain_steps_that_skip_drafting_are_told_apart(profiled):
+    """The plugin's plain blocks skip drafting after their first step; vLLM's n-gram
+    drafts every step, even when it finds nothing to draft."""
+    builtin, plugin = (profiled[0]["methods"][n] for n in E2E_METHODS)
+    assert builtin["num_skipped_steps"] == 0, builtin["num_plain_steps"]
+    assert plugin["num_skipped_steps"] > 0
+    assert plugin["num_plain_steps"] >= plugin["num_skipped_steps"]
 
 
 @pytest.mark.vllm

@@ -3,6 +3,7 @@
     specplugin bench                      # every method, every cell, 3 rounds, vLLM compiled
     specplugin bench --quick --eager      # CI smoke test (< 5 min): 1 round, 3 cells
     specplugin bench --eager              # enforce_eager: faster engine start, slower decoding
+    specplugin bench --fresh-engine       # an engine per cell, as a user's offline job starts one
     specplugin bench --search-builtins    # re-derive BUILTIN_SETTINGS (methods.py)
 
 Exit status 0 when every engine ran, 1 when any failed (the rest is still reported).
@@ -34,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rounds over all methods; tok/s is the median (default 3, --quick 1)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: 1 round, 3 cells, short outputs (< 5 min with --eager)")
+    parser.add_argument("--fresh-engine", action="store_true",
+                        help="start an engine for every cell (as a user's offline job starts "
+                             "one) instead of one per method and round running every cell")
     parser.add_argument("--json", metavar="PATH", help="write results as JSON")
     parser.add_argument("--plot", metavar="PATH",
                         help=f"throughput PNG (default {DEFAULT_OUT_DIR}/throughput.png)")
@@ -107,14 +111,15 @@ def _bench(specs, models, cells, sizes, rounds, out_dir, args, console) -> int:
 
     entries = [Entry(s.name, s, s.settings) for s in specs]
     result = run_suite(entries, models, cells, rounds, out_dir / "logs", console,
-                       eager=args.eager)
+                       eager=args.eager, fresh_engine=args.fresh_engine)
     rows = report.with_speedups([
         report.make_row(e.label, cp.cell, result.cell_runs(e.label, cp.cell.key), e.settings)
         for cp in cells for e in entries if result.cell_runs(e.label, cp.cell.key)
     ])
     report.print_table(rows, title=f"specplugin bench ({rounds} round(s), "
                                    f"{sizes.max_tokens} tokens per request, "
-                                   f"{'eager' if args.eager else 'compiled'})")
+                                   f"{'eager' if args.eager else 'compiled'}, "
+                                   f"{'fresh engine per cell' if args.fresh_engine else 'one engine per method and round'})")
     report.print_attribution(rows)
     plot_path = report.plot(rows, Path(args.plot or out_dir / "throughput.png")) if rows else None
     meta = _meta(models, cells, sizes, rounds, args, result, entries)
@@ -138,6 +143,7 @@ def _meta(models, cells, sizes, rounds, args, result, entries) -> dict:
     return {
         **run_environment(),
         "models": asdict(models), "rounds": rounds, "quick": args.quick, "eager": args.eager,
+        "fresh_engine": args.fresh_engine,
         "engine_defaults": engine_kwargs({}, args.eager),
         "sizes": asdict(sizes), "cells": [cp.cell.key for cp in cells],
         "settings": {e.label: dict(e.settings) for e in entries},

@@ -3,6 +3,11 @@
 Round r runs every configuration once, in an order rotated by r, so slow drift of
 a shared machine (another job starting, thermal throttling) lands on all
 configurations alike instead of on whichever ran last.
+
+By default one engine per configuration and round runs every cell, one after another:
+the cells after the first find what the earlier ones taught the plugin (its estimates,
+its suffix store). ``fresh_engine`` starts an engine for every cell instead, as a
+user's offline job starts one: each cell then measures the plugin from its first step.
 """
 
 from __future__ import annotations
@@ -44,9 +49,10 @@ def rotated(entries: Sequence[Entry], round_index: int) -> list[Entry]:
 
 
 def run_suite(entries: Sequence[Entry], models: Models, cells: Sequence[CellPrompts],
-              rounds: int, workdir: Path, console=None, eager: bool = False) -> SuiteResult:
+              rounds: int, workdir: Path, console=None, eager: bool = False,
+              fresh_engine: bool = False) -> SuiteResult:
     """Every entry runs every cell once per round, one engine at a time (``eager``: see
-    ``runner.engine_kwargs``)."""
+    ``runner.engine_kwargs``; ``fresh_engine``: an engine per cell, see the module doc)."""
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeElapsedColumn)
 
@@ -57,17 +63,22 @@ def run_suite(entries: Sequence[Entry], models: Models, cells: Sequence[CellProm
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("starting", total=rounds * len(entries) * len(cells))
         for r in range(rounds):
-            for entry in rotated(entries, r):
-                if entry.label in result.failed_labels:  # failures so far were not flukes
-                    progress.update(task, advance=len(cells))
-                    continue
-                where = f"round {r + 1}/{rounds} · {entry.label}"
-                progress.update(task, description=f"{where} · starting engine")
-                job = EngineJob(label=f"r{r + 1}-{entry.label}", model=models.target,
-                                engine_kwargs=entry.spec.engine_kwargs(models, entry.settings),
-                                cells=payload, eager=eager)
-                _run_entry(entry, job, workdir, result,
-                           lambda e: _on_event(progress, task, where, e))
+            # fresh engines: per cell, every entry in turn (rotated), cell after cell
+            groups = [[c] for c in payload] if fresh_engine else [payload]
+            for group in groups:
+                for entry in rotated(entries, r):
+                    if entry.label in result.failed_labels:  # failures so far were not flukes
+                        progress.update(task, advance=len(group))
+                        continue
+                    name = f"r{r + 1}-{entry.label}" + (f"-{group[0]['key']}" if fresh_engine
+                                                        else "")
+                    where = f"round {r + 1}/{rounds} · {entry.label}"
+                    progress.update(task, description=f"{where} · starting engine")
+                    job = EngineJob(label=name, model=models.target,
+                                    engine_kwargs=entry.spec.engine_kwargs(models, entry.settings),
+                                    cells=tuple(group), eager=eager)
+                    _run_entry(entry, job, workdir, result,
+                               lambda e: _on_event(progress, task, where, e))
     return result
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from specplugin.profiling import (DRAFT_FORWARDS, DRAFT_TOKENS, QUERY_TOKENS, WORKER,
+from specplugin.profiling import (DRAFT_FORWARDS, DRAFT_TOKENS, DRAFTED, QUERY_TOKENS, WORKER,
                                   PhaseClock)
 from specplugin.vllm_layer import patches
 
@@ -57,6 +57,8 @@ ENGINE_TIMED: Timed = (
     ("vllm.v1.executor.multiproc_executor", "FutureWrapper", "result", WORKER),
 )
 ENGINE_ROOT = ("vllm.v1.engine.core", "EngineCoreProc", "_process_engine_step")
+# Where the engine core hands a step's drafts to the scheduler: counted (DRAFTED).
+ENGINE_DRAFTS = ("vllm.v1.core.sched.scheduler", "Scheduler", "update_draft_token_ids")
 # The worker's calls of one step: each is a root in the worker's own process (nested
 # phases if the worker shares the engine core's process). The first is the step.
 WORKER_ROOTS: Timed = (
@@ -210,6 +212,14 @@ def _counted_schedule(original, self, *args, **kwargs):
     return output
 
 
+def _counted_drafts(original, self, *args, **kwargs):
+    """The engine core hands a step's drafts to the scheduler: drafting ran in the step
+    (a plain step in which the plugin skipped drafting hands none)."""
+    if CLOCK.stack:
+        CLOCK.count(DRAFTED)
+    return original(self, *args, **kwargs)
+
+
 def _timed_forward_context(original):
     @contextlib.contextmanager
     def wrapper(*args, **kwargs):
@@ -260,6 +270,7 @@ def install_engine_core() -> None:
     if patches.is_patched(root, ENGINE_ROOT[2]):
         return
     _install_table(ENGINE_TIMED)
+    patches.patch_around(_owner(*ENGINE_DRAFTS[:2]), ENGINE_DRAFTS[2], _counted_drafts)
     patches.patch_around(root, ENGINE_ROOT[2], _root("rest", step=True))
 
 
