@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from specplugin.adaptive.arbiter import PLAIN, SPECULATE, StepArbiter
+from specplugin.adaptive.cost import StepTimer
 from specplugin.proposers.union import Union, Verified
 from tests.test_adaptive import Fixed, _batch, flat_cost
 
@@ -93,7 +94,7 @@ def _speculator(union):
     from specplugin.vllm_layer.speculator import Speculator
 
     spec = Speculator.__new__(Speculator)
-    spec.union, spec.runner, spec._last_call = union, None, None
+    spec.union, spec.runner, spec.timer = union, None, StepTimer()
     spec._step_seconds, spec._step_timed = None, False
     return spec
 
@@ -110,13 +111,13 @@ def test_the_speculator_reads_each_steps_time_once(monkeypatch):
     arbiter, or drafts waiting), that path must learn the same time, not the few
     microseconds since the check (the cost model then thought steps cost nothing and
     a suffix proposer alone drafted 2 times in 130 steps)."""
-    from specplugin.vllm_layer import speculator
+    from specplugin.adaptive import cost
 
     clock = iter([1.0, 1.010, 1.020, 1.030, 1.0301])
-    monkeypatch.setattr(speculator.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(cost.time, "perf_counter", lambda: next(clock))
     union = Union([Counting("p", [1], 0.9)], cost=flat_cost(), explore=False)  # no arbiter
     spec = _speculator(union)
-    spec._tick()  # the first step's drafting call (t = 1.0)
+    spec.timer.lap()  # the first step's drafting call (t = 1.0)
     assert spec.skip_drafting(2, 2, False) is False  # t = 1.010: no arbiter, plan it
     assert spec._verified(_context(2), [[1], [1]]).seconds == pytest.approx(0.010)
     # a step without the check (it verified drafts) reads the clock itself

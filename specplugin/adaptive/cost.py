@@ -33,6 +33,8 @@ grows from the first token: the same rule then drafts less.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 
@@ -129,3 +131,23 @@ class StepCostModel:
     def observe_draft_forward(self, seconds: float) -> None:
         old = self.draft_forward_s
         self.draft_forward_s = seconds if old is None else old + self.smoothing * (seconds - old)
+
+
+class StepTimer:
+    """The wall time of one engine step, as a drafter sees it: the time between its
+    drafting calls (it holds the drafting the last call decided and the verification of
+    those drafts). Both drafters read it through here."""
+
+    def __init__(self):
+        self._last: float | None = None  # perf_counter() of the previous lap
+
+    def lap(self) -> float | None:
+        """Seconds since the previous lap (None: the first, or the first after :meth:`reset`)."""
+        now = time.perf_counter()
+        seconds = None if self._last is None else now - self._last
+        self._last = now
+        return seconds
+
+    def reset(self) -> None:
+        """A drafting call failed: the next lap measures no step."""
+        self._last = None

@@ -34,7 +34,7 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.sample.sampler import _SAMPLING_EPS
 
 from specplugin.adaptive.arbiter import arbiter_for
-from specplugin.adaptive.cost import StepCostModel
+from specplugin.adaptive.cost import StepCostModel, StepTimer
 from specplugin.config import SpecPluginConfig
 from specplugin.faults import EveryNth
 from specplugin.metrics import FailureCounter, ProposerStats
@@ -78,7 +78,7 @@ class PluginDraftProposer(DraftModelProposer):
         self.calibration = AcceptanceCalibration()
         self.outcomes = OutcomeTracker(self.calibration)
         self.costs = CostModel()
-        self._last_call: float | None = None  # perf_counter() of the previous propose()
+        self.timer = StepTimer()  # wall time of each step, from one drafting call to the next
         self._step_seconds: float | None = None  # wall time of the step just run
         self._last_forwards = self._last_draft_tokens = 0  # of the previous propose()
         self._mean_forwards: float | None = None  # per step that ran the draft (average)
@@ -145,7 +145,7 @@ class PluginDraftProposer(DraftModelProposer):
         in the full path from rank 0's clock, so this says False."""
         if self.clock.shared:
             return False
-        self._step_seconds = self._tick()
+        self._step_seconds = self.timer.lap()
         if self._step_seconds is not None:
             self.costs.observe_step(self._step_seconds, num_reqs, self._last_forwards,
                                     self._last_draft_tokens)
@@ -184,7 +184,7 @@ class PluginDraftProposer(DraftModelProposer):
             self.last_lengths = [0] * num_reqs
             self._last_draft_probs = None
             self.forget_pending()
-            self._last_call = None
+            self.timer.reset()
             return torch.zeros((num_reqs, 1), dtype=torch.int64, device=self.device)
 
     def forget_pending(self) -> None:
@@ -327,21 +327,13 @@ class PluginDraftProposer(DraftModelProposer):
         if self._observed:  # skip_drafting timed this step already
             return self._rule_with_thresholds()
         # wall time of the step just run (None: first step, or the last one failed)
-        self._step_seconds = self._tick()
+        self._step_seconds = self.timer.lap()
         if self.clock.shared:
             self._step_seconds = self._agree_on_timings(self._step_seconds)
         if self._step_seconds is not None:  # every row emitted one token plus its accepted drafts
             self.costs.observe_step(self._step_seconds, num_reqs + int(num_accepted.sum()),
                                     self._last_forwards, self._last_draft_tokens)
         return self._rule_with_thresholds()
-
-    def _tick(self) -> float | None:
-        """Seconds since the previous drafting call (one engine step; None: the first,
-        or the last one failed)."""
-        now = time.perf_counter()
-        seconds = None if self._last_call is None else now - self._last_call
-        self._last_call = now
-        return seconds
 
     def _rule_with_thresholds(self) -> StopRule:
         if self.fixed_min_acceptance is not None:

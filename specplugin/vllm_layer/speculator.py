@@ -18,13 +18,12 @@ A failure anywhere in drafting costs that step its drafts, never a request.
 from __future__ import annotations
 
 import logging
-import time
 
 import numpy as np
 from vllm.v1.sample.sampler import _SAMPLING_EPS  # a temperature below it is greedy
 
 from specplugin.adaptive.arbiter import arbiter_for
-from specplugin.adaptive.cost import StepCostModel
+from specplugin.adaptive.cost import StepCostModel, StepTimer
 from specplugin.metrics import FailureCounter
 from specplugin.proposers import MODEL_PROPOSERS, StepBatch, build_proposer
 from specplugin.proposers.union import Union, Verified
@@ -48,7 +47,7 @@ class Speculator:
                            decoy_primary=self.config.fault_injection.decoy_primary)
         self.failures = FailureCounter("union", logger)
         self.runner = None
-        self._last_call: float | None = None
+        self.timer = StepTimer()
         # skip_drafting read this step's wall time and the full path has yet to use it
         self._step_seconds: float | None = None
         self._step_timed = False
@@ -90,7 +89,7 @@ class Speculator:
         (:meth:`Union.plain_step <specplugin.proposers.union.Union.plain_step>`: the
         step's time is observed, no proposer runs). When it says False the full path
         runs next, in the same step, and takes the time read here (:meth:`_this_step`)."""
-        seconds = self._step_seconds = self._tick()
+        seconds = self._step_seconds = self.timer.lap()
         self._step_timed = True
         try:
             return not self.union.plain_step(seconds, num_reqs, num_query_tokens,
@@ -99,13 +98,6 @@ class Speculator:
             self.failures.record()
             return False
 
-    def _tick(self) -> float | None:
-        """Seconds since the previous drafting call (one engine step; None: the first)."""
-        now = time.perf_counter()
-        seconds = None if self._last_call is None else now - self._last_call
-        self._last_call = now
-        return seconds
-
     def _this_step(self) -> float | None:
         """The wall time of the step just run, read once per step: by :meth:`skip_drafting`
         if it ran this step (a second read would measure only the time since it, and the
@@ -113,7 +105,7 @@ class Speculator:
         if self._step_timed:
             self._step_timed = False
             return self._step_seconds
-        return self._tick()
+        return self.timer.lap()
 
     def _verified(self, context, sampled_token_ids) -> Verified:
         seconds = self._this_step()
