@@ -241,6 +241,7 @@ def test_a_failing_draft_step_costs_its_drafts_not_the_requests():
     import logging
 
     from specplugin.adaptive.arbiter import StepArbiter
+    from specplugin.adaptive.cost import StepTimer
     from specplugin.metrics import FailureCounter, ProposerStats
     from specplugin.proposers.draft import AcceptanceCalibration, OutcomeTracker
     from specplugin.vllm_layer.draft_proposer import PluginDraftProposer
@@ -252,6 +253,7 @@ def test_a_failing_draft_step_costs_its_drafts_not_the_requests():
     drafter.outcomes = OutcomeTracker(AcceptanceCalibration())
     drafter.arbiter = StepArbiter()
     drafter.proposer_stats = ProposerStats()
+    drafter.timer = StepTimer()
 
     def broken(*args, **kwargs):
         raise RuntimeError("draft model exploded")
