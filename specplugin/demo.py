@@ -114,8 +114,9 @@ def batch_sizes(text: str) -> list[int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from specplugin.bench.runner import add_eager_argument
     from specplugin.config import MAX_NUM_SPECULATIVE_TOKENS
+    from specplugin.zoo import PAIR_HELP
 
-    parser.add_argument("--zoo", help="zoo folder (default: the committed pair)")
+    parser.add_argument("--zoo", help=PAIR_HELP)
     parser.add_argument("--num-prompts", type=_int_option("--num-prompts", 1), default=8,
                         help="held-out prompts, one per file (default 8)")
     parser.add_argument("--batch-sizes", type=batch_sizes, default=[1, 8],
@@ -136,10 +137,10 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from specplugin.bench.runner import EngineFailure, plugin_engine_kwargs
-    from specplugin.zoo import zoo_path
+    from specplugin.zoo import pair_root, zoo_path
 
     console = Console()
-    root = Path(args.zoo) if args.zoo else None
+    root = pair_root(args.zoo)
     target = zoo_path("target", root)
     prompts = demo_prompts(root, args.num_prompts)
     if len(prompts) < args.num_prompts:

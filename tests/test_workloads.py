@@ -3,8 +3,10 @@
 import numpy as np
 import pytest
 
-from specplugin.bench.workloads import (FULL_SIZES, QUICK_CELLS, QUICK_SIZES, WORKLOADS, Cell,
-                                        cell_prompts, full_grid, source_from_texts)
+from specplugin.bench.runner import cell_payload
+from specplugin.bench.workloads import (FULL_SIZES, HEADLINE_CELLS, QUICK_CELLS, QUICK_SIZES,
+                                        WORKLOADS, Cell, cell_prompts, full_grid,
+                                        source_from_texts)
 
 SPECIAL = 0
 
@@ -89,12 +91,32 @@ def test_request_counts_per_batch_size():
 
 def test_the_grid_follows_the_design():
     grid = full_grid()
-    assert len(grid) == 3 * 2 * 2 + 1 + 1
+    assert len(grid) == 3 * 2 * 2 + 1 + 1 + 1
+    assert [c for c in grid if c.workload == "server"] == [Cell("server", 8, 1.0)]
     assert [c for c in grid if c.workload == "adversarial"] == [Cell("adversarial", 16, 1.0)]
     assert [c for c in grid if c.workload == "revisit"] == [Cell("revisit", 1, 0.0)]
-    assert {c.batch_size for c in grid if c.workload not in ("adversarial", "revisit")} == {1, 8}
+    assert {c.batch_size for c in grid
+            if c.workload not in ("adversarial", "revisit", "server")} == {1, 8}
     assert {c.temperature for c in grid} == {0.0, 1.0}
-    assert set(WORKLOADS) == {"edit", "complete", "mixed", "adversarial", "revisit"}
+    assert set(WORKLOADS) == {"edit", "complete", "mixed", "adversarial", "revisit", "server"}
+
+
+def test_the_headline_grid_is_the_six_cells_of_the_goals():
+    assert [c.key for c in HEADLINE_CELLS] == [
+        "edit/b1/t0", "complete/b1/t0", "complete/b8/t0", "server/b8/t1", "complete/b1/t1",
+        "adversarial/b16/t1"]
+
+
+def test_a_server_batch_mixes_greedy_and_sampled_edit_and_complete_requests():
+    source = _source()
+    cp = cell_prompts(source, FULL_SIZES, Cell("server", 8, 1.0))
+    edit_len = FULL_SIZES.edit_chunk_len + len(source.separator_ids) + FULL_SIZES.edit_restart_len
+    kinds = [(len(p) == edit_len, t) for p, t in zip(cp.prompts, cp.temperatures)]
+    assert kinds == [(True, 0.0), (False, 0.0), (True, 1.0), (False, 1.0)] * 2
+    # the per-request temperatures reach the engine child; a uniform cell sends none
+    assert cell_payload(cp)["temperatures"] == list(cp.temperatures)
+    assert "temperatures" not in cell_payload(cell_prompts(source, FULL_SIZES,
+                                                           Cell("complete", 8, 1.0)))
 
 
 def test_revisit_asks_each_window_again_behind_a_new_header():

@@ -23,9 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from specplugin.bench.methods import METHODS, listed_names
     from specplugin.bench.runner import add_eager_argument
     from specplugin.bench.workloads import WORKLOADS
+    from specplugin.zoo import PAIR_HELP
 
-    parser.add_argument("--zoo", help="zoo folder with target/ and draft/ "
-                        "(default: the committed weights)")
+    parser.add_argument("--zoo", help=PAIR_HELP)
     parser.add_argument("--methods", default=",".join(listed_names()),
                         help=f"comma-separated subset of: {', '.join(METHODS)} "
                              f"(default: {', '.join(listed_names())})")
@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rounds over all methods; tok/s is the median (default 3, --quick 1)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: 1 round, 3 cells, short outputs (< 5 min with --eager)")
+    parser.add_argument("--headline", action="store_true",
+                        help="the six headline cells (edit b1, complete b1, complete b8, "
+                             "server b8, complete b1 t1, adversarial b16), full sizes")
     parser.add_argument("--fresh-engine", action="store_true",
                         help="start an engine for every cell (as a user's offline job starts "
                              "one) instead of one per method and round running every cell")
@@ -59,23 +62,27 @@ def _csv(value: str) -> list[str]:
 def zoo_models(zoo: str | None):
     """The target and draft folders of ``zoo`` (default: the committed pair)."""
     from specplugin.bench.methods import Models
-    from specplugin.zoo import WEIGHTS_DIR, zoo_path
+    from specplugin.zoo import pair_root, zoo_path
 
-    root = Path(zoo) if zoo else WEIGHTS_DIR
+    root = pair_root(zoo)
     draft = root / "draft"
     return root, Models(target=str(zoo_path("target", root)),
                         draft=str(draft) if (draft / "config.json").exists() else None)
 
 
-def build_cells(zoo_root: Path, workloads: list[str], quick: bool, seed: int):
+def build_cells(zoo_root: Path, workloads: list[str], quick: bool, seed: int,
+                headline: bool = False):
     """The run's cells with their prompts: every method gets exactly these."""
-    from specplugin.bench.workloads import (FULL_SIZES, QUICK_CELLS, QUICK_SIZES, WORKLOADS,
-                                            cell_prompts, full_grid, source_from_zoo)
+    from specplugin.bench.workloads import (FULL_SIZES, HEADLINE_CELLS, QUICK_CELLS, QUICK_SIZES,
+                                            WORKLOADS, cell_prompts, full_grid, source_from_zoo)
 
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:
         raise ValueError(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}.")
-    cells = [c for c in QUICK_CELLS if c.workload in workloads] if quick else full_grid(workloads)
+    if quick and headline:
+        raise ValueError("--quick and --headline choose different cells; give one of them.")
+    chosen = QUICK_CELLS if quick else HEADLINE_CELLS if headline else full_grid(workloads)
+    cells = [c for c in chosen if c.workload in workloads]
     sizes = QUICK_SIZES if quick else FULL_SIZES
     source = source_from_zoo(zoo_root)
     return [cell_prompts(source, sizes, c, seed) for c in cells], sizes
@@ -90,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         specs = resolve(_csv(args.methods))
         zoo_root, models = zoo_models(args.zoo)
-        cells, sizes = build_cells(zoo_root, _csv(args.workloads), args.quick, args.seed)
+        cells, sizes = build_cells(zoo_root, _csv(args.workloads), args.quick, args.seed,
+                                   args.headline)
         for spec in specs:
             spec.engine_kwargs(models)  # fails now, not after an hour, if a draft is missing
         if args.rounds is not None and args.rounds < 1:

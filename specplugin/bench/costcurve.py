@@ -180,6 +180,7 @@ def _int(name: str, lo: int) -> Callable[[str], int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options only: importing this module must stay cheap (no vLLM, no torch)."""
     from specplugin.bench.runner import add_eager_argument
+    from specplugin.zoo import PAIR_HELP
 
     parser.add_argument("--rows", type=_int_list("--rows", 1), default=list(DEFAULT_ROWS),
                         help="comma-separated row (request) counts (default "
@@ -196,7 +197,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=_int("--repeats", 1), default=DEFAULT_REPEATS,
                         help=f"timed runs per shape after one discarded; the fastest is kept "
                              f"(default {DEFAULT_REPEATS})")
-    parser.add_argument("--zoo", help="zoo folder with target/ (default: the committed weights)")
+    parser.add_argument("--zoo", help=PAIR_HELP)
     parser.add_argument("--json", metavar="PATH", help="write the points as JSON")
     parser.add_argument("--plot", metavar="PATH",
                         help=f"PNG of the curve (default {DEFAULT_OUT_DIR}/cost-curve.png)")
@@ -209,11 +210,11 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from specplugin.bench.runner import EngineFailure, EngineJob, plugin_engine_kwargs, run_job
-    from specplugin.zoo import zoo_path
+    from specplugin.zoo import pair_root, zoo_path
 
     console = Console(stderr=True)  # progress and messages; the table goes to stdout
     try:
-        target = zoo_path("target", Path(args.zoo) if args.zoo else None)
+        target = zoo_path("target", pair_root(args.zoo))
     except (ValueError, FileNotFoundError) as err:
         console.print(f"[red]specplugin cost-curve: {err}[/red]")
         return 2

@@ -87,7 +87,8 @@ def warm_up(llm, cells: list[dict[str, Any]]) -> None:
     first = cells[0]
     prompt = list(reversed(first["prompts"][0]))
     batch = min(max(c["batch_size"] for c in cells), 8)
-    for temperature in sorted({c["temperature"] for c in cells}):
+    for temperature in sorted({t for c in cells for t in c.get("temperatures", [])}
+                              | {c["temperature"] for c in cells}):
         params = _sampling({**first, "temperature": temperature, "n": 1}, max_tokens=16)
         _generate(llm, [prompt] * batch, params)
 
@@ -139,13 +140,16 @@ def run_cell(llm, cell: dict[str, Any], return_token_ids: bool,
              plugin: bool = False) -> dict[str, Any]:
     """Submit the cell's prompts ``batch_size`` at a time; time only ``generate``.
     ``plugin``: the engine runs specplugin, whose per-proposer counters are read too."""
-    params = _sampling(cell)
     prompts, size = cell["prompts"], cell["batch_size"]
+    # [num_prompts] when requests differ in temperature (workload "server"), else one for all
+    params = ([_sampling({**cell, "temperature": t}) for t in cell["temperatures"]]
+              if "temperatures" in cell else _sampling(cell))
     before = spec_counters(llm)
     attributed, others = plugin_counters(llm) if plugin else (None, None)
     seconds, num_tokens, token_ids = 0.0, 0, []
     for i in range(0, len(prompts), size):
-        outputs, elapsed = _generate(llm, prompts[i : i + size], params)
+        outputs, elapsed = _generate(llm, prompts[i : i + size],
+                                     params[i : i + size] if isinstance(params, list) else params)
         seconds += elapsed
         completions = [list(c.token_ids) for o in outputs for c in o.outputs]
         num_tokens += sum(len(c) for c in completions)

@@ -52,8 +52,9 @@ class LoadResult:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from specplugin.bench.runner import add_eager_argument
+    from specplugin.zoo import PAIR_HELP
 
-    parser.add_argument("--zoo", help="zoo folder with target/ and draft/ (default: committed)")
+    parser.add_argument("--zoo", help=PAIR_HELP)
     parser.add_argument("--num-prompts", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=64,
                         help="streaming clients at once (vllm bench serve --max-concurrency)")

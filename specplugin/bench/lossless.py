@@ -51,8 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options only: importing this module must stay cheap (no vLLM, no torch)."""
     from specplugin.bench.methods import METHODS, PLUGIN, names_in
     from specplugin.bench.runner import add_eager_argument
+    from specplugin.zoo import PAIR_HELP
 
-    parser.add_argument("--zoo", help="zoo folder for the greedy check (default: committed weights)")
+    parser.add_argument("--zoo", help=PAIR_HELP)
     parser.add_argument("--methods", default=None,
                         help="comma-separated speculative methods to check (default: all of "
                              f"{', '.join(m for m in METHODS if m != 'none')}; "

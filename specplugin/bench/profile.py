@@ -43,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from specplugin.bench.methods import METHODS
     from specplugin.bench.runner import add_eager_argument
     from specplugin.bench.workloads import WORKLOADS
+    from specplugin.zoo import PAIR_HELP
 
     parser.add_argument("--methods", default=DEFAULT_METHODS,
                         help=f"comma-separated subset of: {', '.join(METHODS)} "
@@ -58,8 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a plugin setting for every plugin method of the run (value as "
                              "JSON, e.g. --set step_arbiter=false); repeatable")
-    parser.add_argument("--zoo", help="zoo folder with target/ and draft/ "
-                        "(default: the committed weights)")
+    parser.add_argument("--zoo", help=PAIR_HELP)
     parser.add_argument("--seed", type=int, default=0, help="prompt selection seed")
     parser.add_argument("--json", metavar="PATH", help="write the ledgers as JSON")
     parser.add_argument("--plot", metavar="PATH",

@@ -143,7 +143,8 @@ def cell_payload(cp: CellPrompts, n: int = 1) -> dict[str, Any]:
     c = cp.cell
     return {"key": c.key, "workload": c.workload, "batch_size": c.batch_size,
             "temperature": c.temperature, "max_tokens": cp.max_tokens, "n": n,
-            "prompts": [list(p) for p in cp.prompts]}
+            "prompts": [list(p) for p in cp.prompts],
+            **({"temperatures": list(cp.temperatures)} if cp.temperatures else {})}
 
 
 def cells_payload(cells: Sequence[CellPrompts]) -> tuple[dict[str, Any], ...]:

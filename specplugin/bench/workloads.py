@@ -5,6 +5,9 @@
 - **complete**: a window of unseen code; the continuation is fresh code.
 - **mixed**: edit and complete prompts alternating, so every batch holds both.
 - **adversarial**: uniformly random token ids: nothing to guess, speculation can only cost.
+- **server**: a batch as a server sees it: edit and complete prompts, half of the
+  requests greedy and half at the cell's temperature (request i edits when i is even,
+  samples when ``i // 2`` is odd: every four requests hold each combination once).
 - **revisit**: an agent working on the same file over several requests: each request is
   one of a few code windows again, behind a short header of its own, so a later request
   regenerates what an earlier one produced (cross-request drafting pays; requests of one
@@ -125,12 +128,23 @@ def revisit_prompts(source: PromptSource, sizes: Sizes, count: int,
 PromptBuilder = Callable[[PromptSource, Sizes, int, np.random.Generator], list[list[int]]]
 
 
+def same_temperature(count: int, temperature: float) -> list[float]:
+    return [temperature] * count
+
+
+def half_greedy(count: int, temperature: float) -> list[float]:
+    """Requests 0, 1 greedy, 2, 3 at ``temperature``, and so on (see ``server``)."""
+    return [0.0 if (i // 2) % 2 == 0 else temperature for i in range(count)]
+
+
 @dataclass(frozen=True)
 class Workload:
     name: str
     build: PromptBuilder
     batch_sizes: tuple[int, ...]
     temperatures: tuple[float, ...]
+    # per-request temperatures from the cell's: (count, temperature) -> [count]
+    request_temperatures: Callable[[int, float], list[float]] = same_temperature
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -140,6 +154,7 @@ WORKLOADS: dict[str, Workload] = {
         Workload("complete", complete_prompts, (1, 8), (0.0, 1.0)),
         Workload("mixed", mixed_prompts, (1, 8), (0.0, 1.0)),
         Workload("adversarial", adversarial_prompts, (16,), (1.0,)),
+        Workload("server", mixed_prompts, (8,), (1.0,), half_greedy),
         Workload("revisit", revisit_prompts, (1,), (0.0,)),
     )
 }
@@ -171,18 +186,28 @@ def full_grid(workloads: Sequence[str] = tuple(WORKLOADS)) -> list[Cell]:
 QUICK_CELLS = (Cell("edit", 1, 0.0), Cell("mixed", 8, 1.0), Cell("adversarial", 16, 1.0))
 
 
+# --headline: the six cells issue 19's goals are measured on (full sizes): copying and
+# fresh code at batch 1, fresh code batched, a server's mixed batch, sampling alone, noise.
+HEADLINE_CELLS = (Cell("edit", 1, 0.0), Cell("complete", 1, 0.0), Cell("complete", 8, 0.0),
+                  Cell("server", 8, 1.0), Cell("complete", 1, 1.0), Cell("adversarial", 16, 1.0))
+
+
 @dataclass(frozen=True)
 class CellPrompts:
     cell: Cell
     prompts: tuple[tuple[int, ...], ...]  # [num_batches * batch_size][prompt_len]
     max_tokens: int
+    temperatures: tuple[float, ...] | None = None  # [num_prompts]; None: the cell's, for all
 
 
 def cell_prompts(source: PromptSource, sizes: Sizes, cell: Cell, base_seed: int = 0) -> CellPrompts:
     count = sizes.num_batches(cell.batch_size) * cell.batch_size
     rng = np.random.default_rng(cell.seed(base_seed))
-    prompts = WORKLOADS[cell.workload].build(source, sizes, count, rng)
-    return CellPrompts(cell, tuple(tuple(int(t) for t in p) for p in prompts), sizes.max_tokens)
+    workload = WORKLOADS[cell.workload]
+    prompts = workload.build(source, sizes, count, rng)
+    temperatures = tuple(workload.request_temperatures(count, cell.temperature))
+    return CellPrompts(cell, tuple(tuple(int(t) for t in p) for p in prompts), sizes.max_tokens,
+                       None if set(temperatures) == {cell.temperature} else temperatures)
 
 
 def source_from_zoo(zoo_root: Path, stdlib_root: Path | None = None) -> PromptSource:

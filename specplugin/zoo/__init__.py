@@ -4,8 +4,11 @@ Nothing can be downloaded on the machines this project runs on, and speculative
 decoding means nothing on random weights, so the pair is trained here from the
 Python standard library (see ``train.py``) and committed as fp16 safetensors.
 
+A second pair, the **validation pair** (``specplugin/zoo/validation``: Qwen2, trained
+on C headers, its own tokenizer), is never tuned on: every goal is measured on both.
+
 ``zoo_path("target")`` / ``zoo_path("draft")`` give the committed folders;
-``build(...)`` retrains (``specplugin zoo build``).
+``build(...)`` retrains (``specplugin zoo build [--recipe validation]``).
 """
 
 from __future__ import annotations
@@ -13,7 +16,18 @@ from __future__ import annotations
 from pathlib import Path
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+VALIDATION_DIR = Path(__file__).resolve().parent / "validation"
+PAIRS = {"zoo": WEIGHTS_DIR, "validation": VALIDATION_DIR}  # name -> folder
 MODEL_NAMES = ("target", "draft")
+PAIR_HELP = ("model pair: zoo (default), validation (the pair never tuned on), or a folder "
+             "with target/ and draft/")
+
+
+def pair_root(name_or_path: str | Path | None) -> Path:
+    """The folder of a pair: ``zoo`` (default), ``validation``, or a folder path."""
+    if name_or_path is None:
+        return WEIGHTS_DIR
+    return PAIRS.get(str(name_or_path), Path(name_or_path))
 
 
 def zoo_path(name: str, root: Path | None = None) -> Path:
@@ -33,7 +47,13 @@ def heldout_files(root: Path | None = None) -> list[str]:
     return (root or WEIGHTS_DIR).joinpath("heldout_files.txt").read_text().split()
 
 
-def build(out_dir: Path | None = None, quick: bool = False, time_budget_s: float | None = None):
-    from specplugin.zoo.train import FULL, QUICK, build as _build
+def build(out_dir: Path | None = None, quick: bool = False, time_budget_s: float | None = None,
+          recipe: str = "full"):
+    """Train a pair; ``recipe`` is ``full`` (the zoo pair) or ``validation``."""
+    from specplugin.zoo.train import FULL, QUICK, VALIDATION, build as _build
 
-    return _build(Path(out_dir or WEIGHTS_DIR), QUICK if quick else FULL, time_budget_s)
+    recipes = {"full": FULL, "validation": VALIDATION}
+    if recipe not in recipes:
+        raise ValueError(f"unknown recipe {recipe!r}; choose one of {', '.join(recipes)}")
+    default_out = VALIDATION_DIR if recipe == "validation" else WEIGHTS_DIR
+    return _build(Path(out_dir or default_out), QUICK if quick else recipes[recipe], time_budget_s)

@@ -12,7 +12,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     zsub = parser.add_subparsers(dest="zoo_command", required=True)
     b = zsub.add_parser("build", help="train tokenizer, target and draft (deterministic)")
     b.add_argument("--quick", action="store_true", help="tiny pair in seconds (for tests)")
-    b.add_argument("--out", help="output folder (default: the package's committed weights)")
+    b.add_argument("--recipe", choices=["full", "validation"], default="full",
+                   help="full: the zoo pair (Llama, Python); validation: the pair never tuned "
+                        "on (Qwen2, C headers)")
+    b.add_argument("--out", help="output folder (default: the recipe's committed folder)")
     b.add_argument("--time-budget", type=float, default=None,
                    help="stop training after this many seconds (breaks bit-exact reproduction)")
     q = zsub.add_parser("path", help="print the folder of a zoo model")
@@ -33,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
         return report.run(args)
     built = zoo.build(Path(args.out) if args.out else None, quick=args.quick,
-                      time_budget_s=args.time_budget)
+                      time_budget_s=args.time_budget, recipe=args.recipe)
     for name in ("target", "draft"):
         r = built[name]
         print(f"{name}: {r['params'] / 1e6:.2f}M params, held-out loss {r['heldout_loss']:.3f}, "

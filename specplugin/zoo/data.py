@@ -1,7 +1,11 @@
-"""Corpus and tokenizer for the model zoo.
+"""Corpora and tokenizer for the model zoo.
 
-The corpus is the Python standard library's own source, which every machine with
-Python has. Files are split into train and held-out by a hash of their path
+The zoo pair's corpus is the Python standard library's own source, which every
+machine with Python has. The validation pair's is C: the system's C headers
+(``/usr/include`` without its C++ and vendored trees, and CPython's own headers),
+which every machine with gcc and the Python headers has; the exact set depends on
+the packages installed, so the validation pair is reproducible on this kind of
+machine, not bit for bit everywhere. Files are split into train and held-out by a hash of their path
 relative to the stdlib root, so the split is the same on every machine and does
 not depend on which other files exist. Test suites (``test/``, ``tests/``,
 ``idlelib/idle_test``) and ``site-packages`` are left out: they are large,
@@ -53,6 +57,35 @@ def stdlib_corpus(root: Path | None = None, max_files: int | None = None) -> Cor
     train = tuple(f for f in files if not is_heldout(f))
     heldout = tuple(f for f in files if is_heldout(f))
     return Corpus(root=root, train_files=train, heldout_files=heldout)
+
+
+# /usr/include trees that are C++ or a vendored copy of another project
+_C_EXCLUDED_TOP = {"c++", "node", "llvm-14", "llvm-c-14", "boost", "unicode", "qt5", "qt6"}
+
+
+def c_headers_corpus(roots: tuple[Path, ...] | None = None) -> Corpus:
+    """Every ``.h`` under the system include roots, by absolute path, split by path hash.
+
+    Paths are absolute (``Corpus.root`` is ``/``), so the held-out list names files
+    a benchmark reads back wherever they live.
+    """
+    if roots is None:
+        roots = (Path("/usr/include"), Path(sysconfig.get_paths()["include"]))
+    found: set[str] = set()
+    for root in roots:
+        if not root.is_dir():
+            continue
+        for p in root.rglob("*.h"):
+            rel = p.relative_to(root).parts
+            if rel[0] in _C_EXCLUDED_TOP or not p.is_file():
+                continue
+            found.add(str(p.resolve()).lstrip("/"))
+    if not found:
+        raise FileNotFoundError(f"no C headers under {', '.join(map(str, roots))}; the "
+                                "validation pair needs gcc's and Python's headers installed")
+    files = sorted(found)
+    return Corpus(root=Path("/"), train_files=tuple(f for f in files if not is_heldout(f)),
+                  heldout_files=tuple(f for f in files if is_heldout(f)))
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):

@@ -49,8 +49,9 @@ def measure(zoo_root: Path, num_prompts: int, max_tokens: int, k: int, eager: bo
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from specplugin.bench.runner import add_eager_argument
+    from specplugin.zoo import PAIR_HELP
 
-    parser.add_argument("--zoo", help="zoo folder (default: the committed pair)")
+    parser.add_argument("--zoo", help=PAIR_HELP)
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("-k", type=int, default=4)
@@ -59,9 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specplugin.zoo import WEIGHTS_DIR
+    from specplugin.zoo import pair_root
 
-    root = Path(args.zoo) if args.zoo else WEIGHTS_DIR
+    root = pair_root(args.zoo)
     r = measure(root, args.num_prompts, args.max_tokens, args.k, args.eager, Path(args.out_dir))
     for name in ("target", "draft"):
         m = r[name]

@@ -1,4 +1,9 @@
-"""Train the zoo's target and draft: a Llama pair sharing one byte-level BPE tokenizer.
+"""Train a zoo pair: a target and a draft sharing one byte-level BPE tokenizer.
+
+Two recipes: ``FULL``, the zoo pair (Llama, Python stdlib, vocabulary 4096), which the
+project benchmarks on; ``VALIDATION``, a pair the project never tunes on (Qwen2, with
+biases on q/k/v; C headers; vocabulary 6144; a smaller, faster target), so every goal
+is also measured on an architecture, tokenizer, language and step cost of its own.
 
 The target is trained on next-token cross entropy. The draft is distilled from the
 target (KL(target || draft) over the full vocabulary at every position), because
@@ -22,7 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specplugin.zoo.data import EOS_TOKEN, save_tokenizer, stdlib_corpus, train_tokenizer
+from specplugin.zoo.data import (EOS_TOKEN, c_headers_corpus, save_tokenizer, stdlib_corpus,
+                                 train_tokenizer)
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,8 @@ class Recipe:
     max_files: int | None = None  # None: the whole stdlib
     num_eval_windows: int = 32
     max_position_embeddings: int = 2048
+    corpus: str = "python"  # "python": the stdlib's .py files; "c": the system's C headers
+    architecture: str = "llama"  # "llama" or "qwen2"
     extra: dict = field(default_factory=dict)
 
 
@@ -61,6 +69,20 @@ FULL = Recipe(
     draft=ModelShape(hidden_size=128, num_layers=2, intermediate_size=384, num_heads=2),
     target_steps=800,
     draft_steps=400,
+)
+
+VALIDATION = Recipe(
+    name="validation",
+    vocab_size=6144,
+    seq_len=384,
+    batch_size=8,
+    target=ModelShape(hidden_size=320, num_layers=5, intermediate_size=896, num_heads=5),
+    draft=ModelShape(hidden_size=128, num_layers=2, intermediate_size=352, num_heads=2),
+    target_steps=700,
+    draft_steps=350,
+    seed=4321,
+    corpus="c",
+    architecture="qwen2",
 )
 
 QUICK = Recipe(
@@ -80,10 +102,15 @@ QUICK = Recipe(
 )
 
 
-def llama_config(shape: ModelShape, recipe: Recipe, eos_id: int):
-    from transformers import LlamaConfig
+def model_config(shape: ModelShape, recipe: Recipe, eos_id: int):
+    """A Hugging Face config of ``recipe.architecture`` with ``shape``."""
+    from transformers import LlamaConfig, Qwen2Config
 
-    return LlamaConfig(
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config}
+    if recipe.architecture not in classes:
+        raise ValueError(f"unknown architecture {recipe.architecture!r}; choose one of "
+                         f"{', '.join(classes)}")
+    return classes[recipe.architecture](
         vocab_size=recipe.vocab_size,
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
@@ -174,12 +201,13 @@ def _save_model(model, out_dir: Path) -> None:
 
 def build(out_dir: Path, recipe: Recipe, time_budget_s: float | None = None) -> dict:
     """Train tokenizer, target and draft into ``out_dir/{target,draft}``; return the report."""
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     start = time.monotonic()
     deadline = start + (time_budget_s if time_budget_s else float("inf"))
     torch.manual_seed(recipe.seed)
-    corpus = stdlib_corpus(max_files=recipe.max_files)
+    corpus = (c_headers_corpus() if recipe.corpus == "c"
+              else stdlib_corpus(max_files=recipe.max_files))
     train_texts = corpus.texts("train")
     tokenizer = train_tokenizer(train_texts, recipe.vocab_size)
     eos_id = tokenizer.token_to_id(EOS_TOKEN)
@@ -195,7 +223,7 @@ def build(out_dir: Path, recipe: Recipe, time_budget_s: float | None = None) -> 
     eval_windows = _eval_windows(to_stream(corpus.texts("heldout")), recipe)
 
     torch.manual_seed(recipe.seed)
-    target = LlamaForCausalLM(llama_config(recipe.target, recipe, eos_id))
+    target = AutoModelForCausalLM.from_config(model_config(recipe.target, recipe, eos_id))
     target_budget = start + (deadline - start) * 0.7 if time_budget_s else deadline
 
     def ce_loss(batch):
@@ -206,7 +234,7 @@ def build(out_dir: Path, recipe: Recipe, time_budget_s: float | None = None) -> 
     target.eval()
 
     torch.manual_seed(recipe.seed + 1)
-    draft = LlamaForCausalLM(llama_config(recipe.draft, recipe, eos_id))
+    draft = AutoModelForCausalLM.from_config(model_config(recipe.draft, recipe, eos_id))
 
     def kl_loss(batch):
         with torch.no_grad():
@@ -243,6 +271,8 @@ def build(out_dir: Path, recipe: Recipe, time_budget_s: float | None = None) -> 
     for name, model in (("target", target), ("draft", draft)):
         _save_model(model, out_dir / name)
         save_tokenizer(tokenizer, out_dir / name)
-    (out_dir / "heldout_files.txt").write_text("\n".join(corpus.heldout_files) + "\n")
+    # absolute paths for a corpus outside the stdlib: the benchmarks read them back
+    listed = [f if corpus.root != Path("/") else f"/{f}" for f in corpus.heldout_files]
+    (out_dir / "heldout_files.txt").write_text("\n".join(listed) + "\n")
     (out_dir / "zoo.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     return report
