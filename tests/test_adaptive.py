@@ -355,6 +355,50 @@ def test_arbiter_decodes_plainly_where_speculation_measures_slower():
     assert arbiter.rate(16, False) == pytest.approx(1000, rel=0.1)
 
 
+def test_new_text_sends_a_plain_batch_back_to_speculating_soon():
+    """Plain decoding led on text nothing guessed; a new request's text copies. The
+    arbiter re-checks speculation after min_interval blocks, not after the ~32 its gap
+    asks for, and the new text's rate replaces the old one."""
+    arbiter = StepArbiter()
+    _arbitrate(arbiter, 400, spec_rate=60.0, plain_rate=100.0, num_reqs=1)
+    while not arbiter.speculate(1):  # to the end of a re-check of speculation
+        arbiter.observe(1, 1 / 100.0)
+    while arbiter.speculate(1):
+        arbiter.observe(1, 1 / 60.0)
+    arbiter.observe(1, 1 / 100.0)
+    arbiter.new_requests(1, 1)
+    arbiter.observe(1, 0.05)  # the step that read the new prompt: not counted
+    choices = _arbitrate(arbiter, 60, spec_rate=250.0, plain_rate=100.0, num_reqs=1)
+    first = int(np.argmax(choices))
+    assert choices.any() and first <= (arbiter.min_interval + 1) * arbiter.block_steps
+    assert choices[first:].mean() > 0.9  # then it stays (a block may re-check plain)
+    assert arbiter.rate(1, True) == pytest.approx(250, rel=0.1)
+
+
+def test_a_plain_rate_the_cost_model_predicts_spares_the_plain_warm_up():
+    """Speculation measures twice the modelled plain rate: no plain block runs to prove
+    it; at 1.1x the model is not trusted and plain blocks are measured."""
+    arbiter = StepArbiter()
+    arbiter.plain_rate_model = lambda num_reqs: 100.0 * num_reqs
+    assert _arbitrate(arbiter, 200, spec_rate=200.0, plain_rate=100.0, num_reqs=1)[:100].all()
+    close = StepArbiter()
+    close.plain_rate_model = lambda num_reqs: 100.0 * num_reqs
+    assert not _arbitrate(close, 200, spec_rate=110.0, plain_rate=100.0, num_reqs=1).all()
+
+
+def test_new_text_retries_speculation_at_most_once_per_min_interval():
+    """A server whose requests keep arriving on text nothing guesses must not speculate
+    at every arrival."""
+    arbiter = StepArbiter()
+    _arbitrate(arbiter, 400, spec_rate=600.0, plain_rate=1000.0, num_reqs=16)
+    choices = []
+    for _ in range(400):
+        arbiter.new_requests(1, 16)
+        choices += list(_arbitrate(arbiter, 1, spec_rate=600.0, plain_rate=1000.0, num_reqs=16))
+    # one speculative block (4 steps) per min_interval + 1 blocks at most
+    assert sum(choices) <= 400 * 4 / (4 * (arbiter.min_interval + 1)) + 4
+
+
 def test_arbiter_speculates_where_it_pays_and_rarely_pays_to_check():
     choices = _arbitrate(StepArbiter(), 2000, spec_rate=2000.0, plain_rate=1000.0)
     late = choices[400:]

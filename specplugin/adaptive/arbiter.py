@@ -25,16 +25,42 @@ where ``gap = |r_spec - r_plain| / max(r_spec, r_plain)``: choices that are clos
 are re-measured often (the winner may change with the text and the load), a loser
 by far rarely, so that exploring costs about ``gap / interval``, at most
 ``gap_unit / min_interval`` (1.25% with the defaults) of throughput. A bucket starts
-by alternating, speculation first, until each choice has ``warmup_blocks``
-measured blocks (one slow block, such as the one in which a new batch's drafts
-first read their prompts, must not decide alone); its rate is their mean.
+by speculating for ``warmup_blocks`` blocks, then decodes plainly for as many (one
+slow block, such as the one in which a new batch's drafts first read their prompts,
+must not decide alone); a choice's rate is the mean of its first blocks.
+
+**Plain blocks that need not run.** A plain step is the most predictable step there
+is: the cost model (:mod:`~specplugin.adaptive.cost`) times the target's forwards at
+engine start and learns the rest of a step from every step since. Where the measured
+speculative rate is ``MODEL_MARGIN`` (1.25) times the plain rate that model predicts
+(``plain_rate_model``), the plain warm-up blocks are skipped and the modelled rate
+stands in until a plain block is measured (the usual re-check of the loser): on text
+that copies, a fresh engine then does not decode plainly for its first blocks to
+learn what it already knows. The margin covers the model's error: until the cost
+model has seen both kinds of steps, it counts the speculative machinery's cost into
+every step and so underrates plain decoding by that much.
+
+**New text.** The plain rate is a property of the machine and the batch size; the
+speculative rate is one of the text (how much of it the proposers can guess). A rate
+measured on other requests says little about a request that just arrived: a batch
+that gave plain decoding the lead on text nothing could guess would otherwise keep
+decoding plainly through text that copies (measured: 101 of 206 steps plain on an
+edit workload where speculating ran 2.8x faster). So when requests join the batch
+(:meth:`StepArbiter.new_requests`) and plain decoding leads, the running plain block
+ends and the next one speculates, after at least ``min_interval`` other blocks; that
+block's rate then replaces the old speculative rate by the share of the batch that is
+new (all of it at batch 1), the rest of the average stays.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 SPECULATE, PLAIN = True, False
+# speculation that measures this many times the cost model's plain rate needs no plain
+# block to prove it (see "Plain blocks that need not run" above)
+MODEL_MARGIN = 1.25
 
 
 def batch_bucket(num_reqs: int) -> int:
@@ -47,6 +73,7 @@ class _Bucket:
     rate: dict = field(default_factory=dict)  # choice -> tokens per second (EMA over blocks)
     blocks: dict = field(default_factory=lambda: {SPECULATE: 0, PLAIN: 0})  # measured blocks
     blocks_since: dict = field(default_factory=lambda: {SPECULATE: 0, PLAIN: 0})
+    new_share: float = 0.0  # share of the batch new since speculation was last measured
 
 
 class StepArbiter:
@@ -66,6 +93,11 @@ class StepArbiter:
         self._steps = 0  # steps of the running block so far
         self._tokens = self._seconds = 0.0  # counted part of the running block
         self.num_plain_blocks = self.num_spec_blocks = 0
+        self._skip_observation = False  # see new_requests
+        self._num_reqs = 1  # of the step last asked about
+        # num_reqs -> tokens per second of a plain step, modelled (None: unknown); the
+        # union gives its cost model's
+        self.plain_rate_model: Callable[[int], float | None] | None = None
 
     def stats(self) -> dict[str, int]:
         return {"speculative_blocks": self.num_spec_blocks, "plain_blocks": self.num_plain_blocks}
@@ -78,7 +110,8 @@ class StepArbiter:
     def observe(self, num_tokens: int, seconds: float | None) -> None:
         """The step that just ran emitted ``num_tokens`` in ``seconds`` of wall time."""
         self._steps += 1
-        if seconds is None or seconds <= 0:
+        skip, self._skip_observation = self._skip_observation, False
+        if skip or seconds is None or seconds <= 0:
             return
         best = max(self._buckets.get(self._bucket, _Bucket()).rate.values(), default=None)
         if best and seconds > 10 * max(num_tokens, 1) / best:
@@ -86,11 +119,35 @@ class StepArbiter:
         self._tokens += num_tokens
         self._seconds += seconds
 
+    def new_requests(self, num_new: int, num_reqs: int) -> None:
+        """``num_new`` of the batch's ``num_reqs`` requests arrived this step (new text:
+        see the module docstring)."""
+        if num_new <= 0 or num_reqs <= 0:
+            return
+        self._skip_observation = True  # the step that read their prompts: not a decode step
+        if self._bucket is None:
+            return
+        # the new requests' bucket is the one of the batch they joined
+        bucket = (batch_bucket(num_reqs), self._bucket[1])
+        state = self._buckets.setdefault(bucket, _Bucket())
+        state.new_share = min(1.0, state.new_share + num_new / num_reqs)
+        if (bucket == self._bucket and self._choice == PLAIN and not self.alternate
+                and self._retries_spec(state)):
+            self._close()
+            self._start(bucket)
+
+    def _retries_spec(self, state: _Bucket) -> bool:
+        """Whether new text sends this bucket back to speculating now (after at least
+        ``min_interval`` whole blocks of something else)."""
+        return (state.new_share > 0 and min(state.blocks.values()) >= self.warmup_blocks
+                and state.blocks_since[SPECULATE] > self.min_interval)
+
     def speculate(self, num_reqs: int, sampled: bool = False) -> bool:
         """Whether the step about to be planned speculates (call once per step);
         ``sampled``: most of its requests sample (acceptance, and so the rate of
         speculating, differs by far between greedy and sampled text)."""
         bucket = (batch_bucket(num_reqs), bool(sampled))
+        self._num_reqs = num_reqs
         if self._bucket is not None and bucket != self._bucket:
             self._start(bucket)  # the batch changed size: this block measures nothing
         elif self._bucket is None or self._steps >= self.block_steps:
@@ -106,6 +163,8 @@ class StepArbiter:
         state.blocks[self._choice] += 1
         # a plain mean over the first blocks (warm-up), then an exponential average
         weight = max(self.smoothing, 1.0 / state.blocks[self._choice])
+        if self._choice == SPECULATE:  # measured on the batch's text as it is now
+            weight, state.new_share = max(weight, state.new_share), 0.0
         old = state.rate.get(self._choice, rate)
         state.rate[self._choice] = old + weight * (rate - old)
 
@@ -121,11 +180,19 @@ class StepArbiter:
         self._bucket, self._steps, self._tokens, self._seconds = bucket, 0, 0.0, 0.0
 
     def _next_choice(self, state: _Bucket) -> bool:
-        if self.alternate or min(state.blocks.values()) < self.warmup_blocks:
-            # alternate, speculation first
+        if self.alternate:
             return state.blocks[SPECULATE] <= state.blocks[PLAIN]
-        spec, plain = state.rate[SPECULATE], state.rate[PLAIN]
+        if state.blocks[SPECULATE] < self.warmup_blocks:
+            return SPECULATE
+        spec, plain = state.rate[SPECULATE], state.rate.get(PLAIN)
+        if state.blocks[PLAIN] < self.warmup_blocks:
+            modelled = self.plain_rate_model(self._num_reqs) if self.plain_rate_model else None
+            if modelled is None or spec < MODEL_MARGIN * modelled:
+                return PLAIN  # too close (or unknown) to call without measuring it
+            plain = plain or modelled
         best = SPECULATE if spec >= plain else PLAIN
+        if best == PLAIN and self._retries_spec(state):
+            return SPECULATE
         gap = abs(spec - plain) / max(spec, plain)
         interval = min(self.max_interval,
                        max(self.min_interval, round(self.min_interval * gap / self.gap_unit)))

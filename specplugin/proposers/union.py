@@ -88,6 +88,8 @@ class Union:
         to plain decoding when it does not (None: every step is planned)."""
         self.explore = explore
         self.arbiter = arbiter
+        if arbiter is not None:
+            arbiter.plain_rate_model = self._plain_rate
         self.speculating = True  # this step's arbiter decision (see collect)
         self.proposers = list(proposers)
         names = tuple(p.name for p in self.proposers)
@@ -152,6 +154,13 @@ class Union:
             self._count_plain_step(num_reqs)
             self.stats.steps_skipped += 1
         return self.speculating
+
+    def _plain_rate(self, num_reqs: int) -> float | None:
+        """Tokens per second of a plain step of ``num_reqs`` requests, as the cost model
+        predicts it (None: it has timed no forward yet)."""
+        if not self.cost.calibrated:
+            return None
+        return num_reqs / float(self.cost.step_seconds(np.array([num_reqs]))[0])
 
     def _count_plain_step(self, num_reqs: int) -> None:
         self._pending, self._pending_extras = {}, {}

@@ -137,6 +137,12 @@ class PluginDraftProposer(DraftModelProposer):
         if self.union is not None:
             self.union.finish_requests(list(req_ids))
 
+    def new_requests(self, num_new: int, num_reqs: int) -> None:
+        """Requests joined the batch this step (see the runner's ``_note_new_requests``)."""
+        arbiter = self.arbiter if self.union is None else self.union.arbiter
+        if arbiter is not None:
+            arbiter.new_requests(num_new, num_reqs)
+
     def skip_drafting(self, num_reqs: int, num_query_tokens: int, mostly_sampled: bool) -> bool:
         """The runner asks before a step's drafting, when that step verified no draft:
         True if the next step decodes plainly too, so that nothing of the draft model's

@@ -98,6 +98,11 @@ class Speculator:
             self.failures.record()
             return False
 
+    def new_requests(self, num_new: int, num_reqs: int) -> None:
+        """Requests joined the batch this step (see the runner's ``_note_new_requests``)."""
+        if self.union.arbiter is not None:
+            self.union.arbiter.new_requests(num_new, num_reqs)
+
     def _this_step(self) -> float | None:
         """The wall time of the step just run, read once per step: by :meth:`skip_drafting`
         if it ran this step (a second read would measure only the time since it, and the

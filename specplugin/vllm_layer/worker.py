@@ -305,6 +305,7 @@ class PluginRunnerMixin:
         says the next one decodes plainly too (:meth:`_skip_drafting`), vLLM samples on
         its non-speculative path (no drafting call, no draft copies, no draft-model
         preparation) and the step hands back no drafts."""
+        self._note_new_requests()
         if self._skip_drafting():
             spec, self.speculative_config = self.speculative_config, None
             try:
@@ -322,6 +323,16 @@ class PluginRunnerMixin:
         if isinstance(output, ModelRunnerOutput) and output is not EMPTY_MODEL_RUNNER_OUTPUT:
             draft_handoff.attach(output, drafts)
         return output
+
+    def _note_new_requests(self) -> None:
+        """Tell the drafter's step arbiter that requests joined the batch in this step
+        (new text: :meth:`StepArbiter.new_requests
+        <specplugin.adaptive.arbiter.StepArbiter.new_requests>`)."""
+        so = self.step_scheduler_output
+        note = getattr(self.drafter, "new_requests", None)
+        new = getattr(so, "scheduled_new_reqs", None)
+        if note is not None and new:
+            note(len(new), self.input_batch.num_reqs)
 
     def _skip_drafting(self) -> bool:
         """Whether this step's drafting can be skipped: the step verified no draft (nothing
