@@ -21,9 +21,10 @@ QUICK_METHODS = ["none", "vllm-suffix", "plugin-union"]  # the quick bench run b
 def test_method_names_are_the_issues():
     assert listed_names() == ["none", "vllm-ngram", "vllm-suffix", "vllm-draft", "plugin-ngram",
                               "plugin-draft", "plugin-suffix", "plugin-union"]
-    # every other subset of proposers, for check-lossless; the scorer on request
+    # the union without its arbiter; every other subset of proposers, for check-lossless;
+    # the scorer on request
     assert [m for m in METHODS if m not in listed_names()] == [
-        "plugin-ngram+suffix", "plugin-draft+ngram", "plugin-draft+suffix",
+        "plugin-union-no-arbiter", "plugin-ngram+suffix", "plugin-draft+ngram", "plugin-draft+suffix",
         "plugin-union-scorer", "plugin-scorer-decoy", "plugin-union-scorer-decoy"]
     assert METHODS["none"].family == BASELINE
     assert {m for m, s in METHODS.items() if s.family == BUILTIN} == {

@@ -54,6 +54,10 @@ PLUGIN_SETTINGS: dict[str, dict[str, Any]] = {
     "plugin-ngram+suffix": {"num_speculative_tokens": 8, "proposers": ["ngram", "suffix"]},
     "plugin-draft+ngram": {"num_speculative_tokens": 8, "proposers": ["draft", "ngram"]},
     "plugin-draft+suffix": {"num_speculative_tokens": 8, "proposers": ["draft", "suffix"]},
+    # the union without its step arbiter: every step planned by the controller alone
+    # (what the arbiter adds or costs, measured)
+    "plugin-union-no-arbiter": {"num_speculative_tokens": 8,
+                                "proposers": ["draft", "ngram", "suffix"], "step_arbiter": False},
     # the batch-expanding scorer: up to 2 candidates per request verified per step
     "plugin-union-scorer": {"num_speculative_tokens": 8, "proposers": ["draft", "ngram", "suffix"],
                             "max_candidates": 2},
@@ -166,6 +170,8 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec("plugin-suffix", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-suffix"]),
         MethodSpec("plugin-union", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-union"],
                    needs_draft=True),
+        MethodSpec("plugin-union-no-arbiter", PLUGIN, _plugin,
+                   PLUGIN_SETTINGS["plugin-union-no-arbiter"], needs_draft=True, listed=False),
         MethodSpec("plugin-ngram+suffix", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-ngram+suffix"],
                    listed=False),
         MethodSpec("plugin-draft+ngram", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-draft+ngram"],
