@@ -47,7 +47,8 @@ that gave plain decoding the lead on text nothing could guess would otherwise ke
 decoding plainly through text that copies (measured: 101 of 206 steps plain on an
 edit workload where speculating ran 2.8x faster). So when requests join the batch
 (:meth:`StepArbiter.new_requests`) and plain decoding leads, the running plain block
-ends and the next one speculates, after at least ``min_interval`` other blocks; that
+ends and the next one speculates, after at least ``min_interval`` other blocks, or at
+once when the whole batch is new since speculation was last measured; that
 block's rate then replaces the old speculative rate by the share of the batch that is
 new (all of it at batch 1), the rest of the average stays.
 """
@@ -137,10 +138,13 @@ class StepArbiter:
             self._start(bucket)
 
     def _retries_spec(self, state: _Bucket) -> bool:
-        """Whether new text sends this bucket back to speculating now (after at least
-        ``min_interval`` whole blocks of something else)."""
-        return (state.new_share > 0 and min(state.blocks.values()) >= self.warmup_blocks
-                and state.blocks_since[SPECULATE] > self.min_interval)
+        """Whether new text sends this bucket back to speculating now: after at least
+        ``min_interval`` whole blocks of something else, or at once when none of the text
+        speculation was measured on is left in the batch (``new_share`` 1: at batch 1,
+        every new request)."""
+        if state.new_share <= 0 or min(state.blocks.values()) < self.warmup_blocks:
+            return False
+        return state.new_share >= 1.0 or state.blocks_since[SPECULATE] > self.min_interval
 
     def speculate(self, num_reqs: int, sampled: bool = False) -> bool:
         """Whether the step about to be planned speculates (call once per step);
