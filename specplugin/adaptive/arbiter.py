@@ -95,7 +95,6 @@ class StepArbiter:
         self._tokens = self._seconds = 0.0  # counted part of the running block
         self.num_plain_blocks = self.num_spec_blocks = 0
         self._skip_observation = False  # see new_requests
-        self._num_reqs = 1  # of the step last asked about
         # num_reqs -> tokens per second of a plain step, modelled (None: unknown); the
         # union gives its cost model's
         self.plain_rate_model: Callable[[int], float | None] | None = None
@@ -135,7 +134,7 @@ class StepArbiter:
         if (bucket == self._bucket and self._choice == PLAIN and not self.alternate
                 and self._retries_spec(state)):
             self._close()
-            self._start(bucket)
+            self._start(bucket, num_reqs)
 
     def _retries_spec(self, state: _Bucket) -> bool:
         """Whether new text sends this bucket back to speculating now: after at least
@@ -151,12 +150,11 @@ class StepArbiter:
         ``sampled``: most of its requests sample (acceptance, and so the rate of
         speculating, differs by far between greedy and sampled text)."""
         bucket = (batch_bucket(num_reqs), bool(sampled))
-        self._num_reqs = num_reqs
         if self._bucket is not None and bucket != self._bucket:
-            self._start(bucket)  # the batch changed size: this block measures nothing
+            self._start(bucket, num_reqs)  # the batch changed size: this block measures nothing
         elif self._bucket is None or self._steps >= self.block_steps:
             self._close()
-            self._start(bucket)
+            self._start(bucket, num_reqs)
         return self._choice
 
     def _close(self) -> None:
@@ -172,9 +170,9 @@ class StepArbiter:
         old = state.rate.get(self._choice, rate)
         state.rate[self._choice] = old + weight * (rate - old)
 
-    def _start(self, bucket: tuple[int, bool]) -> None:
+    def _start(self, bucket: tuple[int, bool], num_reqs: int) -> None:
         state = self._buckets.setdefault(bucket, _Bucket())
-        self._choice = self._next_choice(state)
+        self._choice = self._next_choice(state, num_reqs)
         state.blocks_since[self._choice] = 0
         state.blocks_since[not self._choice] += 1
         if self._choice == SPECULATE:
@@ -183,14 +181,14 @@ class StepArbiter:
             self.num_plain_blocks += 1
         self._bucket, self._steps, self._tokens, self._seconds = bucket, 0, 0.0, 0.0
 
-    def _next_choice(self, state: _Bucket) -> bool:
+    def _next_choice(self, state: _Bucket, num_reqs: int) -> bool:
         if self.alternate:
             return state.blocks[SPECULATE] <= state.blocks[PLAIN]
         if state.blocks[SPECULATE] < self.warmup_blocks:
             return SPECULATE
         spec, plain = state.rate[SPECULATE], state.rate.get(PLAIN)
         if state.blocks[PLAIN] < self.warmup_blocks:
-            modelled = self.plain_rate_model(self._num_reqs) if self.plain_rate_model else None
+            modelled = self.plain_rate_model(num_reqs) if self.plain_rate_model else None
             if modelled is None or spec < MODEL_MARGIN * modelled:
                 return PLAIN  # too close (or unknown) to call without measuring it
             plain = plain or modelled

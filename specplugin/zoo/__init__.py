@@ -52,8 +52,8 @@ def build(out_dir: Path | None = None, quick: bool = False, time_budget_s: float
     """Train a pair; ``recipe`` is ``full`` (the zoo pair) or ``validation``."""
     from specplugin.zoo.train import FULL, QUICK, VALIDATION, build as _build
 
-    recipes = {"full": FULL, "validation": VALIDATION}
+    recipes = {"full": (FULL, WEIGHTS_DIR), "validation": (VALIDATION, VALIDATION_DIR)}
     if recipe not in recipes:
         raise ValueError(f"unknown recipe {recipe!r}; choose one of {', '.join(recipes)}")
-    default_out = VALIDATION_DIR if recipe == "validation" else WEIGHTS_DIR
-    return _build(Path(out_dir or default_out), QUICK if quick else recipes[recipe], time_budget_s)
+    chosen, default_out = recipes[recipe]
+    return _build(Path(out_dir or default_out), QUICK if quick else chosen, time_budget_s)

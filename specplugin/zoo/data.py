@@ -5,9 +5,9 @@ machine with Python has. The validation pair's is C: the system's C headers
 (``/usr/include`` without its C++ and vendored trees, and CPython's own headers),
 which every machine with gcc and the Python headers has; the exact set depends on
 the packages installed, so the validation pair is reproducible on this kind of
-machine, not bit for bit everywhere. Files are split into train and held-out by a hash of their path
-relative to the stdlib root, so the split is the same on every machine and does
-not depend on which other files exist. Test suites (``test/``, ``tests/``,
+machine, not bit for bit everywhere. Files are split into train and held-out by a
+hash of their path (relative to the stdlib root; for C, the absolute path), so a
+file's side of the split does not depend on which other files exist. Test suites (``test/``, ``tests/``,
 ``idlelib/idle_test``) and ``site-packages`` are left out: they are large,
 repetitive and not what a user's code looks like.
 """
