@@ -358,7 +358,7 @@ def test_arbiter_decodes_plainly_where_speculation_measures_slower():
 def test_new_text_sends_a_plain_batch_back_to_speculating_at_once():
     """Plain decoding led on text nothing guessed; a new request's text copies. At batch
     1 the whole batch is new: the arbiter re-checks speculation at once, not after the
-    ~32 blocks its gap asks for, and the new text's rate replaces the old one."""
+    ~32 blocks its gap asks for, and keeps speculating while the new text pays."""
     arbiter = StepArbiter()
     _arbitrate(arbiter, 400, spec_rate=60.0, plain_rate=100.0, num_reqs=1)
     while not arbiter.speculate(1):  # to the end of a re-check of speculation
@@ -373,6 +373,22 @@ def test_new_text_sends_a_plain_batch_back_to_speculating_at_once():
     assert choices.any() and first == 0
     assert choices[first:].mean() > 0.9  # then it stays (a block may re-check plain)
     assert arbiter.rate(1, True) == pytest.approx(250, rel=0.1)
+
+
+def test_one_cold_block_of_a_new_request_does_not_end_speculation():
+    """Speculation ran at 3x plain on the last request; the next request's first block
+    is slow (nothing of its own to copy yet): that one block must not send the rest of
+    the request to plain decoding."""
+    arbiter = StepArbiter()
+    _arbitrate(arbiter, 200, spec_rate=300.0, plain_rate=100.0, num_reqs=1)
+    assert arbiter.speculate(1)  # a block starts; the new request arrives in its first step
+    arbiter.new_requests(1, 1)
+    arbiter.observe(1, 0.05)  # the step that read the new prompt
+    for _ in range(arbiter.block_steps - 1):  # the rest of the block: cold
+        assert arbiter.speculate(1)
+        arbiter.observe(1, 1 / 60.0)
+    choices = _arbitrate(arbiter, 100, spec_rate=300.0, plain_rate=100.0, num_reqs=1)
+    assert choices.mean() > 0.9
 
 
 def test_a_plain_rate_the_cost_model_predicts_spares_the_plain_warm_up():
