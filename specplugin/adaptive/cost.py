@@ -34,6 +34,7 @@ grows from the first token: the same rule then drafts less.
 from __future__ import annotations
 
 import time
+from bisect import bisect_left, bisect_right
 
 import numpy as np
 
@@ -48,6 +49,7 @@ def default_knots(max_tokens: int) -> np.ndarray:  # [num_knots] int
 class StepCostModel:
     def __init__(self, max_tokens: int = 512, smoothing: float = 0.05, warmup: int = 32):
         self.knots = default_knots(max_tokens)
+        self._knot_list = self.knots.tolist()
         self.forward_s = np.full(self.knots.shape, np.nan)  # [num_knots] F at each knot
         self.overhead_s = 0.0
         self.smoothing = smoothing
@@ -67,6 +69,19 @@ class StepCostModel:
     @property
     def calibrated(self) -> bool:
         return not np.isnan(self.forward_s).any()
+
+    def _forward_one(self, n: float) -> float:
+        """F(n) for one n, in plain floats: :meth:`observe` runs on every plain step, where
+        numpy's per-call overhead on scalars (~60 us) would be a percent of the step."""
+        knots, f = self._knot_list, self.forward_s
+        if n >= knots[-1]:
+            slope = (f[-1] - f[-2]) / (knots[-1] - knots[-2])
+            return float(f[-1] + slope * (n - knots[-1]))
+        i = bisect_right(knots, n)
+        if i == 0:
+            return float(f[0])
+        lo, hi = knots[i - 1], knots[i]
+        return float(f[i - 1] + (f[i] - f[i - 1]) * (n - lo) / (hi - lo))
 
     def calibrate(self, num_tokens: np.ndarray, seconds: np.ndarray) -> None:
         """Timed forwards (start-up): ``seconds[i]`` for ``num_tokens[i]`` query tokens.
@@ -101,17 +116,17 @@ class StepCostModel:
         20x the model's estimate is an idle gap (no requests), not a step, and is ignored."""
         if num_tokens <= 0 or seconds <= 0:
             return
-        if not self.calibrated:  # first sight: a line through the origin
+        if not self.num_observed and not self.calibrated:  # first sight: a line through 0
             self.forward_s = seconds * self.knots / num_tokens
-        predicted = float(self.step_seconds(num_tokens))
+        forward = self._forward_one(num_tokens)
+        predicted = self.overhead_s + forward
         if self.num_observed and seconds > 20 * predicted:
             return
         self.num_observed += 1
         residual = seconds - predicted
         # a step that compiled a new shape or waited on the host says nothing about the
         # machinery's steady cost: each residual counts at most one forward's worth
-        bound = float(self.forward_seconds(num_tokens))
-        clipped = float(np.clip(residual, -bound, bound))
+        clipped = min(max(residual, -forward), forward)
         old = self._residual[speculative] or 0.0
         self._residual[speculative] = old + self.smoothing * (clipped - old)
         self._counts[speculative] += 1
@@ -122,11 +137,13 @@ class StepCostModel:
         self._nudge_knots(num_tokens, 0.5 * self.smoothing * residual)
 
     def _nudge_knots(self, num_tokens: int, delta: float) -> None:
-        i = int(np.clip(np.searchsorted(self.knots, num_tokens), 1, self.knots.size - 1))
-        lo, hi = self.knots[i - 1], self.knots[i]
-        w = float(np.clip((num_tokens - lo) / (hi - lo), 0.0, 1.0))
-        self.forward_s[i - 1] = max(1e-6, self.forward_s[i - 1] + (1 - w) * delta)
-        self.forward_s[i] = max(self.forward_s[i - 1], self.forward_s[i] + w * delta)
+        knots = self._knot_list
+        i = min(max(bisect_left(knots, num_tokens), 1), len(knots) - 1)
+        lo, hi = knots[i - 1], knots[i]
+        w = min(max((num_tokens - lo) / (hi - lo), 0.0), 1.0)
+        f = self.forward_s
+        f[i - 1] = max(1e-6, float(f[i - 1]) + (1 - w) * delta)
+        f[i] = max(float(f[i - 1]), float(f[i]) + w * delta)
 
     def observe_draft_forward(self, seconds: float) -> None:
         old = self.draft_forward_s

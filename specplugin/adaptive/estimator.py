@@ -84,20 +84,26 @@ class AcceptanceEstimator:
         return (np.asarray(t.proposer), np.asarray(t.sampled, dtype=int), position, signal,
                 np.asarray(t.history))
 
-    def estimate(self, t: TokenCells) -> np.ndarray:  # [num_tokens] in (0, 1)
+    def _evidence(self, t: TokenCells, signal_known: bool = True):
+        """(judged n, accepted s, parent) per token. ``signal_known`` False: the token is
+        not drafted yet (the draft model before it runs), so its cell is pooled over
+        signal buckets: what tokens of that proposer, position and history brought."""
         cell = self._cells(t)
         parent_n = self.judged.sum(axis=(3, 4))[cell[:3]]
         parent_s = self.accepted.sum(axis=(3, 4))[cell[:3]]
         parent = (parent_s + self.m0 * self.prior_mean) / (parent_n + self.m0)
-        return (self.accepted[cell] + self.m * parent) / (self.judged[cell] + self.m)
+        if signal_known:
+            return self.judged[cell], self.accepted[cell], parent
+        pooled = cell[:3] + cell[4:]
+        return (self.judged.sum(axis=3)[pooled], self.accepted.sum(axis=3)[pooled], parent)
 
-    def sample(self, t: TokenCells) -> np.ndarray:  # [num_tokens] in (0, 1)
+    def estimate(self, t: TokenCells, signal_known: bool = True) -> np.ndarray:  # [num_tokens]
+        n, s, parent = self._evidence(t, signal_known)
+        return (s + self.m * parent) / (n + self.m)
+
+    def sample(self, t: TokenCells, signal_known: bool = True) -> np.ndarray:  # [num_tokens]
         """One draw per token from its cell's posterior (see the module docstring)."""
-        cell = self._cells(t)
-        parent_n = self.judged.sum(axis=(3, 4))[cell[:3]]
-        parent_s = self.accepted.sum(axis=(3, 4))[cell[:3]]
-        parent = (parent_s + self.m0 * self.prior_mean) / (parent_n + self.m0)
-        n, s = self.judged[cell], self.accepted[cell]
+        n, s, parent = self._evidence(t, signal_known)
         alpha = s + self.m * parent
         beta = np.maximum(n - s, 0.0) + self.m * (1.0 - parent)
         return np.clip(self.rng.beta(alpha, beta), 1e-6, 1.0 - 1e-6)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specplugin.adaptive.arbiter import StepArbiter
-from specplugin.adaptive.controller import NO_CANDIDATE, divergence, expand, plan
+from specplugin.adaptive.controller import NO_CANDIDATE, Choice, divergence, expand, plan
 from specplugin.adaptive.cost import StepCostModel
 from specplugin.adaptive.estimator import (AcceptanceEstimator, RequestHistory, TokenCells,
                                            history_bucket)
@@ -189,20 +189,84 @@ class Union:
         return [(r, i, c) for i, cands in per_proposer.items()
                 for r, c in enumerate(cands) if c is not None]
 
-    def expected_accepted(self, batch: StepBatch, offers) -> np.ndarray:  # [num_reqs]
-        """Per request, the most accepted tokens any of its offers is expected to bring if
-        verified whole: ``max_c sum_j prod_{i <= j} a_i``."""
-        best = np.zeros(batch.num_reqs)
-        histories = self._histories(batch)
-        for (r, _, _), a in zip(offers, self._estimate(offers, batch, histories)):
-            best[r] = max(best[r], float(np.cumprod(a).sum()))
-        return best
+    def plan_draft(self, batch: StepBatch, offers, draft_index: int, caps: np.ndarray,
+                   forward_seconds: float) -> np.ndarray:  # [num_reqs] int
+        """Tokens the draft model drafts for each row this step (0: it does not run for it).
 
-    def mean_accepted(self, index: int) -> float | None:
-        """Accepted tokens per verified candidate of proposer ``index`` so far (None: none yet)."""
-        name = self.proposers[index].name
-        chosen = self.stats.verified_candidates[name]
-        return self.stats.accepted_tokens[name] / chosen if chosen else None
+        The draft model's candidate is unknown until it runs, and running it costs
+        ``forward_seconds`` per drafted position whatever the rows (its first pass
+        included). So the step is planned twice (:func:`plan`): over the token-level
+        ``offers`` alone, and with one more candidate for every row that may use the draft
+        (``caps`` [num_reqs] > 0), ``caps[r]`` tokens long, whose acceptance is the
+        estimator's for the draft proposer before a signal is known (its cells pooled over
+        signal buckets; one row's drawn from the posterior, as in :meth:`choose`). The
+        draft runs for the rows the second plan gives it, for the number of positions m
+        (each one forward, shared by the rows; row r drafts ``min(k_r, m)``) that
+        maximises the step's tokens per second with its forwards counted, if that beats
+        the first plan's::
+
+            max_m E_with(m) / (T(n_with(m)) + forward_seconds * m)  >  E_without / T(n_without)
+
+        At a cold start the draft's tokens are coin flips (the estimator's prior), so the
+        plan takes few of them and the draft runs few positions; it drafts further as
+        its acceptance is measured."""
+        lengths = np.where(np.asarray(caps) > 0, caps, 0).astype(np.int64)  # [num_reqs]
+        if not self.speculating or not lengths.any():
+            return np.zeros(batch.num_reqs, dtype=np.int64)
+        histories = self._histories(batch)
+        acceptance: list[list[np.ndarray]] = [[] for _ in range(batch.num_reqs)]
+        offers = sorted(offers, key=lambda o: o[0])
+        for (r, _, _), a in zip(offers, self._estimate(offers, batch, histories)):
+            acceptance[r].append(a)
+        without = plan(acceptance, self.cost.step_seconds, spec_overhead=self.cost.spec_overhead_s)
+        rows = np.flatnonzero(lengths)
+        starts = np.cumsum(lengths[rows]) - lengths[rows]
+        cells = TokenCells(
+            proposer=np.full(int(lengths.sum()), draft_index),
+            sampled=np.repeat(np.asarray(batch.sampled)[rows], lengths[rows]),
+            position=np.arange(lengths.sum()) - np.repeat(starts, lengths[rows]),
+            signal=np.zeros(int(lengths.sum())),
+            history=np.repeat(np.asarray(histories)[rows], lengths[rows]))
+        estimate = self.estimator.estimate(cells, signal_known=False)
+        if self.explore:
+            explorer = np.repeat(rows, lengths[rows]) == self.estimator.rng.choice(rows)
+            estimate[explorer] = self.estimator.sample(cells.subset(explorer), signal_known=False)
+        for r, a in zip(rows, np.split(estimate, starts[1:])):
+            acceptance[r].append(a)
+        with_draft = plan(acceptance, self.cost.step_seconds,
+                          spec_overhead=self.cost.spec_overhead_s)
+        k = np.array([c.num_tokens if lengths[r] and c.candidate == len(acceptance[r]) - 1
+                      else 0 for r, c in enumerate(with_draft)], dtype=np.int64)
+        if not k.any():
+            return k
+        kept, kept_seconds = self._rate_terms(acceptance, without)
+        # the with-draft plan cut to m = 1 .. max k forwards, all at once: the other rows'
+        # part is fixed, the draft rows' gains are their cumulative P up to min(k_r, m)
+        others = [Choice(NO_CANDIDATE, 0) if k[r] else c for r, c in enumerate(with_draft)]
+        rest = self._rate_terms(acceptance, others)[0]
+        rest_tokens = batch.num_reqs + sum(c.num_tokens for c in others)
+        gains = np.zeros((int(np.count_nonzero(k)), int(k.max())))  # [num_draft_rows, max k]
+        for i, r in enumerate(np.flatnonzero(k)):
+            gains[i, :k[r]] = np.cumprod(acceptance[r][-1][:k[r]])
+        m = np.arange(1, gains.shape[1] + 1)  # [max k]
+        expected = rest + np.cumsum(gains.sum(axis=0))
+        num_tokens = rest_tokens + np.minimum(k[k > 0][:, None], m).sum(axis=0)
+        seconds = (self.cost.step_seconds(num_tokens) + self.cost.spec_overhead_s
+                   + forward_seconds * m)
+        rates = expected / seconds  # [max k]
+        if rates.max() <= kept / kept_seconds:
+            return np.zeros_like(k)
+        return np.minimum(k, int(m[np.argmax(rates)]))
+
+    def _rate_terms(self, acceptance, choices) -> tuple[float, float]:
+        """(expected tokens emitted, seconds) of a step that verifies ``choices``."""
+        expected, num_tokens = float(len(choices)), len(choices)
+        for r, c in enumerate(choices):
+            if c.candidate != NO_CANDIDATE:
+                expected += float(np.cumprod(acceptance[r][c.candidate][:c.num_tokens]).sum())
+                num_tokens += c.num_tokens
+        seconds = float(self.cost.step_seconds(np.array([num_tokens]))[0])
+        return expected, seconds + self.cost.spec_overhead_s * (num_tokens > len(choices))
 
     def choose(self, batch: StepBatch, offers) -> list[list[int]]:
         """The controller's choice among ``offers``: one draft per row."""

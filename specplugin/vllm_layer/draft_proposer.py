@@ -54,10 +54,6 @@ from specplugin.proposers.union import Union, Verified
 from specplugin.vllm_layer.ranks import RankZeroClock
 
 logger = logging.getLogger("specplugin")
-# In a union, the draft model runs for every row that may use it once it has not run for
-# this many speculative steps: its average acceptance, which decides whether it runs at
-# all, must not stay frozen at an unlucky early value.
-RETRY_DRAFT_STEPS = 16
 
 
 class PluginDraftProposer(DraftModelProposer):
@@ -81,8 +77,7 @@ class PluginDraftProposer(DraftModelProposer):
         self.timer = StepTimer()  # wall time of each step, from one drafting call to the next
         self._step_seconds: float | None = None  # wall time of the step just run
         self._last_forwards = self._last_draft_tokens = 0  # of the previous propose()
-        self._mean_forwards: float | None = None  # per step that ran the draft (average)
-        self._steps_without_draft = 0  # speculative steps since the draft model last ran
+        self._param_ratio: float | None = None  # draft / target parameters (see _forward_price)
         # skip_drafting observed the step just run and decided to speculate: the full
         # path neither times it again nor asks the draft-alone arbiter again
         self._observed = False
@@ -246,13 +241,13 @@ class PluginDraftProposer(DraftModelProposer):
             return self._plain_step(num_reqs)
         batch = _step_batch(self.plugin_runner.input_batch, context, sampled, caps,
                             num_accepted, next_token_ids[:num_reqs])
-        finish = self._finish
-        if self.union is not None:  # token-level candidates first: they may spare drafting
-            offers, caps = self._union_offers(batch)
-            finish = functools.partial(self._finish_union, offers=offers)
         if batch.allowed is not None:  # requests whose specplugin_proposers leave out the draft
             caps = np.where([a is None or DraftCandidates.name in a for a in batch.allowed],
                             caps, 0)
+        finish = self._finish
+        if self.union is not None:  # token-level candidates first: they may spare drafting
+            offers, caps = self._union_offers(batch, caps)
+            finish = functools.partial(self._finish_union, offers=offers)
         rows = np.flatnonzero(caps > 0)  # [num_drafting] the rows the draft model drafts for
         starts = self.cursor.starts([batch.req_ids[r] for r in rows], batch.num_tokens[rows],
                                     self.max_num_tokens)
@@ -433,12 +428,6 @@ class PluginDraftProposer(DraftModelProposer):
         """What the cost model charges this step with, once it has run."""
         self.last_lengths = lengths.tolist()
         self._last_forwards = run.num_positions  # the first pass included
-        if run.num_positions:
-            old = self._mean_forwards or run.num_positions
-            self._mean_forwards = old + 0.05 * (run.num_positions - old)
-            self._steps_without_draft = 0
-        else:
-            self._steps_without_draft += 1
         self._last_draft_tokens = int(lengths.sum())
 
     def _full_rows(self, run: DraftRun, rows: np.ndarray, num_reqs: int):
@@ -488,40 +477,30 @@ class PluginDraftProposer(DraftModelProposer):
         self._last_forwards = self._last_draft_tokens = 0
         return torch.zeros((num_reqs, 1), dtype=torch.int64, device=self.input_ids.device)
 
-    def _union_offers(self, batch: StepBatch):
-        """Ask the token-level proposers, and decide which rows still need the draft
-        model: a row whose best token-level candidate is expected to bring more accepted
-        tokens than the draft's candidates have brought on average skips drafting (its
-        forwards would be wasted). Returns the offers and the draft's per-row caps (0: no
-        draft model for that row this step)."""
+    def _union_offers(self, batch: StepBatch, caps: np.ndarray):
+        """Ask the token-level proposers, then let the union plan the draft model's part:
+        which rows it drafts for and how far, its forwards priced in
+        (:meth:`Union.plan_draft <specplugin.proposers.union.Union.plan_draft>`).
+        Returns the offers and the draft's per-row caps (0: no draft model for that row)."""
         draft_index = len(self.union.proposers) - 1
         offers = self.union.ask(batch, range(draft_index))
-        caps = np.asarray(batch.max_draft_lens)
-        draft_mean = self.union.mean_accepted(draft_index)
-        if draft_mean is None:  # no evidence yet: let the draft compete everywhere
-            return offers, caps
-        # what drafting would add over each row's best token-level candidate, in tokens
-        gain = np.where(caps > 0, np.maximum(
-            draft_mean - self.union.expected_accepted(batch, offers), 0.0), 0.0)
-        if self._steps_without_draft >= RETRY_DRAFT_STEPS:
-            return offers, caps  # re-measure a draft that has not run for a while
-        if not self._draft_pays(gain):
-            return offers, np.zeros_like(caps)
-        return offers, np.where(gain > 0, caps, 0)
+        rows = int(np.count_nonzero(caps))
+        caps = self.union.plan_draft(batch, offers, draft_index, caps, self._forward_price(rows))
+        return offers, caps
 
-    def _draft_pays(self, gain: np.ndarray) -> bool:  # gain: [num_reqs] expected tokens
-        """Whether running the draft model this step is worth its forwards: the tokens it
-        is expected to add over the token-level candidates, at the engine's measured
-        seconds per emitted token ``t``, against a run's measured cost (``c`` per forward
-        times the forwards an average run takes)::
-
-            sum_r gain_r * t  >=  c * mean_forwards
-
-        Until both are measured the draft runs wherever it may gain."""
-        c, t = self.costs.draft_forward_s, self.costs.token_s
-        if c is None or t is None or self._mean_forwards is None:
-            return bool(gain.any())
-        return float(gain.sum()) * t >= c * self._mean_forwards
+    def _forward_price(self, num_rows: int) -> float:
+        """Seconds of one draft forward: measured once the draft has run; before that, the
+        target's forward for as many rows (timed at engine start) scaled by the draft's
+        share of the target's parameters."""
+        if self.costs.draft_forward_s is not None:
+            return self.costs.draft_forward_s
+        if not self.union.cost.calibrated:
+            return 0.0
+        if self._param_ratio is None:
+            target = self.plugin_runner.get_model()
+            self._param_ratio = (sum(p.numel() for p in self.model.parameters())
+                                 / max(1, sum(p.numel() for p in target.parameters())))
+        return self._param_ratio * float(self.union.cost.forward_seconds(max(1, num_rows)))
 
     def _finish_union(self, run: DraftRun, rows: np.ndarray, batch: StepBatch,
                       offers) -> torch.Tensor:

@@ -110,7 +110,7 @@ WORKER_TIMED: Timed = (
     (_UNION, "Union", "begin", "plugin: learn"),
     (_UNION, "Union", "ask", "plugin: ask"),
     (_UNION, "Union", "_estimate", "plugin: estimate"),
-    (_UNION, "Union", "expected_accepted", "plugin: plan"),
+    (_UNION, "Union", "plan_draft", "plugin: plan"),
     (_UNION, "Union", "choose", "plugin: plan"),
     (_UNION, "Union", "finish_requests", "plugin: learn"),
     # each proposer's candidates
