@@ -46,6 +46,7 @@ class ProposerStats:
     steps: int = 0
     steps_without_drafts: int = 0
     steps_skipped: int = 0  # of those, steps whose drafting was skipped altogether
+    steps_peeked: int = 0  # plain steps the n-gram peek turned speculative (Union.plain_step)
     extra_candidates: int = 0  # candidates sent to the batch-expanding scorer beside the chosen
 
     def verified(self, proposer: str, num_draft_tokens: int, num_accepted: int) -> None:
@@ -83,7 +84,7 @@ class ProposerStats:
                 "draft_tokens_per_pos": [self.draft_tokens_per_pos[name, p] for p in range(depth)],
                 "accepted_tokens_per_pos": [self.accepted_per_pos[name, p] for p in range(depth)]}
         return {"steps": self.steps, "steps_without_drafts": self.steps_without_drafts,
-                "steps_skipped": self.steps_skipped,
+                "steps_skipped": self.steps_skipped, "steps_peeked": self.steps_peeked,
                 "extra_candidates": self.extra_candidates,
                 "k_histogram": {str(k): n for k, n in sorted(self.k_histogram.items())},
                 "proposers": proposers}

@@ -323,6 +323,40 @@ def test_the_draft_runs_where_its_priced_forwards_pay():
     assert union.plan_draft(one, [], 1, np.array([8]), forward_seconds=0.001)[0] > cold[0]
 
 
+def test_a_cold_draft_runs_in_some_steps_for_every_row_though_its_prior_does_not_pay():
+    """One draft forward serves every row, so whether it runs is decided on one draw
+    from its posterior shared by the rows: with forwards priced so that a coin-flip
+    draft does not pay on average, a cold draft still runs in some steps (and then for
+    every row alike), where the posterior mean would never run it nor learn its worth."""
+    rows = [f"r{j}" for j in range(8)]
+    runs = {}
+    for explore in (False, True):
+        union = _union(Fixed("ngram", [], 0.5), Fixed("draft", [], 0.5), explore=explore)
+        assert union.begin(None, 8, sampled=False)
+        runs[explore] = [union.plan_draft(_batch(rows), [], 1, np.full(8, 8),
+                                          forward_seconds=0.002) for _ in range(200)]
+    assert not any(k.any() for k in runs[False])
+    drafted = [k for k in runs[True] if k.any()]
+    assert len(drafted) > 20, len(drafted)
+    assert all((k == k[0]).all() for k in drafted)  # all rows or none
+
+
+def test_the_draft_models_time_is_kept_out_of_the_target_step_cost():
+    """A step's wall time holds the draft model's forwards, which plan_draft prices on
+    their own: the cost model learns the step without them (else a plain step would
+    look dearer after every draft run, and drafts be paid for twice); the arbiter gets
+    the whole step."""
+    def fed(seconds, draft_seconds):
+        union = _union(Fixed("p", [1, 2], 0.9))
+        for _ in range(50):
+            union.begin(Verified(("a",), np.array([2]), np.array([3]), seconds, 3,
+                                 draft_seconds=draft_seconds), 1, sampled=False)
+        return float(union.cost.step_seconds(np.array([3]))[0])
+
+    assert fed(0.020, 0.008) == pytest.approx(fed(0.012, 0.0))
+    assert fed(0.020, 0.0) > fed(0.012, 0.0) + 0.004
+
+
 def test_the_speculative_machinery_is_charged_once_per_step():
     # 1 ms per token, 10 ms per step; drafting at all costs 4 ms more: one 0.3 token
     # does not pay for it, but a long confident draft does
@@ -439,6 +473,65 @@ def test_new_text_retries_speculation_at_most_once_per_min_interval():
         choices += list(_arbitrate(arbiter, 4, spec_rate=600.0, plain_rate=1000.0, num_reqs=16))
     # one speculative block (4 steps) per min_interval + 1 blocks at most
     assert sum(choices) <= 400 * 4 / (4 * (arbiter.min_interval + 1)) + 4
+
+
+class _AlwaysPlain(StepArbiter):
+    """The arbiter's measured rates say plain; records whether the union overruled it."""
+
+    def __init__(self, pays=True):
+        super().__init__()
+        self.overruled, self.pays = 0, pays
+
+    def speculate(self, num_reqs, sampled=False):
+        return False
+
+    def pays_now(self, num_reqs, predicted_rate, sampled=False):
+        return self.pays
+
+    def speculate_now(self, num_reqs, sampled=False):
+        self.overruled += 1
+
+
+def _peek(context):
+    tokens = np.zeros((1, 64), dtype=np.int64)
+    tokens[0, :len(context)] = context
+    return lambda: StepBatch(("a",), tokens, np.array([len(context)]), np.array([2]),
+                             np.array([8]), np.array([False]), (0,))
+
+
+def test_a_plain_step_speculates_when_the_ngram_peek_sees_text_that_copies():
+    """Plain decoding leads on the arbiter's rates, but the context now repeats itself:
+    the n-gram proposer, asked on the plain step, finds a copy the controller would
+    verify, so the next step speculates and the arbiter starts a speculative block."""
+    from specplugin.proposers.ngram import NgramProposer
+
+    union = _union(NgramProposer(), Fixed("draft", [], 0.5))
+    union.arbiter = _AlwaysPlain()
+    fresh = [7, 3, 9, 1, 4, 8, 2, 6, 5, 11, 13]
+    assert not union.plain_step(0.01, 1, 1, False, peek=_peek(fresh))
+    copies = [7, 3, 9, 1, 4, 8, 2, 6, 5, 7, 3, 9, 1]
+    assert union.plain_step(0.01, 1, 1, False, peek=_peek(copies))
+    assert union.arbiter.overruled == 1 and union.stats.steps_peeked == 1
+    union.arbiter.pays = False  # the measured plain rate beats the corrected prediction
+    assert not union.plain_step(0.01, 1, 1, False, peek=_peek(copies))
+    no_ngram = _union(Fixed("draft", [], 0.5))
+    no_ngram.arbiter = _AlwaysPlain()
+    assert not no_ngram.plain_step(0.01, 1, 1, False, peek=_peek(copies))
+
+
+def test_predictions_that_proved_optimistic_do_not_overrule_measured_plain_decoding():
+    """Speculative blocks measured half the rate the union predicted for them (sampled
+    text): a step predicted at 1.5x the plain rate is not worth it, one at 2.5x is."""
+    arbiter = StepArbiter()
+    assert not arbiter.pays_now(1, 1e9)  # no plain rate measured yet: the warm-up measures it
+    for _ in range(200):
+        choice = arbiter.speculate(1)
+        if choice:
+            arbiter.predicted(240.0)
+        arbiter.observe(1, 1 / (120.0 if choice else 100.0))
+    assert arbiter.rate(1, False) == pytest.approx(100.0, rel=0.01)
+    assert not arbiter.pays_now(1, 150.0)
+    assert arbiter.pays_now(1, 250.0)
 
 
 def test_arbiter_speculates_where_it_pays_and_rarely_pays_to_check():

@@ -150,6 +150,18 @@ def test_overhead_two_ways():
     assert o["estimated"] == pytest.approx(0.01)
 
 
+def test_the_plain_step_is_compared_with_nones_round_by_round():
+    """Engines one after another on a shared machine differ by more than the 3% bound:
+    each round's plain step is divided by none's of the same round, never another's."""
+    from specplugin.bench.profile import _plain_rounds, plain_ratios
+
+    none = {"rounds": [{"round": 0, "plain_step_ms": 8.0}, {"round": 1, "plain_step_ms": 10.0}]}
+    union = {"rounds": [{"round": 1, "skipped_step_ms": 10.0}, {"round": 0, "skipped_step_ms": 8.4}]}
+    assert plain_ratios(union, none) == pytest.approx([1.0, 1.05])
+    assert _plain_rounds(union, {"none": none, "union": union}) == "1.000, 1.050 (1.025x)"
+    assert _plain_rounds(none, {"none": none}) == "-"
+
+
 # ------------------------------------------------------------------ inside real vLLM
 
 # A built-in without a draft model, and a union with the draft model and one token-level

@@ -56,6 +56,17 @@ draft model's first pass reads its prompt), so letting them replace the average
 to plain decoding after one cold block (measured: 64 of 72 blocks plain in the last
 request of a fresh engine's complete/b1 cell, after 8 speculative blocks at 3x the
 plain rate in the request before).
+
+**Copies in sight.** Text that starts copying in the middle of a request is new text
+too. On a plain step the union asks its cheapest proposer (n-gram) on the batch as it
+stands and plans the step it would verify (:meth:`Union.plain_step
+<specplugin.proposers.union.Union.plain_step>`); the arbiter judges that plan
+(:meth:`StepArbiter.pays_now`): its predicted rate times the bucket's ``correction``
+(speculative blocks' measured rate over the rate the union predicted for their steps,
+an exponential average) against the measured plain rate. If it wins, a speculative
+block starts at once (:meth:`StepArbiter.speculate_now`). The correction keeps
+predictions that proved optimistic, such as a copy's tokens under sampling, from
+overruling what the arbiter measured.
 """
 
 from __future__ import annotations
@@ -80,6 +91,9 @@ class _Bucket:
     blocks: dict = field(default_factory=lambda: {SPECULATE: 0, PLAIN: 0})  # measured blocks
     blocks_since: dict = field(default_factory=lambda: {SPECULATE: 0, PLAIN: 0})
     new_share: float = 0.0  # share of the batch new since speculation was last measured
+    # speculative blocks' measured rate over the rate the union's plans predicted for them
+    # (exponential average; None: none measured yet)
+    correction: float | None = None
 
 
 class StepArbiter:
@@ -98,6 +112,7 @@ class StepArbiter:
         self._bucket: tuple[int, bool] | None = None  # of the running block
         self._steps = 0  # steps of the running block so far
         self._tokens = self._seconds = 0.0  # counted part of the running block
+        self._predicted: list[float] = []  # the union's predicted rate of each planned step
         self.num_plain_blocks = self.num_spec_blocks = 0
         self._skip_observation = False  # see new_requests
         # num_reqs -> tokens per second of a plain step, modelled (None: unknown); the
@@ -162,6 +177,28 @@ class StepArbiter:
             self._start(bucket, num_reqs)
         return self._choice
 
+    def predicted(self, rate: float) -> None:
+        """The union planned the running step to emit ``rate`` tokens per second."""
+        self._predicted.append(rate)
+
+    def pays_now(self, num_reqs: int, predicted_rate: float, sampled: bool = False) -> bool:
+        """Whether a step the union predicts at ``predicted_rate`` beats plain decoding at
+        this batch size: the prediction times the bucket's correction (what speculative
+        blocks measured over what was predicted for them; 1 until one was) against the
+        measured plain rate (False until plain blocks were measured: the warm-up's plain
+        blocks must run to give that rate)."""
+        state = self._buckets.get((batch_bucket(num_reqs), bool(sampled)))
+        if self.alternate or state is None or PLAIN not in state.rate:
+            return False
+        return (state.correction or 1.0) * predicted_rate > state.rate[PLAIN]
+
+    def speculate_now(self, num_reqs: int, sampled: bool = False) -> None:
+        """Text worth speculating on is in sight (the union's peek on a plain step): the
+        running block ends and a speculative one starts with the step about to be planned."""
+        bucket = (batch_bucket(num_reqs), bool(sampled))
+        self._close()
+        self._start(bucket, num_reqs, SPECULATE)
+
     def _close(self) -> None:
         if self._bucket is None or self._seconds <= 0:
             return
@@ -172,12 +209,17 @@ class StepArbiter:
         weight = max(self.smoothing, 1.0 / state.blocks[self._choice])
         if self._choice == SPECULATE:  # measured on the batch's text as it is now
             state.new_share = 0.0
+            if self._predicted:
+                ratio = rate * len(self._predicted) / sum(self._predicted)
+                old_ratio = state.correction
+                state.correction = (ratio if old_ratio is None
+                                    else old_ratio + self.smoothing * (ratio - old_ratio))
         old = state.rate.get(self._choice, rate)
         state.rate[self._choice] = old + weight * (rate - old)
 
-    def _start(self, bucket: tuple[int, bool], num_reqs: int) -> None:
+    def _start(self, bucket: tuple[int, bool], num_reqs: int, choice: bool | None = None) -> None:
         state = self._buckets.setdefault(bucket, _Bucket())
-        self._choice = self._next_choice(state, num_reqs)
+        self._choice = self._next_choice(state, num_reqs) if choice is None else choice
         state.blocks_since[self._choice] = 0
         state.blocks_since[not self._choice] += 1
         if self._choice == SPECULATE:
@@ -185,6 +227,7 @@ class StepArbiter:
         else:
             self.num_plain_blocks += 1
         self._bucket, self._steps, self._tokens, self._seconds = bucket, 0, 0.0, 0.0
+        self._predicted = []
 
     def _next_choice(self, state: _Bucket, num_reqs: int) -> bool:
         if self.alternate:

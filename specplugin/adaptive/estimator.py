@@ -101,11 +101,23 @@ class AcceptanceEstimator:
         n, s, parent = self._evidence(t, signal_known)
         return (s + self.m * parent) / (n + self.m)
 
-    def sample(self, t: TokenCells, signal_known: bool = True) -> np.ndarray:  # [num_tokens]
-        """One draw per token from its cell's posterior (see the module docstring)."""
+    def sample(self, t: TokenCells, signal_known: bool = True,
+               shared: bool = False) -> np.ndarray:  # [num_tokens]
+        """One draw per token from its cell's posterior (see the module docstring);
+        ``shared``: one draw per distinct cell, the same for every token in it (a
+        decision that holds for many rows at once, such as running the draft model,
+        must weigh one guess at what its tokens are worth, not many independent ones
+        whose average is the mean again)."""
         n, s, parent = self._evidence(t, signal_known)
         alpha = s + self.m * parent
         beta = np.maximum(n - s, 0.0) + self.m * (1.0 - parent)
+        if shared and alpha.size:
+            cell = list(np.broadcast_arrays(*self._cells(t)))
+            if not signal_known:
+                cell[3] = np.zeros_like(cell[3])  # pooled over signal buckets
+            _, first, inverse = np.unique(np.stack(cell), axis=1, return_index=True, return_inverse=True)
+            draws = self.rng.beta(alpha[first], beta[first])
+            return np.clip(draws[np.ravel(inverse)], 1e-6, 1.0 - 1e-6)
         return np.clip(self.rng.beta(alpha, beta), 1e-6, 1.0 - 1e-6)
 
     def update(self, t: TokenCells, accepted: np.ndarray) -> None:

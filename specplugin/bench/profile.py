@@ -33,7 +33,7 @@ PHASE_ORDER = (
     "drafting", "draft forward", "draft handoff", "update_from_output", "runner (other)",
     "plugin: context", "plugin: learn", "plugin: ask", "propose: ngram", "propose: suffix",
     "propose: draft", "plugin: estimate", "plugin: plan", "draft: loop", "draft: inputs",
-    "draft: sample", "plugin: hand back", "plugin: metrics", "plugin: plain step",
+    "draft: sample", "plugin: hand back", "plugin: metrics", "plugin: plain step", "plugin: peek",
     "plugin: runner",
     "plugin: other", "scorer: expand", "scorer: resolve", "rest",
 )
@@ -53,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--quick", action="store_true",
                         help="short outputs (the test suite's size)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="engines per method, methods interleaved and rotated per round: "
+                             "the ledger is the first round's; the plain step's ratio to "
+                             "none's is reported per round and as their median (one engine "
+                             "after another on a shared machine differs by more than the 3%% "
+                             "that ratio is held to)")
     parser.add_argument("--overhead-pairs", type=int, default=3,
                         help="timers-off/on runs per method after the profiled run, to "
                              "measure the timers' own cost (0: skip)")
@@ -95,9 +101,10 @@ def run(args: argparse.Namespace) -> int:
         for spec in specs:
             kwargs = spec.engine_kwargs(models, settings_for(spec, args.overrides))
             _check_plugin_settings(kwargs)
-        if args.batch_size < 1 or args.overhead_pairs < 0:
-            raise ValueError("--batch-size must be >= 1 and --overhead-pairs >= 0; got "
-                             f"{args.batch_size} and {args.overhead_pairs}.")
+        if args.batch_size < 1 or args.overhead_pairs < 0 or args.rounds < 1:
+            raise ValueError("--batch-size and --rounds must be >= 1 and --overhead-pairs "
+                             f">= 0; got {args.batch_size}, {args.rounds} and "
+                             f"{args.overhead_pairs}.")
         if args.py_spy:
             _check_py_spy()
         cell = Cell(args.workload, args.batch_size, args.temperature)
@@ -108,13 +115,21 @@ def run(args: argparse.Namespace) -> int:
         return 2
     out_dir = Path(args.out_dir)
     results, failures = {}, []
-    for spec in specs:
-        console.print(f"profile: {spec.name}: starting a fresh engine")
-        try:
-            results[spec.name] = profile_method(spec, models, prompts, args, out_dir)
-        except Exception as err:  # one failed engine must not lose the others' ledgers
-            failures.append(f"{spec.name}: {err}")
-            console.print(f"[red]FAILED {spec.name}: {err}[/red]")
+    for round_index in range(args.rounds):
+        shift = round_index % len(specs)
+        for spec in specs[shift:] + specs[:shift]:
+            console.print(f"profile: {spec.name}: starting a fresh engine"
+                          + (f" (round {round_index + 1} of {args.rounds})" if args.rounds > 1
+                             else ""))
+            try:
+                summary = profile_method(spec, models, prompts, args, out_dir, round_index)
+            except Exception as err:  # one failed engine must not lose the others' ledgers
+                failures.append(f"{spec.name}: {err}")
+                console.print(f"[red]FAILED {spec.name}: {err}[/red]")
+                continue
+            result = results.setdefault(spec.name, summary)  # the first round's ledger
+            result.setdefault("rounds", []).append(
+                {key: summary[key] for key in ROUND_KEYS} | {"round": round_index})
     if results:
         payload = {"meta": _meta(args, models, cell, prompts), "methods": results}
         title = _title(payload["meta"])
@@ -163,14 +178,20 @@ def settings_for(spec, overrides: Mapping[str, Any]) -> dict[str, Any]:
     return {**spec.settings, **(overrides if spec.family == PLUGIN else {})}
 
 
-def profile_method(spec, models, prompts, args, out_dir: Path) -> dict[str, Any]:
+# what each round keeps of a method's summary (the ledger is the first round's)
+ROUND_KEYS = ("tok_s", "step_ms", "plain_step_ms", "skipped_step_ms")
+
+
+def profile_method(spec, models, prompts, args, out_dir: Path,
+                   round_index: int = 0) -> dict[str, Any]:
     """One fresh engine: the method's summary (see :func:`specplugin.profiling.summarize`)
     with its overhead check, front-end time and device note."""
     from specplugin.bench.runner import EngineJob, cell_payload, run_job
     from specplugin.profiling import Ledger, combine, summarize
     from specplugin.vllm_layer.profiling import ENV
 
-    job = EngineJob(label=f"profile-{spec.name}", model=models.target,
+    label = f"profile-{spec.name}" + (f"-r{round_index + 1}" if round_index else "")
+    job = EngineJob(label=label, model=models.target,
                     engine_kwargs=spec.engine_kwargs(models, settings_for(spec, args.overrides)),
                     cells=(cell_payload(prompts),),
                     kind="profile", eager=args.eager, overhead_pairs=args.overhead_pairs,
@@ -255,6 +276,7 @@ def ledger_rows(results: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, lis
         ("steps", [str(r["num_steps"]) for r in rs]),
         ("plain decode step ms (median; steps)", [_plain(r, results) for r in rs]),
         ("  of them drafting skipped too", [_plain(r, results, "skipped") for r in rs]),
+        ("  skipped / none's, per round (median)", [_plain_rounds(r, results) for r in rs]),
         ("engine busy (steps / wall)", [f"{r['busy_share']:.0%}" for r in rs]),
         ("front end ms / step (alongside)", [f"{r['front_end_ms_per_step']:.3f}" for r in rs]),
         ("timer overhead: measured", [_pct(r["overhead"]["measured"]) for r in rs]),
@@ -323,6 +345,25 @@ def _plain(result: Mapping[str, Any], results: Mapping[str, Mapping[str, Any]],
     none = results.get("none", {}).get("plain_step_ms")
     ratio = f", {ms / none:.3f}x none" if none and result is not results.get("none") else ""
     return f"{ms:.3f} ({result[f'num_{kind}_steps']}{ratio})"
+
+
+def plain_ratios(result: Mapping[str, Any], none: Mapping[str, Any]) -> list[float]:
+    """Per round, the median plain step that skipped drafting over none's in the same
+    round (rounds where either has none left out)."""
+    theirs = {r["round"]: r["plain_step_ms"] for r in none.get("rounds", ())}
+    return [r["skipped_step_ms"] / theirs[r["round"]] for r in result.get("rounds", ())
+            if r.get("skipped_step_ms") and theirs.get(r["round"])]
+
+
+def _plain_rounds(result: Mapping[str, Any], results: Mapping[str, Mapping[str, Any]]) -> str:
+    none = results.get("none")
+    if none is None or result is none:
+        return "-"
+    ratios = plain_ratios(result, none)
+    if not ratios:
+        return "-"
+    return (", ".join(f"{x:.3f}" for x in ratios)
+            + (f" ({statistics.median(ratios):.3f}x)" if len(ratios) > 1 else ""))
 
 
 def _pct(value: float | None) -> str:

@@ -22,7 +22,7 @@ Everything here is vLLM-free; the vLLM layer builds the :class:`StepBatch` and t
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,6 +60,8 @@ class Verified:
     seconds: float | None  # wall time of the step (None: unknown, e.g. the first one)
     num_query_tokens: int  # tokens the target ran in it (all rows, drafts included)
     scored: dict[str, Scored] | None = None  # req_id -> outcome, for requests with extras
+    # seconds of ``seconds`` the draft model's forwards took (priced apart: plan_draft)
+    draft_seconds: float = 0.0
 
 
 @dataclass
@@ -109,6 +111,9 @@ class Union:
         self.last_alternates: list[list[list[int]]] = []
         self._alternative_offers: list[tuple[int, int, Candidate]] = []  # this step's
         self._observed = False  # plain_step observed the last step and chose to speculate
+        # the proposer plain_step's peek asks (None: the union has no n-gram proposer)
+        self._peek_index = next((i for i, p in enumerate(self.proposers) if p.name == "ngram"),
+                                None)
         self._skipped_steps = 0  # plain steps since begin() last ran (estimator decay)
 
     def step(self, batch: StepBatch, verified: Verified | None) -> list[list[int]]:
@@ -135,17 +140,36 @@ class Union:
         return self.speculating
 
     def plain_step(self, seconds: float | None, num_reqs: int, num_query_tokens: int,
-                   sampled: bool) -> bool:
+                   sampled: bool, peek: Callable[[], StepBatch] | None = None,
+                   draft_seconds: float = 0.0) -> bool:
         """The cheap path for a step that verified no draft: observe its time (cost model,
         step arbiter) and say whether the next step speculates. False: the next step is
         plain and nothing else runs for it (the caller skips drafting; no proposer is
         asked, nothing is estimated). True: the caller plans it with :meth:`begin`, which
         then neither observes this step again nor asks the arbiter again. Without an
-        arbiter, or with drafts still waiting for their verdict, always True."""
+        arbiter, or with drafts still waiting for their verdict, always True.
+        ``draft_seconds``: the part of ``seconds`` the draft model ran (it ran for a step
+        that then verified none of its tokens), kept out of the cost model.
+
+        ``peek``: the batch as it stands (contexts up to the last step's tokens). Where the
+        arbiter keeps the step plain, the n-gram proposer, the cheapest there is, is
+        asked on it (:meth:`_copy_in_sight`); if the controller would verify some of its
+        candidates and the step it plans, at the rate it predicts times what speculative
+        blocks measured over what was predicted for them, beats the measured plain rate
+        (:meth:`StepArbiter.pays_now
+        <specplugin.adaptive.arbiter.StepArbiter.pays_now>`), the step speculates after
+        all and the arbiter starts a speculative block: a rate measured on earlier text
+        must not keep decoding plainly through text that copies, and predictions that
+        proved optimistic (sampled text) must not undo the arbiter's measurements."""
         if self.arbiter is None or self._pending or self._pending_extras:
             return True
-        self._observe(seconds, num_query_tokens, num_reqs, speculative=False)
+        self._observe(seconds, num_query_tokens, num_reqs, speculative=False,
+                      draft_seconds=draft_seconds)
         self.speculating = self.arbiter.speculate(num_reqs, sampled)
+        if not self.speculating and peek is not None and self._copy_in_sight(peek):
+            self.arbiter.speculate_now(num_reqs, sampled)
+            self.speculating = True
+            self.stats.steps_peeked += 1
         if self.speculating:
             self._observed = True
         else:
@@ -154,6 +178,28 @@ class Union:
             self._count_plain_step(num_reqs)
             self.stats.steps_skipped += 1
         return self.speculating
+
+    def _copy_in_sight(self, peek: Callable[[], StepBatch]) -> bool:
+        """Whether the n-gram proposer (if the union has one) finds, on the batch
+        ``peek()`` returns, candidates the controller would verify (posterior means) in a
+        step the arbiter judges faster than a plain one."""
+        index = self._peek_index
+        if index is None:
+            return False
+        batch = peek()
+        offers = [(r, index, c) for r, c in enumerate(self._ask(index, batch)) if c is not None]
+        if not offers:
+            return False
+        acceptance: list[list[np.ndarray]] = [[] for _ in range(batch.num_reqs)]
+        for (r, _, _), a in zip(offers, self._estimate(offers, batch, self._histories(batch),
+                                                       explore=False)):
+            acceptance[r].append(a)
+        choices = plan(acceptance, self.cost.step_seconds, spec_overhead=self.cost.spec_overhead_s)
+        if not any(c.num_tokens for c in choices):
+            return False
+        expected, seconds = self._rate_terms(acceptance, choices)
+        return self.arbiter.pays_now(batch.num_reqs, expected / seconds,
+                                     bool(np.mean(batch.sampled) > 0.5))
 
     def _plain_rate(self, num_reqs: int) -> float | None:
         """Tokens per second of a plain step of ``num_reqs`` requests, as the cost model
@@ -170,10 +216,14 @@ class Union:
         self.stats.k_histogram[0] += num_reqs
 
     def _observe(self, seconds: float | None, num_query_tokens: int, num_emitted: int,
-                 speculative: bool) -> None:
-        """A step's wall time, to the cost model and the step arbiter."""
+                 speculative: bool, draft_seconds: float = 0.0) -> None:
+        """A step's wall time, to the cost model (without ``draft_seconds``, the draft
+        model's forwards: :meth:`plan_draft` prices them itself, and counted in ``T(n)``
+        they would be paid twice and make plain steps look dearer) and the step arbiter
+        (all of it: what a block of such steps really emits per second)."""
         if seconds is not None:
-            self.cost.observe(num_query_tokens, seconds, speculative=speculative)
+            self.cost.observe(num_query_tokens, max(seconds - draft_seconds, 1e-9),
+                              speculative=speculative)
         if self.arbiter is not None:
             self.arbiter.observe(num_emitted, seconds)
 
@@ -199,7 +249,10 @@ class Union:
         ``offers`` alone, and with one more candidate for every row that may use the draft
         (``caps`` [num_reqs] > 0), ``caps[r]`` tokens long, whose acceptance is the
         estimator's for the draft proposer before a signal is known (its cells pooled over
-        signal buckets; one row's drawn from the posterior, as in :meth:`choose`). The
+        signal buckets), drawn from the posterior once per cell for all rows (Thompson
+        sampling: one forward serves every row, so the draw that decides it is one guess
+        at the draft's worth; the posterior mean would never run a draft whose prior
+        does not pay on its own, and never learn that it does). The
         draft runs for the rows the second plan gives it, for the number of positions m
         (each one forward, shared by the rows; row r drafts ``min(k_r, m)``) that
         maximises the step's tokens per second with its forwards counted, if that beats
@@ -207,9 +260,9 @@ class Union:
 
             max_m E_with(m) / (T(n_with(m)) + forward_seconds * m)  >  E_without / T(n_without)
 
-        At a cold start the draft's tokens are coin flips (the estimator's prior), so the
-        plan takes few of them and the draft runs few positions; it drafts further as
-        its acceptance is measured."""
+        At a cold start the draft's tokens are coin flips (the estimator's prior, Beta
+        around 0.5), so the draft runs in the steps whose draw is high enough to pay;
+        once its acceptance is measured the draws narrow around it."""
         lengths = np.where(np.asarray(caps) > 0, caps, 0).astype(np.int64)  # [num_reqs]
         if not self.speculating or not lengths.any():
             return np.zeros(batch.num_reqs, dtype=np.int64)
@@ -227,10 +280,10 @@ class Union:
             position=np.arange(lengths.sum()) - np.repeat(starts, lengths[rows]),
             signal=np.zeros(int(lengths.sum())),
             history=np.repeat(np.asarray(histories)[rows], lengths[rows]))
-        estimate = self.estimator.estimate(cells, signal_known=False)
-        if self.explore:
-            explorer = np.repeat(rows, lengths[rows]) == self.estimator.rng.choice(rows)
-            estimate[explorer] = self.estimator.sample(cells.subset(explorer), signal_known=False)
+        if self.explore:  # one draw per cell, shared by the rows (see the docstring)
+            estimate = self.estimator.sample(cells, signal_known=False, shared=True)
+        else:
+            estimate = self.estimator.estimate(cells, signal_known=False)
         for r, a in zip(rows, np.split(estimate, starts[1:])):
             acceptance[r].append(a)
         with_draft = plan(acceptance, self.cost.step_seconds,
@@ -278,6 +331,9 @@ class Union:
             acceptance[r].append(a)
         choices = plan(acceptance, self.cost.step_seconds,
                        spec_overhead=self.cost.spec_overhead_s)
+        if self.arbiter is not None:
+            expected, seconds = self._rate_terms(acceptance, choices)
+            self.arbiter.predicted(expected / seconds)
         drafts = self._remember(batch, offers, histories, choices)
         self.last_alternates = [[] for _ in choices]
         if self.max_candidates > 1:
@@ -360,8 +416,10 @@ class Union:
             return [None] * batch.num_reqs
         return [c if c is not None and len(c) else None for c in candidates]
 
-    def _estimate(self, offers, batch: StepBatch, histories: list[int]) -> list[np.ndarray]:
-        """Acceptance of every offered token in one estimator call, split per offer."""
+    def _estimate(self, offers, batch: StepBatch, histories: list[int],
+                  explore: bool | None = None) -> list[np.ndarray]:
+        """Acceptance of every offered token in one estimator call, split per offer
+        (``explore``: one row's drawn from the posterior; default: the union's setting)."""
         if not offers:
             return []
         lengths = np.array([len(c) for _, _, c in offers])  # [num_offers]
@@ -374,7 +432,7 @@ class Union:
             signal=np.concatenate([c.signal for _, _, c in offers]),
             history=np.repeat(np.asarray(histories)[rows], lengths))
         estimate = self.estimator.estimate(cells)  # [num_tokens]
-        if self.explore:
+        if self.explore if explore is None else explore:
             token_rows = np.repeat(rows, lengths)  # [num_tokens]
             explorer = token_rows == self.estimator.rng.choice(rows)
             estimate[explorer] = self.estimator.sample(cells.subset(explorer))
@@ -427,7 +485,8 @@ class Union:
         if observe:
             self._observe(verified.seconds, verified.num_query_tokens,
                           int(np.sum(verified.num_emitted)),
-                          bool(np.any(verified.num_scheduled_drafts > 0)))
+                          bool(np.any(verified.num_scheduled_drafts > 0)),
+                          verified.draft_seconds)
         pending, self._pending = self._pending, {}
         pending_extras, self._pending_extras = self._pending_extras, {}
         scored = verified.scored or {}

@@ -77,6 +77,7 @@ class PluginDraftProposer(DraftModelProposer):
         self.timer = StepTimer()  # wall time of each step, from one drafting call to the next
         self._step_seconds: float | None = None  # wall time of the step just run
         self._last_forwards = self._last_draft_tokens = 0  # of the previous propose()
+        self._last_draft_seconds = 0.0  # the previous propose()'s draft run, wall time
         self._param_ratio: float | None = None  # draft / target parameters (see _forward_price)
         # skip_drafting observed the step just run and decided to speculate: the full
         # path neither times it again nor asks the draft-alone arbiter again
@@ -138,6 +139,11 @@ class PluginDraftProposer(DraftModelProposer):
         if arbiter is not None:
             arbiter.new_requests(num_new, num_reqs)
 
+    def _peek(self) -> StepBatch:
+        """The batch as it stands, for the union's peek on a plain step (asked only when
+        the arbiter keeps a step plain)."""
+        return self.plugin_runner.peek_batch()
+
     def skip_drafting(self, num_reqs: int, num_query_tokens: int, mostly_sampled: bool) -> bool:
         """The runner asks before a step's drafting, when that step verified no draft:
         True if the next step decodes plainly too, so that nothing of the draft model's
@@ -150,11 +156,15 @@ class PluginDraftProposer(DraftModelProposer):
         if self._step_seconds is not None:
             self.costs.observe_step(self._step_seconds, num_reqs, self._last_forwards,
                                     self._last_draft_tokens)
+        draft_seconds = self._last_draft_seconds
         self._last_forwards = self._last_draft_tokens = 0
+        self._last_draft_seconds = 0.0
         try:
             if self.union is not None:
                 plain = not self.union.plain_step(self._step_seconds, num_reqs,
-                                                  num_query_tokens, mostly_sampled)
+                                                  num_query_tokens, mostly_sampled,
+                                                  peek=self._peek,
+                                                  draft_seconds=draft_seconds)
             elif self.arbiter is None:
                 plain = False
             else:
@@ -184,6 +194,7 @@ class PluginDraftProposer(DraftModelProposer):
             num_reqs = len(self.plugin_runner.input_batch.req_ids)
             self.last_lengths = [0] * num_reqs
             self._last_draft_probs = None
+            self._last_draft_seconds = 0.0
             self.forget_pending()
             self.timer.reset()
             return torch.zeros((num_reqs, 1), dtype=torch.int64, device=self.device)
@@ -253,9 +264,12 @@ class PluginDraftProposer(DraftModelProposer):
                                     self.max_num_tokens)
         rows, starts = rows[starts >= 0], starts[starts >= 0]
         run = DraftRun(rule, self.calibration, sampled[rows], caps=caps[rows])
+        self._last_draft_seconds = 0.0
         if rows.size:
+            start = time.perf_counter()
             self._draft(run, batch, rows, starts, common_attn_metadata,
                         sampling_metadata.temperature)
+            self._last_draft_seconds = time.perf_counter() - start
         return finish(run, rows, batch)
 
     def _draft(self, run: DraftRun, batch: StepBatch, rows: np.ndarray, starts: np.ndarray,
@@ -330,7 +344,8 @@ class PluginDraftProposer(DraftModelProposer):
         # wall time of the step just run (None: first step, or the last one failed)
         self._step_seconds = self.timer.lap()
         if self.clock.shared:
-            self._step_seconds = self._agree_on_timings(self._step_seconds)
+            self._step_seconds, self._last_draft_seconds = self._agree_on_timings(
+                self._step_seconds, self._last_draft_seconds)
         if self._step_seconds is not None:  # every row emitted one token plus its accepted drafts
             self.costs.observe_step(self._step_seconds, num_reqs + int(num_accepted.sum()),
                                     self._last_forwards, self._last_draft_tokens)
@@ -348,15 +363,17 @@ class PluginDraftProposer(DraftModelProposer):
         else:
             self.costs.observe_forward(seconds)
 
-    def _agree_on_timings(self, step_seconds: float | None) -> float | None:
-        """Tensor parallelism: rank 0's step time and draft forward times replace this
-        rank's (every rank then takes the same decisions; see ranks.py)."""
+    def _agree_on_timings(self, step_seconds: float | None,
+                          draft_seconds: float) -> tuple[float | None, float]:
+        """Tensor parallelism: rank 0's step time, draft run time and draft forward times
+        replace this rank's (every rank then takes the same decisions; see ranks.py)."""
         forwards = self._forward_seconds
-        step_seconds, total, count = self.clock.agree([step_seconds, sum(forwards), len(forwards)])
+        step_seconds, draft_seconds, total, count = self.clock.agree(
+            [step_seconds, draft_seconds, sum(forwards), len(forwards)])
         self._forward_seconds = []
         for _ in range(int(count or 0)):
             self.costs.observe_forward(total / count)
-        return step_seconds
+        return step_seconds, draft_seconds or 0.0
 
     def _forward(self, cad, num_tokens: int, draft_index: int,
                  padding: tuple | None = None) -> torch.Tensor:
@@ -465,7 +482,8 @@ class PluginDraftProposer(DraftModelProposer):
         expander = getattr(self.plugin_runner, "expander", None)
         verified = Verified(tuple(context.req_ids[:num_reqs]), scheduled, num_accepted + 1,
                             self._step_seconds, context.num_query_tokens,
-                            None if expander is None else dict(expander.outcomes))
+                            None if expander is None else dict(expander.outcomes),
+                            draft_seconds=self._last_draft_seconds)
         return self.union.begin(verified, num_reqs, mostly_sampled)
 
     def _plain_step(self, num_reqs: int) -> torch.Tensor:
@@ -475,6 +493,7 @@ class PluginDraftProposer(DraftModelProposer):
         self.outcomes.forget()
         self.last_lengths = [0] * num_reqs
         self._last_forwards = self._last_draft_tokens = 0
+        self._last_draft_seconds = 0.0
         return torch.zeros((num_reqs, 1), dtype=torch.int64, device=self.input_ids.device)
 
     def _union_offers(self, batch: StepBatch, caps: np.ndarray):

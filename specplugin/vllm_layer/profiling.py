@@ -65,6 +65,10 @@ WORKER_ROOTS: Timed = (
     (_RUNNER, "GPUModelRunner", "execute_model", "runner (other)"),
     (_RUNNER, "GPUModelRunner", "sample_tokens", "runner (other)"),
     (_RUNNER, "GPUModelRunner", "take_draft_token_ids", "draft handoff"),
+    # the plugin's runner decides around vLLM's sampling whether the next step drafts at
+    # all (its plain-step path, "plugin: plain step"); untimed, that work would be
+    # counted as executor IPC
+    (_PLUGIN_RUNNER, "PluginRunnerMixin", "sample_tokens", "plugin: runner"),
 )
 # The worker process: vLLM's model runner, for every method, then the plugin.
 WORKER_TIMED: Timed = (
@@ -112,6 +116,7 @@ WORKER_TIMED: Timed = (
     (_UNION, "Union", "_estimate", "plugin: estimate"),
     (_UNION, "Union", "plan_draft", "plugin: plan"),
     (_UNION, "Union", "choose", "plugin: plan"),
+    (_UNION, "Union", "_copy_in_sight", "plugin: peek"),
     (_UNION, "Union", "finish_requests", "plugin: learn"),
     # each proposer's candidates
     ("specplugin.proposers.ngram", "NgramProposer", "propose", "propose: ngram"),

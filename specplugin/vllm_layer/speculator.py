@@ -83,6 +83,11 @@ class Speculator:
             self.forget_pending()
             return [[] for _ in range(num_reqs)]
 
+    def _peek(self) -> StepBatch:
+        """The batch as it stands, for the union's peek on a plain step (asked only when
+        the arbiter keeps a step plain)."""
+        return self.runner.peek_batch()
+
     def skip_drafting(self, num_reqs: int, num_query_tokens: int, mostly_sampled: bool) -> bool:
         """The runner asks before a step's drafting, when that step verified no draft:
         True if the next step decodes plainly too, so drafting is skipped altogether
@@ -93,7 +98,7 @@ class Speculator:
         self._step_timed = True
         try:
             return not self.union.plain_step(seconds, num_reqs, num_query_tokens,
-                                             mostly_sampled)
+                                             mostly_sampled, peek=self._peek)
         except Exception:  # a bug here costs the fast path, never a request
             self.failures.record()
             return False

@@ -39,6 +39,7 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.sample.sampler import _SAMPLING_EPS
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from specplugin.proposers.base import StepBatch
 from specplugin.proposers.draft import truncate_rows
 from specplugin.request_options import RequestOptionsCache
 from specplugin.vllm_layer.metrics_export import StatsPublisher
@@ -132,6 +133,25 @@ class PluginRunnerMixin:
                            batch.num_prompt_tokens[: len(req_ids)],
                            getattr(so, "total_num_scheduled_tokens", 0), max_k,
                            None if all(a is None for a in allowed) else allowed)
+
+    def peek_batch(self) -> StepBatch:
+        """The batch as it stands before this step's tokens are sampled, for the union's
+        look at a plain step (:meth:`Union.plain_step
+        <specplugin.proposers.union.Union.plain_step>`): views of the runner's buffers,
+        the decoding rows, each request's own K limit."""
+        batch = self.input_batch
+        req_ids = tuple(batch.req_ids)
+        num_reqs = len(req_ids)
+        num_tokens = batch.num_tokens_no_spec[:num_reqs]
+        num_prompt = batch.num_prompt_tokens[:num_reqs]
+        server_k = self.request_options.server_k
+        params = [self.requests[r].sampling_params for r in req_ids]
+        max_k = np.array([self.request_options.get(r, None if p is None else p.extra_args)
+                          .cap(server_k) for r, p in zip(req_ids, params)], dtype=np.int64)
+        sampled = batch.temperature_cpu[:num_reqs] >= _SAMPLING_EPS
+        rows = tuple(np.flatnonzero((num_tokens > num_prompt) & (max_k > 0)).tolist())
+        return StepBatch(req_ids, batch.token_ids_cpu, num_tokens, num_prompt, max_k, sampled,
+                         rows)
 
     @torch.inference_mode()
     def time_forward(self, rows: int, query_len: int, context_len: int, repeats: int = 5) -> float:
