@@ -16,6 +16,7 @@ process starts.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,9 @@ class SpecPluginConfig:
     # the batch-expanding scorer: most candidates verified per request per step (1: one
     # chain, the scorer off); from different proposers, or one proposer's alternatives
     max_candidates: int = 1
+    # a directory where the union keeps what it learned across engine restarts, one file
+    # per target, draft, proposers, K and machine (specplugin.adaptive.memory); None: off
+    state_dir: str | None = None
 
     def __post_init__(self):
         from specplugin.proposers import available_proposers
@@ -178,6 +182,8 @@ class SpecPluginConfig:
             raise SpecPluginConfigError(
                 f"{_where('fault_injection')}[\"draft_forward\"] needs the 'draft' proposer.")
         self._check_max_candidates()
+        if self.state_dir is not None:
+            self._check_state_dir(self.state_dir)
         if self.draft_model is not None:
             self._check_draft_model(self.draft_model)
         elif "draft" in self.proposers:
@@ -197,6 +203,25 @@ class SpecPluginConfig:
                 f"{_where('fault_injection')}[\"decoy_primary\"] needs "
                 f"{_where('max_candidates')} >= 2 (the real draft is verified as an extra "
                 "candidate).")
+
+    def _check_state_dir(self, path: str) -> None:
+        """The directory must be (or become) one this process can write: the engine
+        writes it from its worker, long after start, where an error would be lost."""
+        folder = Path(path).expanduser()
+        if folder.exists() and not folder.is_dir():
+            raise SpecPluginConfigError(
+                f"{_where('state_dir')} = {path!r} exists and is not a directory; give a "
+                "directory (it is created if missing) or drop the key.")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise SpecPluginConfigError(
+                f"{_where('state_dir')} = {path!r} could not be created ({err.strerror}); "
+                "give a directory this user can create and write.") from None
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise SpecPluginConfigError(
+                f"{_where('state_dir')} = {path!r} is not writable by this user; give a "
+                "directory it can write, or drop the key.")
 
     def _check_draft_model(self, path: str) -> None:
         folder = Path(path).expanduser()
@@ -244,6 +269,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "step_arbiter": (bool,),
     "fault_injection": (dict,),
     "max_candidates": (int,),
+    "state_dir": (str,),
 }
 
 

@@ -39,9 +39,15 @@ def quick_zoo(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def shared_runs(zoo_root, tmp_path_factory):
+def shared_workdir(tmp_path_factory):
+    """The shared engine's folder (its logs, and its ``state_dir``: tests/shared_engine.py)."""
+    return tmp_path_factory.mktemp("shared-union")
+
+
+@pytest.fixture(scope="session")
+def shared_runs(zoo_root, shared_workdir):
     """Every cell the end-to-end modules registered in ``tests/shared_engine.py``, run
     in one engine with the plugin's full union: cell key -> ``EngineRun``."""
     from tests.shared_engine import run_shared
 
-    return run_shared(zoo_root, tmp_path_factory.mktemp("shared-union"))
+    return run_shared(zoo_root, shared_workdir)

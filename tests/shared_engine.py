@@ -60,11 +60,18 @@ def engine_options(zoo_root: Path) -> dict[str, Any]:
             "fault_injection": {"alternate_blocks": True}}
 
 
+def state_dir(workdir: Path) -> Path:
+    """Where the shared engine's union keeps what it learned (``state_dir``; it starts
+    empty, so the engine starts cold like the others)."""
+    return workdir / "state"
+
+
 def run_shared(zoo_root: Path, workdir: Path) -> dict[str, EngineRun]:
     """Every registered cell in one engine: key -> its run."""
     cells = tuple(make(zoo_root) for make in _CELLS.values())
+    options = {**engine_options(zoo_root), "state_dir": str(state_dir(workdir))}
     job = EngineJob(label="shared-union", model=str(zoo_path("target", zoo_root)),
-                    engine_kwargs=plugin_engine_kwargs(K, engine_options(zoo_root)),
+                    engine_kwargs=plugin_engine_kwargs(K, options),
                     cells=cells, eager=True, return_token_ids=True,
                     env=MULTIPROCESS)  # the layout users run (tests/conftest.py)
     result = run_job(job, workdir)

@@ -519,6 +519,41 @@ def test_a_plain_step_speculates_when_the_ngram_peek_sees_text_that_copies():
     assert not no_ngram.plain_step(0.01, 1, 1, False, peek=_peek(copies))
 
 
+def test_plain_steps_teach_the_estimator_what_the_peeks_copies_would_have_brought():
+    """A candidate the peek found on a plain step is judged against the tokens the target
+    emits next: where they match it, its tokens count as accepted; from the first that
+    differs, as rejected (what verification would have said), without verifying it."""
+    from specplugin.proposers.ngram import NgramProposer
+
+    union = _union(NgramProposer(), Fixed("draft", [], 0.5))
+    union.arbiter = _AlwaysPlain(pays=False)
+    copies = [7, 3, 9, 1, 4, 8, 2, 6, 5, 7, 3, 9, 1]  # the n-gram guesses 4 8 2 6 5 ...
+    union.plain_step(0.01, 1, 1, False, peek=_peek(copies))
+    assert union.estimator.judged.sum() == 0
+    union.plain_step(0.01, 1, 1, False, peek=_peek(copies + [4, 8]))  # so far so good
+    assert union.estimator.judged.sum() == 0
+    union.plain_step(0.01, 1, 1, False, peek=_peek(copies + [4, 8, 2, 0]))  # 3 right, 1 wrong
+    judged, accepted = union.estimator.judged[0].sum(), union.estimator.accepted[0].sum()
+    assert (judged, accepted) == (4, 3)
+    assert union.estimator.judged[1].sum() == 0  # the draft model was not guessed for
+
+
+def test_an_engines_first_speculative_blocks_are_not_measured():
+    """One-time costs (first draft forwards, first calls into verification) make an
+    engine's first speculative blocks slow: they run, but the rate is that of the
+    blocks after them."""
+    arbiter = StepArbiter()
+    rates = []
+    for block in range(6):
+        assert arbiter.speculate(1)  # warm-up: speculative blocks first
+        for _ in range(arbiter.block_steps):
+            arbiter.observe(1, 1 / (20.0 if block < 2 else 300.0))
+            rates.append(arbiter.speculate(1))
+        if block >= 3:
+            break
+    assert arbiter.rate(1, True) == pytest.approx(300.0)
+
+
 def test_predictions_that_proved_optimistic_do_not_overrule_measured_plain_decoding():
     """Speculative blocks measured half the rate the union predicted for them (sampled
     text): a step predicted at 1.5x the plain rate is not worth it, one at 2.5x is."""

@@ -79,3 +79,23 @@ def test_plain_steps_skip_drafting_and_speculation_resumes(full_union):
     assert steps is not None and steps["steps_skipped"] > 10, steps
     assert steps["steps"] - steps["steps_without_drafts"] > 10, steps  # speculative steps too
     assert full_union.num_drafts > 0 and full_union.mean_acceptance_length > 1.3
+
+
+def test_the_union_keeps_what_it_learned_in_state_dir(full_union, shared_workdir):
+    """With ``state_dir`` set, the engine wrote its union's state when its requests were
+    done: the full union's proposers, and acceptance evidence from this run."""
+    import json
+
+    from tests.shared_engine import state_dir
+
+    files = list(state_dir(shared_workdir).glob("union-*.json"))
+    assert len(files) == 1, files
+    payload = json.loads(files[0].read_text())
+    assert payload["proposers"] == ["ngram", "suffix", "draft"]
+    assert sum(map(float, _flat(payload["judged"]))) > 10
+    assert payload["arbiter"], payload["arbiter"]
+
+
+def _flat(nested):
+    for x in nested:
+        yield from (_flat(x) if isinstance(x, list) else (x,))

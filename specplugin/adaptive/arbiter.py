@@ -57,6 +57,16 @@ to plain decoding after one cold block (measured: 64 of 72 blocks plain in the l
 request of a fresh engine's complete/b1 cell, after 8 speculative blocks at 3x the
 plain rate in the request before).
 
+**An engine's first steps.** The first speculative steps of an engine's life pay
+one-time costs: the first draft-model forwards, first calls into the verification
+path, allocations (measured in a fresh compiled engine on the validation pair at
+batch 1: 9-17 ms per speculative step in the first request, 5.5-7 ms later; the
+plain step was 3.3 ms). Averaged into the rate they sent a fresh engine to plain
+decoding for the rest of its first requests and made the union's predictions look
+four times too optimistic. So the engine's first ``ENGINE_WARMUP_BLOCKS`` speculative
+blocks run but are not measured (nor their predictions compared); the bucket's
+warm-up then measures the blocks after them.
+
 **Copies in sight.** Text that starts copying in the middle of a request is new text
 too. On a plain step the union asks its cheapest proposer (n-gram) on the batch as it
 stands and plans the step it would verify (:meth:`Union.plain_step
@@ -78,6 +88,8 @@ SPECULATE, PLAIN = True, False
 # speculation that measures this many times the cost model's plain rate needs no plain
 # block to prove it (see "Plain blocks that need not run" above)
 MODEL_MARGIN = 1.25
+# the engine's first speculative blocks are not measured (see "An engine's first steps")
+ENGINE_WARMUP_BLOCKS = 2
 
 
 def batch_bucket(num_reqs: int) -> int:
@@ -115,12 +127,25 @@ class StepArbiter:
         self._predicted: list[float] = []  # the union's predicted rate of each planned step
         self.num_plain_blocks = self.num_spec_blocks = 0
         self._skip_observation = False  # see new_requests
+        self._engine_spec_blocks = 0  # speculative blocks closed (see ENGINE_WARMUP_BLOCKS)
         # num_reqs -> tokens per second of a plain step, modelled (None: unknown); the
         # union gives its cost model's
         self.plain_rate_model: Callable[[int], float | None] | None = None
 
     def stats(self) -> dict[str, int]:
         return {"speculative_blocks": self.num_spec_blocks, "plain_blocks": self.num_plain_blocks}
+
+    def buckets(self) -> dict[tuple[int, bool], _Bucket]:
+        """(batch bucket, sampled) -> what was measured there (for ``state_dir``)."""
+        return dict(self._buckets)
+
+    def restore_bucket(self, key: tuple[int, bool], rate: dict, blocks: dict,
+                       correction: float | None) -> None:
+        """Rates an earlier engine measured (``state_dir``, :mod:`specplugin.adaptive.memory`)."""
+        state = self._buckets.setdefault(key, _Bucket())
+        state.rate = dict(rate)
+        state.blocks = {SPECULATE: 0, PLAIN: 0} | dict(blocks)
+        state.correction = correction
 
     def rate(self, num_reqs: int, choice: bool, sampled: bool = False) -> float | None:
         """Measured tokens per second of ``choice`` at this batch size (None: not yet)."""
@@ -204,6 +229,9 @@ class StepArbiter:
             return
         state = self._buckets.setdefault(self._bucket, _Bucket())
         rate = self._tokens / self._seconds
+        if self._choice == SPECULATE and self._engine_spec_blocks < ENGINE_WARMUP_BLOCKS:
+            self._engine_spec_blocks += 1  # the engine's first: one-time costs, not a rate
+            return
         state.blocks[self._choice] += 1
         # a plain mean over the first blocks (warm-up), then an exponential average
         weight = max(self.smoothing, 1.0 / state.blocks[self._choice])

@@ -147,6 +147,9 @@ class RequestHistory:
         self.alpha = alpha
         self._recent: dict[str, float] = {}
 
+    def __len__(self) -> int:  # requests with a recent acceptance
+        return len(self._recent)
+
     def get(self, req_id: str) -> float | None:
         return self._recent.get(req_id)
 

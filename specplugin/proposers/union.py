@@ -75,6 +75,16 @@ class _Pending:
     alternative: bool = False
 
 
+@dataclass
+class _Shadow:
+    """A candidate the peek found on a plain step and did not send: judged against the
+    tokens the target emits next (:meth:`Union._judge_shadows`)."""
+
+    sent: _Pending
+    tokens: np.ndarray  # [k] the candidate's tokens
+    start: int  # the request's context length when it was found
+
+
 class Union:
     def __init__(self, proposers: Sequence[Proposer], cost: StepCostModel | None = None,
                  estimator: AcceptanceEstimator | None = None, explore: bool = True,
@@ -115,6 +125,9 @@ class Union:
         self._peek_index = next((i for i, p in enumerate(self.proposers) if p.name == "ngram"),
                                 None)
         self._skipped_steps = 0  # plain steps since begin() last ran (estimator decay)
+        self._shadows: dict[str, _Shadow] = {}  # req_id -> the peek's unsent candidate
+        # seconds of draft-model forwards plan_draft let run this step (in the prediction)
+        self._draft_plan_seconds = 0.0
 
     def step(self, batch: StepBatch, verified: Verified | None) -> list[list[int]]:
         """Learn from ``verified``, then one draft per row of ``batch`` (``[]``: none)."""
@@ -128,6 +141,7 @@ class Union:
         proposer runs, and the caller need not even build the step's batch.
         After :meth:`plain_step` said True, the step was observed and decided there."""
         self.last_alternates, self._alternative_offers = [], []
+        self._draft_plan_seconds = 0.0
         observed, self._observed = self._observed, False
         if verified is not None:
             self._learn(verified, observe=not observed)
@@ -187,12 +201,19 @@ class Union:
         if index is None:
             return False
         batch = peek()
+        self._judge_shadows(batch)
         offers = [(r, index, c) for r, c in enumerate(self._ask(index, batch)) if c is not None]
         if not offers:
             return False
+        histories = self._histories(batch)
+        for r, _, c in offers:  # judged once the target has emitted what they guess
+            req_id = batch.req_ids[r]
+            if req_id not in self._shadows:
+                self._shadows[req_id] = _Shadow(
+                    _Pending(index, bool(batch.sampled[r]), histories[r], np.asarray(c.signal)),
+                    np.asarray(c.token_ids), int(batch.num_tokens[r]))
         acceptance: list[list[np.ndarray]] = [[] for _ in range(batch.num_reqs)]
-        for (r, _, _), a in zip(offers, self._estimate(offers, batch, self._histories(batch),
-                                                       explore=False)):
+        for (r, _, _), a in zip(offers, self._estimate(offers, batch, histories, explore=False)):
             acceptance[r].append(a)
         choices = plan(acceptance, self.cost.step_seconds, spec_overhead=self.cost.spec_overhead_s)
         if not any(c.num_tokens for c in choices):
@@ -200,6 +221,34 @@ class Union:
         expected, seconds = self._rate_terms(acceptance, choices)
         return self.arbiter.pays_now(batch.num_reqs, expected / seconds,
                                      bool(np.mean(batch.sampled) > 0.5))
+
+    def _judge_shadows(self, batch: StepBatch) -> None:
+        """Judge the peek's earlier candidates against the tokens the target emitted
+        since (plain steps): a candidate's token j counts as accepted if it equals the
+        emitted token and every token before it did. That is what verification would
+        have said: at temperature 0 exactly, at temperature > 0 in expectation (a
+        deterministic draft token x is accepted with probability p(x), the probability
+        that the target samples x). So plain steps teach the estimator what copying
+        would bring, and the peek's predictions rest on evidence, not on the prior.
+        A candidate is judged once the emitted tokens differ from it or cover it."""
+        parts = []
+        for r, req_id in enumerate(batch.req_ids):
+            shadow = self._shadows.get(req_id)
+            if shadow is None:
+                continue
+            emitted = batch.token_ids[r, shadow.start:int(batch.num_tokens[r])]
+            seen = min(len(emitted), len(shadow.tokens))
+            if seen <= 0:
+                continue
+            differs = np.flatnonzero(shadow.tokens[:seen] != emitted[:seen])
+            if not differs.size and seen < len(shadow.tokens):
+                continue  # so far so good: wait for the rest
+            accepted = int(differs[0]) if differs.size else seen
+            judged = min(accepted + 1, len(shadow.tokens))
+            parts.append((shadow.sent, judged, accepted))
+            self.history.update(req_id, np.arange(judged) < accepted)
+            del self._shadows[req_id]
+        self._teach(parts)
 
     def _plain_rate(self, num_reqs: int) -> float | None:
         """Tokens per second of a plain step of ``num_reqs`` requests, as the cost model
@@ -309,7 +358,9 @@ class Union:
         rates = expected / seconds  # [max k]
         if rates.max() <= kept / kept_seconds:
             return np.zeros_like(k)
-        return np.minimum(k, int(m[np.argmax(rates)]))
+        best = int(m[np.argmax(rates)])
+        self._draft_plan_seconds = forward_seconds * best
+        return np.minimum(k, best)
 
     def _rate_terms(self, acceptance, choices) -> tuple[float, float]:
         """(expected tokens emitted, seconds) of a step that verifies ``choices``."""
@@ -331,9 +382,9 @@ class Union:
             acceptance[r].append(a)
         choices = plan(acceptance, self.cost.step_seconds,
                        spec_overhead=self.cost.spec_overhead_s)
-        if self.arbiter is not None:
+        if self.arbiter is not None:  # the draft's forwards, if it ran, are the step's too
             expected, seconds = self._rate_terms(acceptance, choices)
-            self.arbiter.predicted(expected / seconds)
+            self.arbiter.predicted(expected / (seconds + self._draft_plan_seconds))
         drafts = self._remember(batch, offers, histories, choices)
         self.last_alternates = [[] for _ in choices]
         if self.max_candidates > 1:
@@ -398,11 +449,17 @@ class Union:
         self.last_alternates = []
         self._observed = False  # a plain_step's decision for a step that then failed
 
+    @property
+    def idle(self) -> bool:
+        """No request the union knows of is running (an offline job's end)."""
+        return not len(self.history) and not self._pending and not self._pending_extras
+
     def finish_requests(self, req_ids: Sequence[str]) -> None:
         for proposer in self.proposers:
             proposer.finish_requests(req_ids)
         self.history.forget(req_ids)
         for req_id in req_ids:
+            self._shadows.pop(req_id, None)
             self._pending.pop(req_id, None)
             self._pending_extras.pop(req_id, None)
 
@@ -509,6 +566,10 @@ class Union:
                     judged_parts.append((sent, min(k, own + 1), min(own, k)))
             if outcome is not None:
                 self._learn_extras(pending_extras.get(req_id, []), outcome, emitted, judged_parts)
+        self._teach(judged_parts)
+
+    def _teach(self, judged_parts: list[tuple[_Pending, int, int]]) -> None:
+        """One estimator update: (sent, tokens judged, tokens accepted) per candidate."""
         if judged_parts:
             lengths = np.array([j for _, j, _ in judged_parts])
             starts = np.cumsum(lengths) - lengths

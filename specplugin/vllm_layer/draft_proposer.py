@@ -35,6 +35,7 @@ from vllm.v1.sample.sampler import _SAMPLING_EPS
 
 from specplugin.adaptive.arbiter import arbiter_for
 from specplugin.adaptive.cost import StepCostModel, StepTimer
+from specplugin.adaptive.memory import open_memory
 from specplugin.config import SpecPluginConfig
 from specplugin.faults import EveryNth
 from specplugin.metrics import FailureCounter, ProposerStats
@@ -51,7 +52,7 @@ from specplugin.proposers.draft import (
     sample_draft_tokens,
 )
 from specplugin.proposers.union import Union, Verified
-from specplugin.vllm_layer.ranks import RankZeroClock
+from specplugin.vllm_layer.ranks import RankZeroClock, tensor_parallel_rank
 
 logger = logging.getLogger("specplugin")
 
@@ -108,6 +109,9 @@ class PluginDraftProposer(DraftModelProposer):
                                arbiter=arbiter_for(plugin_config),
                                max_candidates=plugin_config.max_candidates,
                                decoy_primary=plugin_config.fault_injection.decoy_primary)
+        self.memory = None if self.union is None else open_memory(
+            self.union, plugin_config.state_dir, vllm_config.model_config.model,
+            plugin_config.draft_model, k_max, writer=tensor_parallel_rank() == 0)
         # the draft model alone: whether speculating pays at all, measured (the union has its own)
         self.arbiter = arbiter_for(plugin_config)
         # drafts and acceptances per proposer (the union keeps them itself)
@@ -132,6 +136,8 @@ class PluginDraftProposer(DraftModelProposer):
         self.cursor.forget(req_ids)
         if self.union is not None:
             self.union.finish_requests(list(req_ids))
+            if self.memory is not None:
+                self.memory.maybe_save(self.union, idle=self.union.idle)
 
     def new_requests(self, num_new: int, num_reqs: int) -> None:
         """Requests joined the batch this step (see the runner's ``_note_new_requests``)."""

@@ -24,9 +24,11 @@ from vllm.v1.sample.sampler import _SAMPLING_EPS  # a temperature below it is gr
 
 from specplugin.adaptive.arbiter import arbiter_for
 from specplugin.adaptive.cost import StepCostModel, StepTimer
+from specplugin.adaptive.memory import open_memory
 from specplugin.metrics import FailureCounter
 from specplugin.proposers import MODEL_PROPOSERS, StepBatch, build_proposer
 from specplugin.proposers.union import Union, Verified
+from specplugin.vllm_layer.ranks import tensor_parallel_rank
 from specplugin.vllm_layer.config_hook import plugin_config
 
 logger = logging.getLogger("specplugin")
@@ -45,6 +47,10 @@ class Speculator:
                            arbiter=arbiter_for(self.config),
                            max_candidates=self.config.max_candidates,
                            decoy_primary=self.config.fault_injection.decoy_primary)
+        self.memory = open_memory(self.union, self.config.state_dir,
+                                  vllm_config.model_config.model, None,
+                                  self.num_speculative_tokens,
+                                  writer=tensor_parallel_rank() == 0)
         self.failures = FailureCounter("union", logger)
         self.runner = None
         self.timer = StepTimer()
@@ -149,6 +155,8 @@ class Speculator:
 
     def finish_requests(self, req_ids) -> None:
         self.union.finish_requests(list(req_ids))
+        if self.memory is not None:
+            self.memory.maybe_save(self.union, idle=self.union.idle)
 
     def forget_pending(self) -> None:
         self._step_timed = False

@@ -1,0 +1,113 @@
+"""``state_dir``: the union's learned state across engine restarts (vLLM-free)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from specplugin.adaptive.arbiter import PLAIN, SPECULATE, StepArbiter
+from specplugin.adaptive.cost import StepCostModel
+from specplugin.adaptive.memory import REMEASURE_BLOCKS, UnionMemory, open_memory, state_path
+from specplugin.config import SpecPluginConfigError, parse
+from specplugin.proposers.union import Union
+from tests.test_adaptive import Fixed, _teach
+
+
+def _union(names=("ngram", "draft")):
+    cost = StepCostModel(max_tokens=64)
+    cost.calibrate(np.array([1, 2, 64]), np.array([0.010, 0.011, 0.073]))
+    return Union([Fixed(n, [1, 2], 0.5) for n in names], cost=cost, arbiter=StepArbiter())
+
+
+def _measure_plain_faster(arbiter: StepArbiter, blocks: int = 40) -> None:
+    """Plain decoding measured at twice speculation's rate, batch 1."""
+    for _ in range(blocks * arbiter.block_steps):
+        choice = arbiter.speculate(1)
+        arbiter.observe(1, 1 / (100.0 if choice == SPECULATE else 200.0))
+
+
+def _open(union, tmp_path, **kwargs):
+    return open_memory(union, str(tmp_path), "/models/target", "/models/draft", 8, **kwargs)
+
+
+def test_a_second_engine_starts_where_the_first_one_stopped(tmp_path):
+    first = _union()
+    memory = _open(first, tmp_path)
+    _teach(first, 1, 0.9)
+    _measure_plain_faster(first.arbiter)
+    memory.save(first)
+
+    second = _union()
+    _open(second, tmp_path)
+    np.testing.assert_allclose(second.estimator.judged, first.estimator.judged)
+    np.testing.assert_allclose(second.estimator.accepted, first.estimator.accepted)
+    assert second.arbiter.rate(1, PLAIN) == pytest.approx(first.arbiter.rate(1, PLAIN))
+    # warm: no warm-up blocks, the measured rates decide from the first step; the old
+    # block counts are capped so that this engine's own blocks soon outweigh them
+    assert second.arbiter.speculate(1) == PLAIN
+    assert max(second.arbiter.buckets()[(0, False)].blocks.values()) <= REMEASURE_BLOCKS
+    cold = _union()
+    _open(cold, tmp_path / "elsewhere")
+    assert cold.arbiter.speculate(1) == SPECULATE  # a fresh engine's warm-up
+    assert cold.estimator.judged.sum() == 0
+
+
+def test_the_file_is_keyed_by_models_proposers_k_and_machine(tmp_path):
+    base = state_path(tmp_path, "/t", "/d", ("ngram", "draft"), 8, machine="m")
+    assert base == state_path(tmp_path, "/t", "/d", ("ngram", "draft"), 8, machine="m")
+    for other in (state_path(tmp_path, "/t2", "/d", ("ngram", "draft"), 8, machine="m"),
+                  state_path(tmp_path, "/t", None, ("ngram", "draft"), 8, machine="m"),
+                  state_path(tmp_path, "/t", "/d", ("suffix", "draft"), 8, machine="m"),
+                  state_path(tmp_path, "/t", "/d", ("ngram", "draft"), 4, machine="m"),
+                  state_path(tmp_path, "/t", "/d", ("ngram", "draft"), 8, machine="other")):
+        assert other != base
+
+
+def test_a_file_that_does_not_match_costs_the_warm_start_never_the_engine(tmp_path, caplog):
+    union = _union()
+    memory = _open(union, tmp_path)
+    _teach(union, 0, 0.9)
+    memory.save(union)
+    payload = json.loads(memory.path.read_text())
+    for broken in ("{not json", json.dumps({**payload, "version": 99}),
+                   json.dumps({**payload, "proposers": ["suffix", "draft"]}),
+                   json.dumps({**payload, "judged": [1, 2, 3]}),
+                   json.dumps({**payload, "accepted": (np.asarray(payload["judged"]) + 1).tolist()})):
+        memory.path.write_text(broken)
+        fresh = _union()
+        assert not UnionMemory(memory.path).restore(fresh)
+        assert fresh.estimator.judged.sum() == 0 and not fresh.arbiter.buckets()
+    assert "starting cold" in caplog.text
+
+
+def test_written_when_idle_or_every_interval_and_by_one_rank_only(tmp_path, monkeypatch):
+    from specplugin.adaptive import memory as memory_module
+
+    union = _union()
+    reader = _open(union, tmp_path, writer=False)
+    reader.maybe_save(union, idle=True)
+    assert not reader.path.exists()
+    writer = _open(union, tmp_path)
+    writer.maybe_save(union, idle=False)  # just opened: not yet
+    assert not writer.path.exists()
+    writer.maybe_save(union, idle=True)
+    assert writer.path.exists()
+    writer.path.unlink()
+    now = memory_module.time.monotonic()
+    monkeypatch.setattr(memory_module.time, "monotonic",
+                        lambda: now + memory_module.SAVE_INTERVAL_S + 1)
+    writer.maybe_save(union, idle=False)
+    assert writer.path.exists()
+    assert not list(tmp_path.glob(".*.tmp"))  # written atomically, nothing left behind
+
+
+def test_state_dir_must_be_a_directory_this_user_can_write(tmp_path):
+    made = tmp_path / "new" / "state"
+    assert parse({"state_dir": str(made)}, 8).state_dir == str(made)
+    assert made.is_dir()
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    with pytest.raises(SpecPluginConfigError, match=r'\["state_dir"\].*not a directory'):
+        parse({"state_dir": str(a_file)}, 8)
+    with pytest.raises(SpecPluginConfigError, match=r'\["state_dir"\] must be a str'):
+        parse({"state_dir": 3}, 8)
