@@ -413,12 +413,17 @@ class PluginDraftProposer(DraftModelProposer):
         cad.query_start_loc = self.arange[: num_rows + 1]
         cad.query_start_loc_cpu = torch.from_numpy(self.token_arange_np[: num_rows + 1]).clone()
 
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, vocab_size]
+        """The draft model's LM head (its own method so that the profile counts it as the
+        draft model's compute, as vLLM's drafter's is, not as the plugin's sampling)."""
+        return self.model.compute_logits(hidden)
+
     def _sample_into(self, run: DraftRun, hidden: torch.Tensor,
                      temperature: torch.Tensor | None) -> bool:
         """Draw one draft token per drafting row (hidden: [num_rows, hidden_size];
         temperature: [num_rows], None when every request is greedy); True if any row
         keeps drafting."""
-        logits = self.model.compute_logits(hidden)  # [num_rows, vocab_size]
+        logits = self._logits(hidden)  # [num_rows, vocab_size]
         if temperature is None:
             token_ids = logits.argmax(dim=-1)
             return run.add(token_ids, confidence_of(logits.softmax(dim=-1)))
