@@ -5,7 +5,7 @@ import pytest
 
 from specplugin.adaptive.arbiter import StepArbiter
 from specplugin.adaptive.controller import NO_CANDIDATE, Choice, Extra, divergence, expand, plan
-from specplugin.adaptive.cost import StepCostModel
+from specplugin.adaptive.cost import StepCostModel, StepSums
 from specplugin.adaptive.estimator import AcceptanceEstimator, TokenCells, history_bucket
 from specplugin.proposers.base import Candidate, StepBatch
 from specplugin.proposers.union import Union, Verified
@@ -143,6 +143,48 @@ def test_cost_model_without_calibration_starts_from_the_first_step():
     assert cost.step_seconds(2) == pytest.approx(0.010)
     cost.observe(2, 10.0)  # an idle gap, not a step
     assert cost.step_seconds(2) < 0.02
+
+
+def test_plain_steps_summed_eight_at_a_time_teach_what_step_by_step_learning_does():
+    """In an engine each cost-model update costs tens of microseconds, a percent of a
+    plain step: plain steps are summed (StepSums) and learned as one mean weighted as
+    their number, which lands where learning them one by one does."""
+    def model():
+        cost = StepCostModel(max_tokens=64)
+        cost.calibrate(np.array([1, 4, 16]), np.array([0.005, 0.008, 0.020]))
+        return cost
+
+    one, summed, sums = model(), model(), StepSums(8)
+    rng = np.random.default_rng(0)
+    for step, seconds in enumerate(0.009 + 0.001 * rng.standard_normal(400)):  # +4 ms
+        one.observe(1, seconds)
+        done = sums.add(1, seconds)
+        if done is not None:
+            summed.observe(done[0], done[1], count=done[2])
+        if step == 47:  # as fast, not only to the same place
+            assert summed.step_seconds(1) == pytest.approx(one.step_seconds(1), rel=0.02)
+    assert summed.num_observed == one.num_observed == 400
+    assert summed.step_seconds(1) == pytest.approx(one.step_seconds(1), rel=0.02)
+    assert summed.step_seconds(1) == pytest.approx(0.009, rel=0.05)
+
+
+def test_step_sums_hand_on_full_sums_and_changed_shapes_and_leave_out_idle_gaps():
+    sums = StepSums(4)
+    assert [sums.add(1, 0.010) for _ in range(3)] == [None] * 3
+    assert sums.add(1, 0.010) == pytest.approx((1, 0.010, 4))
+    assert sums.add(1, 0.020) is None
+    assert sums.add(2, 0.030) == pytest.approx((1, 0.020, 1))  # a new shape: the old sum first
+    assert sums.add(1, 0.5) == pytest.approx((2, 0.030, 1))  # 50x the last mean of shape 1
+    assert sums.flush() is None  # the idle gap was left out
+    with pytest.raises(ValueError, match="size >= 2"):
+        StepSums(1)
+
+
+def test_the_union_learns_plain_steps_in_sums():
+    union, _ = _plain_union()
+    for step in range(1, 17):
+        union.plain_step(0.01, 1, 1, False)
+        assert union.cost.num_observed == 8 * (step // 8)
 
 
 # ------------------------------------------------------------------ union
@@ -507,6 +549,7 @@ def test_a_plain_step_speculates_when_the_ngram_peek_sees_text_that_copies():
 
     union = _union(NgramProposer(), Fixed("draft", [], 0.5))
     union.arbiter = _AlwaysPlain()
+    union.max_peek_gap = 1  # a peek on every plain step (the gap has its own test)
     fresh = [7, 3, 9, 1, 4, 8, 2, 6, 5, 11, 13]
     assert not union.plain_step(0.01, 1, 1, False, peek=_peek(fresh))
     copies = [7, 3, 9, 1, 4, 8, 2, 6, 5, 7, 3, 9, 1]
@@ -515,8 +558,49 @@ def test_a_plain_step_speculates_when_the_ngram_peek_sees_text_that_copies():
     union.arbiter.pays = False  # the measured plain rate beats the corrected prediction
     assert not union.plain_step(0.01, 1, 1, False, peek=_peek(copies))
     no_ngram = _union(Fixed("draft", [], 0.5))
+    no_ngram.max_peek_gap = 1
     no_ngram.arbiter = _AlwaysPlain()
     assert not no_ngram.plain_step(0.01, 1, 1, False, peek=_peek(copies))
+
+
+def _plain_union():
+    from specplugin.proposers.ngram import NgramProposer
+
+    union = _union(NgramProposer(), Fixed("draft", [], 0.5))
+    union.arbiter = _AlwaysPlain()
+    return union, union.arbiter
+
+
+def test_peeks_that_find_nothing_come_ever_less_often_until_new_text_arrives():
+    """A peek costs a percent or more of a plain step: while peeks find nothing worth
+    verifying, the gap to the next one doubles up to MAX_PEEK_GAP plain steps; a peek
+    that finds a copy, or requests joining the batch, bring it back to every step."""
+    from specplugin.proposers.ngram import NgramProposer
+    from specplugin.proposers.union import MAX_PEEK_GAP
+
+    union = _union(NgramProposer(), Fixed("draft", [], 0.5))
+    union.arbiter = _AlwaysPlain()
+    fresh = [7, 3, 9, 1, 4, 8, 2, 6, 5, 11, 13]
+    peeked = []
+
+    def peek():
+        peeked.append(step)
+        return _peek(fresh)()
+
+    for step in range(40):
+        assert not union.plain_step(0.01, 1, 1, False, peek=peek)
+    assert peeked[:5] == [0, 2, 6, 14, 22]  # gaps 2, 4, 8, 8
+    assert all(b - a == MAX_PEEK_GAP for a, b in zip(peeked[3:], peeked[4:]))
+    union.new_requests(1, 1)
+    peeked.clear()
+    step = 0
+    union.plain_step(0.01, 1, 1, False, peek=peek)
+    assert peeked == [0]  # at once, then the gap grows again (to 2)
+    copies = [7, 3, 9, 1, 4, 8, 2, 6, 5, 7, 3, 9, 1]
+    union.plain_step(0.01, 1, 1, False, peek=lambda: peeked.append("early") or _peek(copies)())
+    assert peeked == [0]  # between two peeks, the copy waits for the next one
+    assert union.plain_step(0.01, 1, 1, False, peek=_peek(copies))  # found: speculate
+    assert union._peek_gap == 1
 
 
 def test_plain_steps_teach_the_estimator_what_the_peeks_copies_would_have_brought():

@@ -205,6 +205,22 @@ def test_cost_model_measures_thresholds_from_its_own_timings():
     assert costs.thresholds()[1] == pytest.approx(per_pass)
 
 
+def test_the_draft_cost_model_learns_summed_plain_steps_as_that_many_steps():
+    """Plain steps reach the draft's cost model eight at a time (StepSums): the mean of
+    eight equal steps, counted as eight, moves it exactly as the eight steps would."""
+    one, summed = CostModel(warmup=4), CostModel(warmup=4)
+    for costs in (one, summed):
+        costs.observe_forward(0.001)
+        for forwards in (1, 2, 3):
+            costs.observe_step(0.012 + 0.001 * forwards, 4, forwards, forwards + 1)
+    for _ in range(8):
+        one.observe_step(0.010, 4, 0, 0)
+    summed.observe_step(0.010, 4, 0, 0, count=8)
+    assert summed.token_s == pytest.approx(one.token_s)
+    assert summed.thresholds() == pytest.approx(one.thresholds(), rel=0.15)
+    assert summed._num_steps == one._num_steps
+
+
 def test_truncate_rows_cuts_to_lengths():
     assert truncate_rows([[1, 2, 3], [4, 5, 6], [7]], [2, 0, 1]) == [[1, 2], [], [7]]
 

@@ -162,6 +162,32 @@ def test_the_plain_step_is_compared_with_nones_round_by_round():
     assert _plain_rounds(none, {"none": none}) == "-"
 
 
+def test_the_plain_step_ab_compares_trimmed_means_of_one_engines_two_arms():
+    """--plain-pairs: the same engine's plain decode steps with the plugin's plain-step
+    path on and bypassed; trimmed means (a peek every few steps counts, one disturbance
+    of the machine does not) and medians, the ratio on / bypassed."""
+    from specplugin.bench.profile import _plain_ab, plain_ab_summary, trimmed_mean
+
+    assert trimmed_mean([1.0] * 8 + [0.0, 100.0]) == pytest.approx(1.0)
+    assert trimmed_mean([2.0, 4.0]) == pytest.approx(3.0)
+
+    def run(step_ms, plugin_s=0.0):
+        steps = [(ms / 1e3, 4, 0, 0) for ms in step_ms] + [(0.05, 100, 0, 0)]  # + a prefill
+        phases = {REST: sum(s[0] for s in steps)} | ({"plugin: plain step": plugin_s}
+                                                    if plugin_s else {})
+        engine = Ledger(len(steps), sum(s[0] for s in steps), phases, {}, steps)
+        return {"engine": engine.as_dict(), "worker": Ledger().as_dict()}
+
+    on = [5.0] * 9 + [5.5] + [40.0]  # one peek in ten steps, one disturbance
+    ab = plain_ab_summary({"on": [run(on, 0.001)] * 2, "bypassed": [run([5.0] * 11)] * 2}, 4)
+    assert ab["pairs"] == 2 and ab["steps"] == {"on": 22, "bypassed": 22}
+    assert ab["ratio_median"] == pytest.approx(1.0)
+    assert ab["ratio_mean"] == pytest.approx((5.0 * 16 + 5.5 * 2) / 18 / 5.0)  # 2 cut per end
+    assert ab["plugin_ms"]["bypassed"] == {} and ab["plugin_ms"]["on"]["plugin: plain step"] > 0
+    assert _plain_ab({"plain_ab": ab}).startswith("1.011x mean, 1.000x median")
+    assert plain_ab_summary(None, 4) is None and _plain_ab({}) == "-"
+
+
 # ------------------------------------------------------------------ inside real vLLM
 
 # A built-in without a draft model, and a union with the draft model and one token-level
@@ -178,6 +204,7 @@ def profiled(tmp_path_factory):
     path = out / "profile.json"
     cmd = [sys.executable, "-m", "specplugin.cli", "profile", "--quick", "--eager",
            "--methods", ",".join(E2E_METHODS), "--batch-size", "4", "--overhead-pairs", "1",
+           "--plain-pairs", "1",
            # speculative and plain blocks take turns: both kinds of step are measured
            "--set", 'fault_injection={"alternate_blocks": true}',
            "--json", str(path), "--out-dir", str(out)]
@@ -211,6 +238,20 @@ def test_plain_steps_that_skip_drafting_are_told_apart(profiled):
     assert builtin["num_skipped_steps"] == 0, builtin["num_plain_steps"]
     assert plugin["num_skipped_steps"] > 0
     assert plugin["num_plain_steps"] >= plugin["num_skipped_steps"]
+
+
+@pytest.mark.vllm
+def test_the_plain_step_ab_bypasses_the_plugins_decision_in_the_same_engine(profiled):
+    """--plain-pairs: the bypassed arm decodes plainly without asking the drafter (no
+    plain-step decision, no drafting), the other arm as usual; built-ins have no arm."""
+    builtin, plugin = (profiled[0]["methods"][n] for n in E2E_METHODS)
+    assert builtin["plain_ab"] is None
+    ab = plugin["plain_ab"]
+    assert ab["pairs"] == 1 and ab["steps"]["on"] > 0 and ab["steps"]["bypassed"] > 0
+    assert "plugin: plain step" in ab["plugin_ms"]["on"]
+    bypassed = ab["plugin_ms"]["bypassed"]
+    assert not [p for p in bypassed if p.startswith(("plugin: plain", "propose:", "draft:"))]
+    assert "plain step, plugin on / bypassed" in profiled[1]
 
 
 @pytest.mark.vllm

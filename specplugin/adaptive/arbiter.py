@@ -158,7 +158,8 @@ class StepArbiter:
         skip, self._skip_observation = self._skip_observation, False
         if skip or seconds is None or seconds <= 0:
             return
-        best = max(self._buckets.get(self._bucket, _Bucket()).rate.values(), default=None)
+        state = self._buckets.get(self._bucket)  # (no new _Bucket: this runs every step)
+        best = None if state is None else max(state.rate.values(), default=None)
         if best and seconds > 10 * max(num_tokens, 1) / best:
             return  # an idle gap (no requests, a new batch arriving), not a step
         self._tokens += num_tokens

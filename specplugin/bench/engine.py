@@ -270,7 +270,30 @@ def run_profile(llm, job: dict[str, Any], emit: Emit) -> None:
                 rates[state].append(run["num_output_tokens"] / run["seconds"])
         _profile_rpc(llm, "stop")
         emit({"event": "cell", **result, "ledger": ledger, "front_end_s": front_end.take(),
-              "timer_cost_s": timer_cost_s, "device": device, "overhead_tok_s": rates})
+              "timer_cost_s": timer_cost_s, "device": device, "overhead_tok_s": rates,
+              "plain_ab": plain_ab(llm, cell, job.get("plain_pairs", 0))})
+
+
+def plain_ab(llm, cell: dict[str, Any], pairs: int) -> dict[str, list] | None:
+    """``pairs`` runs of the cell with the plugin's plain-step path bypassed and on, in
+    turn (``specplugin_profile`` actions ``bypass`` / ``unbypass``), each with the timers
+    on: the ledgers (rank 0's worker and the engine core) per arm, from which a plain
+    step's cost with the plugin is compared with the same engine's without it. None when
+    the engine's runner is not the plugin's (no plain-step path to bypass)."""
+    if pairs <= 0 or not all(r["worker"] for r in _profile_rpc(llm, "bypass")):
+        _profile_rpc(llm, "unbypass")
+        return None
+    ledgers: dict[str, list] = {"bypassed": [], "on": []}
+    try:
+        for i in range(pairs):
+            for arm in (("bypassed", "on") if i % 2 == 0 else ("on", "bypassed")):
+                _profile_rpc(llm, "bypass" if arm == "bypassed" else "unbypass")
+                _profile_rpc(llm, "start")
+                run_cell(llm, cell, return_token_ids=False)
+                ledgers[arm].append(_profile_rpc(llm, "stop")[0])
+    finally:
+        _profile_rpc(llm, "unbypass")
+    return ledgers
 
 
 # what a job's cells are -> how the child runs them

@@ -62,6 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overhead-pairs", type=int, default=3,
                         help="timers-off/on runs per method after the profiled run, to "
                              "measure the timers' own cost (0: skip)")
+    parser.add_argument("--plain-pairs", type=int, default=2,
+                        help="plugin methods: runs with the plugin's plain-step path bypassed "
+                             "and on, in turn, in the same engine after the profiled run: "
+                             "its plain decode step against the same engine's without the "
+                             "plugin's decision, free of the engine-to-engine noise that "
+                             "--rounds fights (0: skip)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a plugin setting for every plugin method of the run (value as "
                              "JSON, e.g. --set step_arbiter=false); repeatable")
@@ -101,10 +107,11 @@ def run(args: argparse.Namespace) -> int:
         for spec in specs:
             kwargs = spec.engine_kwargs(models, settings_for(spec, args.overrides))
             _check_plugin_settings(kwargs)
-        if args.batch_size < 1 or args.overhead_pairs < 0 or args.rounds < 1:
-            raise ValueError("--batch-size and --rounds must be >= 1 and --overhead-pairs "
-                             f">= 0; got {args.batch_size}, {args.rounds} and "
-                             f"{args.overhead_pairs}.")
+        if (args.batch_size < 1 or args.overhead_pairs < 0 or args.rounds < 1
+                or args.plain_pairs < 0):
+            raise ValueError("--batch-size and --rounds must be >= 1 and --overhead-pairs and "
+                             f"--plain-pairs >= 0; got {args.batch_size}, {args.rounds}, "
+                             f"{args.overhead_pairs} and {args.plain_pairs}.")
         if args.py_spy:
             _check_py_spy()
         cell = Cell(args.workload, args.batch_size, args.temperature)
@@ -195,7 +202,7 @@ def profile_method(spec, models, prompts, args, out_dir: Path,
                     engine_kwargs=spec.engine_kwargs(models, settings_for(spec, args.overrides)),
                     cells=(cell_payload(prompts),),
                     kind="profile", eager=args.eager, overhead_pairs=args.overhead_pairs,
-                    env={ENV: "1"})
+                    plain_pairs=args.plain_pairs, env={ENV: "1"})
     spy = PySpy(out_dir / f"flame-{spec.name}.svg") if args.py_spy else None
     try:
         result = run_job(job, out_dir / "logs", spy.on_event if spy else lambda e: None)
@@ -222,8 +229,51 @@ def profile_method(spec, models, prompts, args, out_dir: Path,
         "overhead": overhead(off, on, summary["timer_calls_per_step"] * cell["timer_cost_s"]
                              * 1e3, summary["step_ms"]),
         "flame_graph": str(spy.path) if spy and spy.path.exists() else None,
+        "plain_ab": plain_ab_summary(cell.get("plain_ab"), prompts.cell.batch_size),
     })
     return summary
+
+
+def plain_ab_summary(ledgers: Mapping[str, Sequence] | None,
+                     batch_size: int) -> dict[str, Any] | None:
+    """The same engine's plain decode steps (the whole batch, no draft) with the plugin's
+    plain-step path on and bypassed (``--plain-pairs``): their trimmed means (10% off each
+    end: a plain step's cost is its average, the steps that peek included, and one
+    disturbance of the machine must not be it) and medians, each arm's runs pooled, and
+    the ratios on / bypassed: issue 19's bound, a plain step within 3% of a plain step of
+    an engine without speculation, for the plugin's part of it."""
+    from specplugin.profiling import Ledger, combine, is_plugin_phase, plain_steps_ms
+
+    if not ledgers or not ledgers.get("on") or not ledgers.get("bypassed"):
+        return None
+    combined = {arm: [combine(Ledger.from_dict(run["engine"]), Ledger.from_dict(run["worker"]))
+                      for run in runs] for arm, runs in ledgers.items()}
+    steps = {arm: [ms for ledger in runs for ms in plain_steps_ms(ledger, batch_size)]
+             for arm, runs in combined.items()}
+    if not steps["on"] or not steps["bypassed"]:
+        return None
+    # each arm's plugin phases, ms per step (all steps): what the bypass left out
+    plugin_ms = {arm: {} for arm in combined}
+    for arm, runs in combined.items():
+        num_steps = max(1, sum(ledger.num_steps for ledger in runs))
+        for ledger in runs:
+            for phase, seconds in ledger.phases_s.items():
+                if is_plugin_phase(phase):
+                    plugin_ms[arm][phase] = plugin_ms[arm].get(phase, 0.0) + seconds * 1e3 / num_steps
+    mean = {arm: trimmed_mean(ms) for arm, ms in steps.items()}
+    median = {arm: statistics.median(ms) for arm, ms in steps.items()}
+    return {"pairs": len(ledgers["on"]), "steps": {a: len(ms) for a, ms in steps.items()},
+            "mean_ms": mean, "median_ms": median, "plugin_ms": plugin_ms,
+            "ratio_mean": mean["on"] / mean["bypassed"],
+            "ratio_median": median["on"] / median["bypassed"]}
+
+
+def trimmed_mean(values: Sequence[float], cut: float = 0.1) -> float:
+    """The mean of ``values`` without the lowest and highest ``cut`` share of them."""
+    ordered = sorted(values)
+    drop = int(len(ordered) * cut)
+    kept = ordered[drop: len(ordered) - drop] or ordered
+    return sum(kept) / len(kept)
 
 
 def overhead(off: Sequence[float], on: Sequence[float], timers_ms: float,
@@ -277,6 +327,7 @@ def ledger_rows(results: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, lis
         ("plain decode step ms (median; steps)", [_plain(r, results) for r in rs]),
         ("  of them drafting skipped too", [_plain(r, results, "skipped") for r in rs]),
         ("  skipped / none's, per round (median)", [_plain_rounds(r, results) for r in rs]),
+        ("plain step, plugin on / bypassed, same engine", [_plain_ab(r) for r in rs]),
         ("engine busy (steps / wall)", [f"{r['busy_share']:.0%}" for r in rs]),
         ("front end ms / step (alongside)", [f"{r['front_end_ms_per_step']:.3f}" for r in rs]),
         ("timer overhead: measured", [_pct(r["overhead"]["measured"]) for r in rs]),
@@ -366,6 +417,15 @@ def _plain_rounds(result: Mapping[str, Any], results: Mapping[str, Mapping[str, 
             + (f" ({statistics.median(ratios):.3f}x)" if len(ratios) > 1 else ""))
 
 
+def _plain_ab(result: Mapping[str, Any]) -> str:
+    ab = result.get("plain_ab")
+    if not ab:
+        return "-"
+    return (f"{ab['ratio_mean']:.3f}x mean, {ab['ratio_median']:.3f}x median "
+            f"({ab['mean_ms']['on']:.3f} / {ab['mean_ms']['bypassed']:.3f} ms; "
+            f"{ab['steps']['on']} / {ab['steps']['bypassed']} steps)")
+
+
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:+.1%}"
 
@@ -410,7 +470,8 @@ def _meta(args, models, cell, prompts) -> dict[str, Any]:
     return {**run_environment(), "models": asdict(models), "cell": cell.key,
             "num_requests": len(prompts.prompts), "max_tokens": prompts.max_tokens,
             "eager": args.eager, "engine_defaults": engine_kwargs({}, args.eager),
-            "overhead_pairs": args.overhead_pairs, "overrides": args.overrides}
+            "overhead_pairs": args.overhead_pairs, "plain_pairs": args.plain_pairs,
+            "overrides": args.overrides}
 
 
 def _check_py_spy() -> None:

@@ -74,31 +74,36 @@ class CostModel:
         self._moments = np.zeros(5)  # weighted averages of 1, x, y, xx, xy
         self._num_steps = 0
 
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.smoothing * (new - old)
+    def _ema(self, old: float | None, new: float, smoothing: float | None = None) -> float:
+        weight = self.smoothing if smoothing is None else smoothing
+        return new if old is None else old + weight * (new - old)
 
     def observe_forward(self, seconds: float) -> None:
         self.draft_forward_s = self._ema(self.draft_forward_s, seconds)
 
     def observe_step(self, seconds: float, num_tokens: int, num_forwards: int,
-                     num_draft_tokens: int) -> None:
+                     num_draft_tokens: int, count: int = 1) -> None:
         """One engine step: ``seconds`` of wall time, ``num_tokens`` emitted by the batch,
-        ``num_forwards`` draft forwards, ``num_draft_tokens`` drafts verified. A step over
+        ``num_forwards`` draft forwards, ``num_draft_tokens`` drafts verified; or the
+        mean of ``count`` equal such steps (plain ones, summed by
+        :class:`~specplugin.adaptive.cost.StepSums`), learned as that many. A step over
         20x the average time per token is an idle gap, not a step, and is ignored."""
-        if num_tokens <= 0:
+        if num_tokens <= 0 or count < 1:
             return
         if self.token_s is not None and seconds / num_tokens > 20 * self.token_s:
             return
+        # count equal steps move an exponential average as far as this one weight
+        smoothing = 1.0 - (1.0 - self.smoothing) ** count
         # a ratio of averages: the average of per-step ratios would overweight slow steps
-        self._step_s = self._ema(self._step_s, seconds)
-        self._step_tokens = self._ema(self._step_tokens, float(num_tokens))
+        self._step_s = self._ema(self._step_s, seconds, smoothing)
+        self._step_tokens = self._ema(self._step_tokens, float(num_tokens), smoothing)
         self.token_s = self._step_s / self._step_tokens
         x = float(num_draft_tokens)
         y = seconds - (self.draft_forward_s or 0.0) * num_forwards
         sample = np.array([1.0, x, y, x * x, x * y])
-        weight = self.smoothing if self._num_steps else 1.0
+        weight = smoothing if self._num_steps else 1.0
         self._moments += weight * (sample - self._moments)
-        self._num_steps += 1
+        self._num_steps += count
 
     @property
     def verify_s(self) -> float:

@@ -29,7 +29,7 @@ import numpy as np
 
 from specplugin.adaptive.arbiter import StepArbiter
 from specplugin.adaptive.controller import NO_CANDIDATE, Choice, divergence, expand, plan
-from specplugin.adaptive.cost import StepCostModel
+from specplugin.adaptive.cost import StepCostModel, StepSums
 from specplugin.adaptive.estimator import (AcceptanceEstimator, RequestHistory, TokenCells,
                                            history_bucket)
 from specplugin.metrics import FailureCounter, ProposerStats
@@ -37,6 +37,12 @@ from specplugin.proposers import MODEL_PROPOSERS
 from specplugin.proposers.base import Candidate, Proposer, StepBatch
 
 logger = logging.getLogger("specplugin")
+# Plain steps between two n-gram peeks at most (Union.plain_step): the gap doubles from 1
+# while the peeks find nothing worth verifying and is back to 1 when one does or new
+# requests join. A peek costs 0.05-0.15 ms, 1-3% of a 5 ms plain step at batch 1
+# (measured in an engine); text that starts copying stays in sight for as many tokens as
+# the copy runs, so a late look loses at most the gap's steps of it.
+MAX_PEEK_GAP = 8
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,7 @@ class Union:
     def __init__(self, proposers: Sequence[Proposer], cost: StepCostModel | None = None,
                  estimator: AcceptanceEstimator | None = None, explore: bool = True,
                  arbiter: StepArbiter | None = None, max_candidates: int = 1,
-                 decoy_primary: bool = False):
+                 decoy_primary: bool = False, max_peek_gap: int = MAX_PEEK_GAP):
         """``explore``: one request per step (chosen at random among those with
         candidates) is judged by posterior draws (Thompson sampling), the others by
         posterior means, so that a proposer unlucky early on is tried again (see the
@@ -97,7 +103,8 @@ class Union:
         optimistic draw among 16 rows would make most steps speculative, and a
         speculative step costs the whole batch the engine's speculative machinery.
         ``arbiter``: measures whether speculating pays at all and switches whole steps
-        to plain decoding when it does not (None: every step is planned)."""
+        to plain decoding when it does not (None: every step is planned).
+        ``max_peek_gap``: see :data:`MAX_PEEK_GAP` (1: peek on every plain step)."""
         self.explore = explore
         self.arbiter = arbiter
         if arbiter is not None:
@@ -126,6 +133,11 @@ class Union:
                                 None)
         self._skipped_steps = 0  # plain steps since begin() last ran (estimator decay)
         self._shadows: dict[str, _Shadow] = {}  # req_id -> the peek's unsent candidate
+        self.max_peek_gap = max_peek_gap
+        self._peek_gap = 1  # plain steps from one peek to the next (see MAX_PEEK_GAP)
+        self._steps_to_peek = 0  # plain steps until the next peek
+        # plain steps' wall times, summed before the cost model learns them (see _observe)
+        self._plain_sums = StepSums()
         # seconds of draft-model forwards plan_draft let run this step (in the prediction)
         self._draft_plan_seconds = 0.0
 
@@ -180,10 +192,15 @@ class Union:
         self._observe(seconds, num_query_tokens, num_reqs, speculative=False,
                       draft_seconds=draft_seconds)
         self.speculating = self.arbiter.speculate(num_reqs, sampled)
-        if not self.speculating and peek is not None and self._copy_in_sight(peek):
-            self.arbiter.speculate_now(num_reqs, sampled)
-            self.speculating = True
-            self.stats.steps_peeked += 1
+        if not self.speculating and peek is not None and self._peek_due():
+            if self._copy_in_sight(peek):
+                self.arbiter.speculate_now(num_reqs, sampled)
+                self.speculating = True
+                self.stats.steps_peeked += 1
+                self._peek_gap = 1
+            else:
+                self._peek_gap = min(2 * self._peek_gap, self.max_peek_gap)
+            self._steps_to_peek = self._peek_gap - 1
         if self.speculating:
             self._observed = True
         else:
@@ -192,6 +209,22 @@ class Union:
             self._count_plain_step(num_reqs)
             self.stats.steps_skipped += 1
         return self.speculating
+
+    def _peek_due(self) -> bool:
+        """Whether this plain step peeks (every ``_peek_gap`` plain steps; see
+        :data:`MAX_PEEK_GAP`)."""
+        if self._steps_to_peek > 0:
+            self._steps_to_peek -= 1
+            return False
+        return True
+
+    def new_requests(self, num_new: int, num_reqs: int) -> None:
+        """``num_new`` of the batch's ``num_reqs`` requests arrived this step: new text, so
+        the next plain step peeks at once (and the arbiter hears of it)."""
+        if num_new > 0:
+            self._peek_gap, self._steps_to_peek = 1, 0
+        if self.arbiter is not None:
+            self.arbiter.new_requests(num_new, num_reqs)
 
     def _copy_in_sight(self, peek: Callable[[], StepBatch]) -> bool:
         """Whether the n-gram proposer (if the union has one) finds, on the batch
@@ -258,8 +291,10 @@ class Union:
         return num_reqs / float(self.cost.step_seconds(np.array([num_reqs]))[0])
 
     def _count_plain_step(self, num_reqs: int) -> None:
-        self._pending, self._pending_extras = {}, {}
-        self.last_sources = [None] * num_reqs
+        if self._pending or self._pending_extras:  # (no new objects on every plain step)
+            self._pending, self._pending_extras = {}, {}
+        if len(self.last_sources) != num_reqs or self.last_sources.count(None) != num_reqs:
+            self.last_sources = [None] * num_reqs
         self.stats.steps += 1
         self.stats.steps_without_drafts += 1
         self.stats.k_histogram[0] += num_reqs
@@ -270,11 +305,21 @@ class Union:
         model's forwards: :meth:`plan_draft` prices them itself, and counted in ``T(n)``
         they would be paid twice and make plain steps look dearer) and the step arbiter
         (all of it: what a block of such steps really emits per second)."""
-        if seconds is not None:
+        if seconds is None:
+            pass
+        elif speculative or draft_seconds:
+            self._learn_plain_sums(self._plain_sums.flush())
             self.cost.observe(num_query_tokens, max(seconds - draft_seconds, 1e-9),
                               speculative=speculative)
+        else:  # a plain step: summed with the next ones of its size (see StepSums)
+            self._learn_plain_sums(self._plain_sums.add(num_query_tokens, seconds))
         if self.arbiter is not None:
             self.arbiter.observe(num_emitted, seconds)
+
+    def _learn_plain_sums(self, summed: tuple[int, float, int] | None) -> None:
+        if summed is not None:
+            num_query_tokens, seconds, count = summed
+            self.cost.observe(num_query_tokens, seconds, speculative=False, count=count)
 
     def ask(self, batch: StepBatch, proposers: Sequence[int]) -> list[tuple[int, int, Candidate]]:
         if not self.speculating:

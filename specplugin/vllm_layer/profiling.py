@@ -305,6 +305,8 @@ def install_worker(runner) -> None:
 
 def _act(action: str, install) -> Any:
     """One process's part of an RPC action."""
+    if action in ("bypass", "unbypass"):  # the worker's business (worker_rpc)
+        return None
     if action == "start":
         install()
         CLOCK.take()
@@ -321,11 +323,21 @@ def _act(action: str, install) -> Any:
     if action == "device":
         return "cuda (timers synchronise)" if CLOCK.sync is not None else "synchronous"
     raise ValueError(f"{RPC}: unknown action {action!r}; one of start, stop, pause, resume, "
-                     "timer_cost, device.")
+                     "timer_cost, device, bypass, unbypass.")
 
 
 def worker_rpc(worker, action: str) -> Any:
-    """Sent by the engine core to every worker (vLLM's executor pickles it)."""
+    """Sent by the engine core to every worker (vLLM's executor pickles it). ``bypass``
+    / ``unbypass``: the plugin runner's plain-step path off / on (see
+    :attr:`PluginRunnerMixin.plugin_bypass
+    <specplugin.vllm_layer.worker.PluginRunnerMixin.plugin_bypass>`); answers whether
+    the runner has one."""
+    if action in ("bypass", "unbypass"):
+        runner = worker.model_runner
+        if not hasattr(runner, "plugin_bypass"):
+            return False
+        runner.plugin_bypass = action == "bypass"
+        return True
     if action == "device":
         return ("cuda (timers synchronise)" if worker.model_runner.device.type == "cuda"
                 else "cpu (every phase synchronous)")

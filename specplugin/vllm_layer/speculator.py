@@ -111,8 +111,7 @@ class Speculator:
 
     def new_requests(self, num_new: int, num_reqs: int) -> None:
         """Requests joined the batch this step (see the runner's ``_note_new_requests``)."""
-        if self.union.arbiter is not None:
-            self.union.arbiter.new_requests(num_new, num_reqs)
+        self.union.new_requests(num_new, num_reqs)
 
     def _this_step(self) -> float | None:
         """The wall time of the step just run, read once per step: by :meth:`skip_drafting`

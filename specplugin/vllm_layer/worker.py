@@ -79,6 +79,11 @@ class StepContext:
 class PluginRunnerMixin:
     """Mixed in front of vLLM's ``GPUModelRunner`` or ``CPUModelRunner``."""
 
+    # ``specplugin profile`` only (its ``bypass`` action): every step takes the plain path
+    # without asking the drafter, so that a plain step's cost with the plugin can be
+    # compared with the same engine's without the plugin's decision (--plain-pairs)
+    plugin_bypass = False
+
     def _install_plugin_drafter(self) -> None:
         from specplugin.vllm_layer.draft_proposer import PluginDraftProposer
 
@@ -325,8 +330,12 @@ class PluginRunnerMixin:
         says the next one decodes plainly too (:meth:`_skip_drafting`), vLLM samples on
         its non-speculative path (no drafting call, no draft copies, no draft-model
         preparation) and the step hands back no drafts."""
-        self._note_new_requests()
-        if self._skip_drafting():
+        so = self.step_scheduler_output
+        bypass = self.plugin_bypass and not (so is not None
+                                             and any(so.scheduled_spec_decode_tokens.values()))
+        if not bypass:
+            self._note_new_requests()
+        if bypass or self._skip_drafting():
             spec, self.speculative_config = self.speculative_config, None
             try:
                 output = super().sample_tokens(grammar_output)
@@ -366,9 +375,10 @@ class PluginRunnerMixin:
                 or any(so.scheduled_spec_decode_tokens.values())):
             return False
         num_reqs = self.input_batch.num_reqs
-        sampled = self.input_batch.temperature_cpu[:num_reqs] >= _SAMPLING_EPS
-        return skip(num_reqs, so.total_num_scheduled_tokens,
-                    bool(num_reqs and sampled.mean() > 0.5))
+        # requests that sample (temperature >= vLLM's _SAMPLING_EPS): vLLM's own set,
+        # read without numpy (this runs on every plain step)
+        num_sampled = len(self.input_batch.random_reqs)
+        return skip(num_reqs, so.total_num_scheduled_tokens, 2 * num_sampled > num_reqs)
 
     def _get_draft_token_ids_cpu(self) -> tuple[list[list[int]], list[str]]:
         draft_token_ids, req_ids = super()._get_draft_token_ids_cpu()
