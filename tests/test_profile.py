@@ -180,7 +180,7 @@ def test_the_plain_step_ab_compares_trimmed_means_of_one_engines_two_arms():
 
     on = [5.0] * 9 + [5.5] + [40.0]  # one peek in ten steps, one disturbance
     ab = plain_ab_summary({"on": [run(on, 0.001)] * 2, "bypassed": [run([5.0] * 11)] * 2}, 4)
-    assert ab["pairs"] == 2 and ab["steps"] == {"on": 22, "bypassed": 22}
+    assert ab["runs"] == 2 and ab["steps"] == {"on": 22, "bypassed": 22}
     assert ab["ratio_median"] == pytest.approx(1.0)
     assert ab["ratio_mean"] == pytest.approx((5.0 * 16 + 5.5 * 2) / 18 / 5.0)  # 2 cut per end
     assert ab["plugin_ms"]["bypassed"] == {} and ab["plugin_ms"]["on"]["plugin: plain step"] > 0
@@ -247,7 +247,7 @@ def test_the_plain_step_ab_bypasses_the_plugins_decision_in_the_same_engine(prof
     builtin, plugin = (profiled[0]["methods"][n] for n in E2E_METHODS)
     assert builtin["plain_ab"] is None
     ab = plugin["plain_ab"]
-    assert ab["pairs"] == 1 and ab["steps"]["on"] > 0 and ab["steps"]["bypassed"] > 0
+    assert ab["runs"] >= 1 and ab["steps"]["on"] > 0 and ab["steps"]["bypassed"] > 0
     assert "plugin: plain step" in ab["plugin_ms"]["on"]
     bypassed = ab["plugin_ms"]["bypassed"]
     assert not [p for p in bypassed if p.startswith(("plugin: plain", "propose:", "draft:"))]

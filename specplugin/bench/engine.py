@@ -136,20 +136,26 @@ def attribution_delta(after, before) -> dict[str, dict[str, int]] | None:
             for name, counts in after.items()}
 
 
+def _batches(cell: dict[str, Any]):
+    """The cell's prompts ``batch_size`` at a time, each batch with its sampling params
+    (one per prompt when requests differ in temperature, workload "server")."""
+    prompts, size = cell["prompts"], cell["batch_size"]
+    params = ([_sampling({**cell, "temperature": t}) for t in cell["temperatures"]]
+              if "temperatures" in cell else _sampling(cell))
+    for i in range(0, len(prompts), size):
+        yield prompts[i: i + size], params[i: i + size] if isinstance(params, list) else params
+
+
 def run_cell(llm, cell: dict[str, Any], return_token_ids: bool,
              plugin: bool = False) -> dict[str, Any]:
     """Submit the cell's prompts ``batch_size`` at a time; time only ``generate``.
     ``plugin``: the engine runs specplugin, whose per-proposer counters are read too."""
-    prompts, size = cell["prompts"], cell["batch_size"]
-    # [num_prompts] when requests differ in temperature (workload "server"), else one for all
-    params = ([_sampling({**cell, "temperature": t}) for t in cell["temperatures"]]
-              if "temperatures" in cell else _sampling(cell))
+    prompts = cell["prompts"]
     before = spec_counters(llm)
     attributed, others = plugin_counters(llm) if plugin else (None, None)
     seconds, num_tokens, token_ids = 0.0, 0, []
-    for i in range(0, len(prompts), size):
-        outputs, elapsed = _generate(llm, prompts[i : i + size],
-                                     params[i : i + size] if isinstance(params, list) else params)
+    for batch, params in _batches(cell):
+        outputs, elapsed = _generate(llm, batch, params)
         seconds += elapsed
         completions = [list(c.token_ids) for o in outputs for c in o.outputs]
         num_tokens += sum(len(c) for c in completions)
@@ -275,22 +281,29 @@ def run_profile(llm, job: dict[str, Any], emit: Emit) -> None:
 
 
 def plain_ab(llm, cell: dict[str, Any], pairs: int) -> dict[str, list] | None:
-    """``pairs`` runs of the cell with the plugin's plain-step path bypassed and on, in
-    turn (``specplugin_profile`` actions ``bypass`` / ``unbypass``), each with the timers
-    on: the ledgers (rank 0's worker and the engine core) per arm, from which a plain
-    step's cost with the plugin is compared with the same engine's without it. None when
-    the engine's runner is not the plugin's (no plain-step path to bypass)."""
+    """``pairs`` passes over the cell in which every batch of its prompts runs twice in a
+    row, once with the plugin's plain-step path bypassed and once with it on
+    (``specplugin_profile`` actions ``bypass`` / ``unbypass``), the order flipping from
+    one batch to the next (ABBA: a machine that drifts during the pass slows both arms
+    alike; whole runs of the cell one after the other differed by 5-8% on this VM in one
+    engine), each with the timers on: the ledgers (rank 0's worker and the engine core)
+    per arm, from which a plain step's cost with the plugin is compared with the same
+    engine's without it. None when the engine's runner is not the plugin's (no
+    plain-step path to bypass)."""
     if pairs <= 0 or not all(r["worker"] for r in _profile_rpc(llm, "bypass")):
         _profile_rpc(llm, "unbypass")
         return None
     ledgers: dict[str, list] = {"bypassed": [], "on": []}
+    turn = 0
     try:
-        for i in range(pairs):
-            for arm in (("bypassed", "on") if i % 2 == 0 else ("on", "bypassed")):
-                _profile_rpc(llm, "bypass" if arm == "bypassed" else "unbypass")
-                _profile_rpc(llm, "start")
-                run_cell(llm, cell, return_token_ids=False)
-                ledgers[arm].append(_profile_rpc(llm, "stop")[0])
+        for _ in range(pairs):
+            for batch, params in _batches(cell):
+                for arm in (("bypassed", "on") if turn % 2 == 0 else ("on", "bypassed")):
+                    _profile_rpc(llm, "bypass" if arm == "bypassed" else "unbypass")
+                    _profile_rpc(llm, "start")
+                    _generate(llm, batch, params)
+                    ledgers[arm].append(_profile_rpc(llm, "stop")[0])
+                turn += 1
     finally:
         _profile_rpc(llm, "unbypass")
     return ledgers

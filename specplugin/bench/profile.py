@@ -63,8 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timers-off/on runs per method after the profiled run, to "
                              "measure the timers' own cost (0: skip)")
     parser.add_argument("--plain-pairs", type=int, default=2,
-                        help="plugin methods: runs with the plugin's plain-step path bypassed "
-                             "and on, in turn, in the same engine after the profiled run: "
+                        help="plugin methods: passes over the cell after the profiled run in "
+                             "which each batch runs twice in a row, with the plugin's "
+                             "plain-step path bypassed and on (order flipping per batch): "
                              "its plain decode step against the same engine's without the "
                              "plugin's decision, free of the engine-to-engine noise that "
                              "--rounds fights (0: skip)")
@@ -262,7 +263,7 @@ def plain_ab_summary(ledgers: Mapping[str, Sequence] | None,
                     plugin_ms[arm][phase] = plugin_ms[arm].get(phase, 0.0) + seconds * 1e3 / num_steps
     mean = {arm: trimmed_mean(ms) for arm, ms in steps.items()}
     median = {arm: statistics.median(ms) for arm, ms in steps.items()}
-    return {"pairs": len(ledgers["on"]), "steps": {a: len(ms) for a, ms in steps.items()},
+    return {"runs": len(ledgers["on"]), "steps": {a: len(ms) for a, ms in steps.items()},
             "mean_ms": mean, "median_ms": median, "plugin_ms": plugin_ms,
             "ratio_mean": mean["on"] / mean["bypassed"],
             "ratio_median": median["on"] / median["bypassed"]}
