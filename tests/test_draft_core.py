@@ -250,11 +250,11 @@ def test_draft_tokens_follow_the_draft_probabilities_they_return():
     chi-square over 40,000 draws, at two temperatures, with a token of probability 0."""
     generator = torch.Generator().manual_seed(0)
     logits = torch.tensor([2.0, 1.0, 0.5, -float("inf"), 0.0, -1.0, 3.0, -3.0])
-    for temp in (1.0, 0.7):
+    for temp, all_sampled in ((1.0, False), (0.7, False), (0.7, True)):
         num_rows = 40_000
         token_ids, draft_probs = sample_draft_tokens(
             logits.expand(num_rows, -1), torch.full((num_rows,), temp),
-            torch.ones(num_rows, dtype=torch.bool), generator)
+            torch.ones(num_rows, dtype=torch.bool), generator, all_sampled=all_sampled)
         expected = (logits / temp).softmax(-1)
         torch.testing.assert_close(draft_probs[0], expected)
         counts = torch.bincount(token_ids, minlength=logits.numel())

@@ -441,7 +441,8 @@ class PluginDraftProposer(DraftModelProposer):
             token_ids = logits.argmax(dim=-1)
             return run.add(token_ids, confidence_of(logits.softmax(dim=-1)))
         token_ids, draft_probs = sample_draft_tokens(
-            logits, temperature, temperature >= _SAMPLING_EPS)
+            logits, temperature, temperature >= _SAMPLING_EPS,
+            all_sampled=bool(run.sampled.all()))
         return run.add(token_ids, confidence_of(draft_probs), draft_probs)
 
     def _finish(self, run: DraftRun, rows: np.ndarray, batch: StepBatch) -> torch.Tensor:
