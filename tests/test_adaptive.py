@@ -383,6 +383,30 @@ def test_a_cold_draft_runs_in_some_steps_for_every_row_though_its_prior_does_not
     assert all((k == k[0]).all() for k in drafted)  # all rows or none
 
 
+def test_the_choice_reuses_the_gates_estimates_of_token_level_candidates():
+    """One estimate per step: plan_draft (the draft's gate) estimated the token-level
+    candidates, explorer draw included; choose uses those same numbers and estimates only
+    the draft model's candidates, whose signals it did not know before."""
+    union = _union(Fixed("ngram", [1, 2, 3], 0.5), Fixed("draft", [4, 5], 0.5), explore=True)
+    batch = _batch(["r0", "r1"])
+    assert union.begin(None, 2, sampled=False)
+    offers = union.ask(batch, [0])
+    union.plan_draft(batch, offers, 1, np.full(2, 8), forward_seconds=0.0)
+    gate = {id(c): union._estimated[id(c)].copy() for _, _, c in offers}
+    assert len(gate) == 2
+    seen = []
+    estimate, sample = union.estimator.estimate, union.estimator.sample
+    union.estimator.estimate = lambda cells, **kw: seen.append(cells.proposer) or estimate(cells, **kw)
+    union.estimator.sample = lambda cells, **kw: seen.append(cells.proposer) or sample(cells, **kw)
+    acceptance = union._acceptance(offers + union.ask(batch, [1]), batch, union._histories(batch))
+    assert len(seen) == 1 and (seen[0] == 1).all()  # one call, the draft's tokens only
+    for (_, _, c), accepted in zip(offers, acceptance[:2]):
+        assert np.array_equal(accepted, gate[id(c)])
+    assert union.choose(batch, offers + union.ask(batch, [1]))  # the whole choice runs
+    union.begin(None, 2, sampled=False)  # a new step forgets them
+    assert union._estimated == {}
+
+
 def test_the_draft_models_time_is_kept_out_of_the_target_step_cost():
     """A step's wall time holds the draft model's forwards, which plan_draft prices on
     their own: the cost model learns the step without them (else a plain step would

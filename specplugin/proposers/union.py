@@ -140,6 +140,10 @@ class Union:
         self._plain_sums = StepSums()
         # seconds of draft-model forwards plan_draft let run this step (in the prediction)
         self._draft_plan_seconds = 0.0
+        # id(candidate) -> its tokens' acceptance as plan_draft estimated it this step:
+        # choose reuses them (one estimate, one posterior draw per step for the gate and
+        # the choice), estimating only the draft model's candidates, known after it ran
+        self._estimated: dict[int, np.ndarray] = {}
 
     def step(self, batch: StepBatch, verified: Verified | None) -> list[list[int]]:
         """Learn from ``verified``, then one draft per row of ``batch`` (``[]``: none)."""
@@ -154,6 +158,7 @@ class Union:
         After :meth:`plain_step` said True, the step was observed and decided there."""
         self.last_alternates, self._alternative_offers = [], []
         self._draft_plan_seconds = 0.0
+        self._estimated = {}
         observed, self._observed = self._observed, False
         if verified is not None:
             self._learn(verified, observe=not observed)
@@ -363,8 +368,9 @@ class Union:
         histories = self._histories(batch)
         acceptance: list[list[np.ndarray]] = [[] for _ in range(batch.num_reqs)]
         offers = sorted(offers, key=lambda o: o[0])
-        for (r, _, _), a in zip(offers, self._estimate(offers, batch, histories)):
+        for (r, _, c), a in zip(offers, self._estimate(offers, batch, histories)):
             acceptance[r].append(a)
+            self._estimated[id(c)] = a
         without = plan(acceptance, self.cost.step_seconds, spec_overhead=self.cost.spec_overhead_s)
         rows = np.flatnonzero(lengths)
         starts = np.cumsum(lengths[rows]) - lengths[rows]
@@ -423,7 +429,7 @@ class Union:
         acceptance: list[list[np.ndarray]] = [[] for _ in range(batch.num_reqs)]
         order = sorted(range(len(offers)), key=lambda o: offers[o][0])  # by row, stable
         offers = [offers[o] for o in order]
-        for (r, _, _), a in zip(offers, self._estimate(offers, batch, histories)):
+        for (r, _, _), a in zip(offers, self._acceptance(offers, batch, histories)):
             acceptance[r].append(a)
         choices = plan(acceptance, self.cost.step_seconds,
                        spec_overhead=self.cost.spec_overhead_s)
@@ -439,6 +445,18 @@ class Union:
             self._alternates(batch, offers + alternatives, acceptance, choices, drafts,
                              histories, len(offers))
         return drafts
+
+    def _acceptance(self, offers, batch: StepBatch, histories: list[int]) -> list[np.ndarray]:
+        """Each offer's acceptance: plan_draft's estimate where it made one this step (the
+        token-level candidates, their explorer draw included), else estimated now (the
+        draft model's candidates, whose signals are known once it ran; posterior means
+        when plan_draft already drew this step's exploration)."""
+        known = self._estimated
+        if not known:
+            return self._estimate(offers, batch, histories)
+        fresh = [o for o in offers if id(o[2]) not in known]
+        estimates = iter(self._estimate(fresh, batch, histories, explore=False))
+        return [known[id(c)] if id(c) in known else next(estimates) for _, _, c in offers]
 
     def _alternates(self, batch: StepBatch, offers, acceptance, choices, drafts, histories,
                     num_main: int) -> None:
