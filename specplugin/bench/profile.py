@@ -235,6 +235,11 @@ def profile_method(spec, models, prompts, args, out_dir: Path,
     return summary
 
 
+# plain steps this many steps or more after the last speculative one are steady plain
+# decoding (plain_ab_summary)
+SETTLED = 4
+
+
 def plain_ab_summary(ledgers: Mapping[str, Sequence] | None,
                      batch_size: int) -> dict[str, Any] | None:
     """The same engine's plain decode steps (the whole batch, no draft) with the plugin's
@@ -253,6 +258,11 @@ def plain_ab_summary(ledgers: Mapping[str, Sequence] | None,
              for arm, runs in combined.items()}
     if not steps["on"] or not steps["bypassed"]:
         return None
+    # the on arm's plain steps of steady plain decoding: SETTLED steps or more after the
+    # last one that speculated (those right after it carry its aftermath: learning from
+    # its verification, caches the draft model took)
+    settled = [ms for ledger in combined["on"]
+               for ms in plain_steps_ms(ledger, batch_size, settled=SETTLED)]
     # each arm's plugin phases, ms per step (all steps): what the bypass left out
     plugin_ms = {arm: {} for arm in combined}
     for arm, runs in combined.items():
@@ -266,7 +276,11 @@ def plain_ab_summary(ledgers: Mapping[str, Sequence] | None,
     return {"runs": len(ledgers["on"]), "steps": {a: len(ms) for a, ms in steps.items()},
             "mean_ms": mean, "median_ms": median, "plugin_ms": plugin_ms,
             "ratio_mean": mean["on"] / mean["bypassed"],
-            "ratio_median": median["on"] / median["bypassed"]}
+            "ratio_median": median["on"] / median["bypassed"],
+            "settled_steps": len(settled),
+            "settled_ratio_mean": trimmed_mean(settled) / mean["bypassed"] if settled else None,
+            "settled_ratio_median": (statistics.median(settled) / median["bypassed"]
+                                     if settled else None)}
 
 
 def trimmed_mean(values: Sequence[float], cut: float = 0.1) -> float:
@@ -422,9 +436,14 @@ def _plain_ab(result: Mapping[str, Any]) -> str:
     ab = result.get("plain_ab")
     if not ab:
         return "-"
-    return (f"{ab['ratio_mean']:.3f}x mean, {ab['ratio_median']:.3f}x median "
+    text = (f"{ab['ratio_mean']:.3f}x mean, {ab['ratio_median']:.3f}x median "
             f"({ab['mean_ms']['on']:.3f} / {ab['mean_ms']['bypassed']:.3f} ms; "
             f"{ab['steps']['on']} / {ab['steps']['bypassed']} steps)")
+    if ab.get("settled_ratio_mean") is not None:
+        text += (f"; {SETTLED}+ steps after speculating: "
+                 f"{ab['settled_ratio_mean']:.3f}x mean, "
+                 f"{ab['settled_ratio_median']:.3f}x median ({ab['settled_steps']} steps)")
+    return text
 
 
 def _pct(value: float | None) -> str:
