@@ -407,6 +407,34 @@ def test_the_choice_reuses_the_gates_estimates_of_token_level_candidates():
     assert union._estimated == {}
 
 
+def test_a_step_the_draft_skips_is_planned_once(monkeypatch):
+    """When the draft's gate plans the draft model out for every row, the choice weighs
+    exactly the candidates, estimates and costs the gate's plan without it did: that plan
+    is the choice, not computed a second time; with the draft's candidates in, it is."""
+    from specplugin.proposers import union as union_module
+
+    calls = []
+    real_plan = union_module.plan
+    monkeypatch.setattr(union_module, "plan",
+                        lambda *a, **kw: calls.append(1) or real_plan(*a, **kw))
+    union = _union(Fixed("ngram", [1, 2, 3], 0.9), Fixed("draft", [4, 5], 0.9), explore=False)
+    batch = _batch(["r0", "r1"])
+    assert union.begin(None, 2, sampled=False)
+    offers = union.ask(batch, [0])
+    union.plan_draft(batch, offers, 1, np.zeros(2, dtype=int) + 8, forward_seconds=10.0)
+    planned = len(calls)
+    drafts = union.choose(batch, list(offers))  # the draft did not run: nothing new
+    assert len(calls) == planned and all(drafts)
+    union._plan_without = None  # planned afresh, the choice is the same
+    assert union.choose(batch, list(offers)) == drafts and len(calls) == planned + 1
+    assert union.begin(None, 2, sampled=False)
+    offers = union.ask(batch, [0])
+    union.plan_draft(batch, offers, 1, np.full(2, 8), forward_seconds=10.0)
+    planned = len(calls)
+    union.choose(batch, offers + union.ask(batch, [1]))  # the draft's candidates too
+    assert len(calls) == planned + 1
+
+
 def test_the_draft_models_time_is_kept_out_of_the_target_step_cost():
     """A step's wall time holds the draft model's forwards, which plan_draft prices on
     their own: the cost model learns the step without them (else a plain step would

@@ -34,7 +34,7 @@ REFUSED = {"k_above_server": {"specplugin_max_k": K + 1},
            "typo_in_key": {"specplugin_maxk": 2}}
 
 PROBE = r"""
-import json, os, sys
+import json, os, sys, time
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
@@ -87,10 +87,13 @@ for record in asked.values():
     record.clear()
 mixed = llm.generate(prompts, [params(o) for o in job["options"]], use_tqdm=False)
 
-# one more (plain) request: the union learns a step's verification at the next step
+# one more (plain) request: the union learns a step's verification at the next step,
+# and, a publishing period later, its steps publish the counters of the runs above (on a
+# fast machine the mixed run can end within one period of the last publication)
+from specplugin.vllm_layer.metrics_export import PUBLISH_EVERY_S, engine_stats
+time.sleep(PUBLISH_EVERY_S + 0.2)
 llm.generate(prompts[:1], SamplingParams(max_tokens=2, extra_args={"specplugin_max_k": 0}),
              use_tqdm=False)
-from specplugin.vllm_layer.metrics_export import engine_stats
 exact = engine_stats(llm)
 vllm_counters, ours = {}, []
 for m in llm.get_metrics():

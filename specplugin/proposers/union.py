@@ -144,6 +144,9 @@ class Union:
         # choose reuses them (one estimate, one posterior draw per step for the gate and
         # the choice), estimating only the draft model's candidates, known after it ran
         self._estimated: dict[int, np.ndarray] = {}
+        # plan_draft's plan over the token-level candidates alone (their ids, the plan):
+        # when the draft model then runs for no row, choose has nothing else to weigh
+        self._plan_without: tuple[tuple[int, ...], list[Choice]] | None = None
 
     def step(self, batch: StepBatch, verified: Verified | None) -> list[list[int]]:
         """Learn from ``verified``, then one draft per row of ``batch`` (``[]``: none)."""
@@ -158,7 +161,7 @@ class Union:
         After :meth:`plain_step` said True, the step was observed and decided there."""
         self.last_alternates, self._alternative_offers = [], []
         self._draft_plan_seconds = 0.0
-        self._estimated = {}
+        self._estimated, self._plan_without = {}, None
         observed, self._observed = self._observed, False
         if verified is not None:
             self._learn(verified, observe=not observed)
@@ -372,6 +375,7 @@ class Union:
             acceptance[r].append(a)
             self._estimated[id(c)] = a
         without = plan(acceptance, self.cost.step_seconds, spec_overhead=self.cost.spec_overhead_s)
+        self._plan_without = (tuple(id(c) for _, _, c in offers), without)
         rows = np.flatnonzero(lengths)
         starts = np.cumsum(lengths[rows]) - lengths[rows]
         cells = TokenCells(
@@ -431,8 +435,12 @@ class Union:
         offers = [offers[o] for o in order]
         for (r, _, _), a in zip(offers, self._acceptance(offers, batch, histories)):
             acceptance[r].append(a)
-        choices = plan(acceptance, self.cost.step_seconds,
-                       spec_overhead=self.cost.spec_overhead_s)
+        planned = self._plan_without
+        if planned is not None and planned[0] == tuple(id(c) for _, _, c in offers):
+            choices = planned[1]  # the same candidates, estimates and costs: the same plan
+        else:
+            choices = plan(acceptance, self.cost.step_seconds,
+                           spec_overhead=self.cost.spec_overhead_s)
         if self.arbiter is not None:  # the draft's forwards, if it ran, are the step's too
             expected, seconds = self._rate_terms(acceptance, choices)
             self.arbiter.predicted(expected / (seconds + self._draft_plan_seconds))
