@@ -52,6 +52,25 @@ def test_a_second_engine_starts_where_the_first_one_stopped(tmp_path):
     assert cold.estimator.judged.sum() == 0
 
 
+def test_a_restored_state_is_what_the_estimates_read(tmp_path):
+    """The estimator keeps its counts' sums between changes: a state restored after it
+    estimated must be what it estimates from next, not the sums of its old counts."""
+    from specplugin.adaptive.estimator import TokenCells
+
+    first = _union()
+    memory = _open(first, tmp_path)
+    _teach(first, 1, 0.9)
+    memory.save(first)
+    cells = TokenCells(proposer=np.array([1]), sampled=np.array([False]),
+                       position=np.array([0]), signal=np.array([0.5]), history=np.array([0]))
+    second = _union()
+    before = second.estimator.estimate(cells, signal_known=False)  # sums of empty counts
+    _open(second, tmp_path)
+    after = second.estimator.estimate(cells, signal_known=False)
+    assert after == pytest.approx(first.estimator.estimate(cells, signal_known=False))
+    assert abs(after[0] - before[0]) > 0.05
+
+
 def test_the_file_is_keyed_by_models_proposers_k_and_machine(tmp_path):
     base = state_path(tmp_path, "/t", "/d", ("ngram", "draft"), 8, machine="m")
     assert base == state_path(tmp_path, "/t", "/d", ("ngram", "draft"), 8, machine="m")

@@ -73,6 +73,21 @@ class AcceptanceEstimator:
         self.judged = np.zeros(shape)  # n per cell
         self.accepted = np.zeros(shape)  # s per cell
         self.rng = np.random.default_rng(seed)  # draws (seeded: runs repeat)
+        # the counts' sums over signal (and history) buckets, kept until the counts change
+        # (update, step, changed): a step estimates several times between two changes,
+        # and each sum is a reduction over the whole table
+        self._marginals: tuple[np.ndarray, ...] | None = None
+
+    def changed(self) -> None:
+        """``judged`` / ``accepted`` were written from outside (a restored state)."""
+        self._marginals = None
+
+    def _sums(self) -> tuple[np.ndarray, ...]:
+        """(n, s) summed over signal and history buckets, then (n, s) over signal only."""
+        if self._marginals is None:
+            self._marginals = (self.judged.sum(axis=(3, 4)), self.accepted.sum(axis=(3, 4)),
+                               self.judged.sum(axis=3), self.accepted.sum(axis=3))
+        return self._marginals
 
     def index(self, name: str) -> int:
         return self.proposers.index(name)
@@ -89,13 +104,13 @@ class AcceptanceEstimator:
         not drafted yet (the draft model before it runs), so its cell is pooled over
         signal buckets: what tokens of that proposer, position and history brought."""
         cell = self._cells(t)
-        parent_n = self.judged.sum(axis=(3, 4))[cell[:3]]
-        parent_s = self.accepted.sum(axis=(3, 4))[cell[:3]]
+        judged_ph, accepted_ph, judged_p, accepted_p = self._sums()
+        parent_n, parent_s = judged_ph[cell[:3]], accepted_ph[cell[:3]]
         parent = (parent_s + self.m0 * self.prior_mean) / (parent_n + self.m0)
         if signal_known:
             return self.judged[cell], self.accepted[cell], parent
         pooled = cell[:3] + cell[4:]
-        return (self.judged.sum(axis=3)[pooled], self.accepted.sum(axis=3)[pooled], parent)
+        return judged_p[pooled], accepted_p[pooled], parent
 
     def estimate(self, t: TokenCells, signal_known: bool = True) -> np.ndarray:  # [num_tokens]
         n, s, parent = self._evidence(t, signal_known)
@@ -115,7 +130,10 @@ class AcceptanceEstimator:
             cell = list(np.broadcast_arrays(*self._cells(t)))
             if not signal_known:
                 cell[3] = np.zeros_like(cell[3])  # pooled over signal buckets
-            _, first, inverse = np.unique(np.stack(cell), axis=1, return_index=True, return_inverse=True)
+            # cells as flat indices (np.unique over the stacked columns, axis=1, costs
+            # ~10x more: it runs through numpy's Python axis handling every call)
+            flat = np.ravel_multi_index(cell, self.judged.shape)
+            _, first, inverse = np.unique(flat, return_index=True, return_inverse=True)
             draws = self.rng.beta(alpha[first], beta[first])
             return np.clip(draws[np.ravel(inverse)], 1e-6, 1.0 - 1e-6)
         return np.clip(self.rng.beta(alpha, beta), 1e-6, 1.0 - 1e-6)
@@ -125,12 +143,14 @@ class AcceptanceEstimator:
         cell = self._cells(t)
         np.add.at(self.judged, cell, 1.0)
         np.add.at(self.accepted, cell, np.asarray(accepted, dtype=float))
+        self._marginals = None
 
     def step(self, num_steps: int = 1) -> None:
         """Once per engine step (or for ``num_steps`` steps at once): old evidence fades."""
         factor = self.decay ** num_steps
         self.judged *= factor
         self.accepted *= factor
+        self._marginals = None
 
 
 def history_bucket(recent_acceptance: float | None) -> int:

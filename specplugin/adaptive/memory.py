@@ -114,6 +114,7 @@ class UnionMemory:
                             None if correction is None else float(correction)))
         estimator.judged[...] = judged
         estimator.accepted[...] = accepted
+        estimator.changed()
         for key, rate, blocks, correction in buckets:
             arbiter.restore_bucket(key, rate, blocks, correction)
 
