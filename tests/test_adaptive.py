@@ -154,16 +154,19 @@ def test_plain_steps_summed_eight_at_a_time_teach_what_step_by_step_learning_doe
         cost.calibrate(np.array([1, 4, 16]), np.array([0.005, 0.008, 0.020]))
         return cost
 
-    one, summed, sums = model(), model(), StepSums(8)
+    one, summed = model(), model()
     rng = np.random.default_rng(0)
     for step, seconds in enumerate(0.009 + 0.001 * rng.standard_normal(400)):  # +4 ms
         one.observe(1, seconds)
-        done = sums.add(1, seconds)
-        if done is not None:
-            summed.observe(done[0], done[1], count=done[2])
+        summed.observe_plain(1, seconds)
         if step == 47:  # as fast, not only to the same place
             assert summed.step_seconds(1) == pytest.approx(one.step_seconds(1), rel=0.02)
     assert summed.num_observed == one.num_observed == 400
+    for _ in range(3):  # held back: less than a full sum
+        summed.observe_plain(1, 0.009)
+    assert summed.num_observed == 400
+    summed.observe(2, 0.010)  # any other step is learned after the plain steps held back
+    assert summed.num_observed == 404
     assert summed.step_seconds(1) == pytest.approx(one.step_seconds(1), rel=0.02)
     assert summed.step_seconds(1) == pytest.approx(0.009, rel=0.05)
 
@@ -347,6 +350,7 @@ def test_the_draft_runs_where_its_priced_forwards_pay():
     tokens they may bring keep it off; a row with a candidate known to be good does not
     run it; a draft known to be good drafts further."""
     union = _union(Fixed("ngram", [1, 2, 3, 4, 5, 6, 7, 8], 0.9), Fixed("draft", [], 0.5))
+    union._draft_trials = 0  # past its optimistic trials (see the next test)
     one = _batch(["a"])
     assert union.begin(None, 1, sampled=False)
     cold = union.plan_draft(one, [], 1, np.array([8]), forward_seconds=0.001)
@@ -374,6 +378,7 @@ def test_a_cold_draft_runs_in_some_steps_for_every_row_though_its_prior_does_not
     runs = {}
     for explore in (False, True):
         union = _union(Fixed("ngram", [], 0.5), Fixed("draft", [], 0.5), explore=explore)
+        union._draft_trials = 0  # past its optimistic trials
         assert union.begin(None, 8, sampled=False)
         runs[explore] = [union.plan_draft(_batch(rows), [], 1, np.full(8, 8),
                                           forward_seconds=0.002) for _ in range(200)]
@@ -381,6 +386,27 @@ def test_a_cold_draft_runs_in_some_steps_for_every_row_though_its_prior_does_not
     drafted = [k for k in runs[True] if k.any()]
     assert len(drafted) > 20, len(drafted)
     assert all((k == k[0]).all() for k in drafted)  # all rows or none
+
+
+def test_an_untried_draft_runs_in_its_first_steps_where_it_could_pay_at_all():
+    """Its worth is learnt only by running it: a fresh union runs the draft model on an
+    optimistic estimate (every token accepted) in its first DRAFT_TRIALS gated steps,
+    then on its posterior (a coin flip that does not pay at this price: off); never
+    where even a perfect draft would not pay; and not once its tokens were judged."""
+    from specplugin.proposers.union import DRAFT_TRIALS
+
+    rows = [f"r{j}" for j in range(8)]
+    union = _union(Fixed("ngram", [], 0.5), Fixed("draft", [], 0.5))
+    assert union.begin(None, 8, sampled=False)
+    assert not union.plan_draft(_batch(rows), [], 1, np.full(8, 8), forward_seconds=0.5).any()
+    runs = [union.plan_draft(_batch(rows), [], 1, np.full(8, 8), forward_seconds=0.002)
+            for _ in range(3 * DRAFT_TRIALS)]
+    assert [k.any() for k in runs] == [True] * DRAFT_TRIALS + [False] * (2 * DRAFT_TRIALS)
+    assert all((k == k[0]).all() and k[0] > 0 for k in runs[:DRAFT_TRIALS])
+    taught = _union(Fixed("ngram", [], 0.5), Fixed("draft", [], 0.5))
+    _teach(taught, 1, 0.5, num_tokens=16)
+    assert taught.begin(None, 8, sampled=False)
+    assert not taught.plan_draft(_batch(rows), [], 1, np.full(8, 8), forward_seconds=0.002).any()
 
 
 def test_the_choice_reuses_the_gates_estimates_of_token_level_candidates():

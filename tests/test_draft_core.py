@@ -215,7 +215,8 @@ def test_the_draft_cost_model_learns_summed_plain_steps_as_that_many_steps():
             costs.observe_step(0.012 + 0.001 * forwards, 4, forwards, forwards + 1)
     for _ in range(8):
         one.observe_step(0.010, 4, 0, 0)
-    summed.observe_step(0.010, 4, 0, 0, count=8)
+    for _ in range(8):
+        summed.observe_plain_step(0.010, 4)
     assert summed.token_s == pytest.approx(one.token_s)
     assert summed.thresholds() == pytest.approx(one.thresholds(), rel=0.15)
     assert summed._num_steps == one._num_steps

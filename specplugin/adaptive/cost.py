@@ -58,6 +58,7 @@ class StepCostModel:
         self.num_observed = 0
         self._residual = {False: None, True: None}  # plain / speculative steps
         self._counts = {False: 0, True: 0}
+        self._plain_sums = StepSums()  # plain steps not learned yet (observe_plain)
 
     @property
     def spec_overhead_s(self) -> float:
@@ -111,12 +112,26 @@ class StepCostModel:
     def marginal_seconds(self, num_tokens: int, extra) -> np.ndarray:
         return self.forward_seconds(num_tokens + np.asarray(extra)) - self.forward_seconds(num_tokens)
 
-    def observe(self, num_tokens: int, seconds: float, speculative: bool = False,
-                count: int = 1) -> None:
-        """One engine step's wall time (``speculative``: it verified drafts), or the mean
-        of ``count`` such steps (:class:`StepSums`), learned as that many steps. A step
-        over 20x the model's estimate is an idle gap (no requests), not a step, and is
-        ignored."""
+    def observe(self, num_tokens: int, seconds: float, speculative: bool = False) -> None:
+        """One engine step's wall time (``speculative``: it verified drafts), learned now
+        (after the plain steps :meth:`observe_plain` still holds). A step over 20x the
+        model's estimate is an idle gap (no requests), not a step, and is ignored."""
+        self._learn_sum(self._plain_sums.flush())
+        self._observe(num_tokens, seconds, speculative)
+
+    def observe_plain(self, num_tokens: int, seconds: float) -> None:
+        """A plain step's wall time, summed with the next plain steps of its size and
+        learned 8 at a time as their mean, weighted as 8 steps (see :class:`StepSums`)."""
+        self._learn_sum(self._plain_sums.add(num_tokens, seconds))
+
+    def _learn_sum(self, summed: tuple | None) -> None:
+        if summed is not None:
+            num_tokens, seconds, count = summed
+            self._observe(num_tokens, seconds, False, count)
+
+    def _observe(self, num_tokens: int, seconds: float, speculative: bool,
+                 count: int = 1) -> None:
+        """``seconds``: the mean of ``count`` such steps, learned as that many."""
         if num_tokens <= 0 or seconds <= 0 or count < 1:
             return
         if not self.num_observed and not self.calibrated:  # first sight: a line through 0

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from specplugin.adaptive.cost import StepSums
 from specplugin.proposers.base import Candidate, StepBatch
 
 
@@ -73,6 +74,7 @@ class CostModel:
         self._step_tokens: float | None = None
         self._moments = np.zeros(5)  # weighted averages of 1, x, y, xx, xy
         self._num_steps = 0
+        self._plain_sums = StepSums()  # plain steps not learned yet (observe_plain_step)
 
     def _ema(self, old: float | None, new: float, smoothing: float | None = None) -> float:
         weight = self.smoothing if smoothing is None else smoothing
@@ -82,12 +84,28 @@ class CostModel:
         self.draft_forward_s = self._ema(self.draft_forward_s, seconds)
 
     def observe_step(self, seconds: float, num_tokens: int, num_forwards: int,
-                     num_draft_tokens: int, count: int = 1) -> None:
+                     num_draft_tokens: int) -> None:
         """One engine step: ``seconds`` of wall time, ``num_tokens`` emitted by the batch,
-        ``num_forwards`` draft forwards, ``num_draft_tokens`` drafts verified; or the
-        mean of ``count`` equal such steps (plain ones, summed by
-        :class:`~specplugin.adaptive.cost.StepSums`), learned as that many. A step over
+        ``num_forwards`` draft forwards, ``num_draft_tokens`` drafts verified; learned
+        now (after the plain steps :meth:`observe_plain_step` still holds). A step over
         20x the average time per token is an idle gap, not a step, and is ignored."""
+        self._learn_sum(self._plain_sums.flush())
+        self._observe_step(seconds, num_tokens, num_forwards, num_draft_tokens)
+
+    def observe_plain_step(self, seconds: float, num_tokens: int) -> None:
+        """A step in which the draft model neither ran nor had drafts verified: summed
+        with the next such steps of its batch size and learned 8 at a time as their mean,
+        weighted as 8 steps (:class:`~specplugin.adaptive.cost.StepSums`)."""
+        self._learn_sum(self._plain_sums.add(num_tokens, seconds))
+
+    def _learn_sum(self, summed: tuple | None) -> None:
+        if summed is not None:
+            num_tokens, seconds, count = summed
+            self._observe_step(seconds, num_tokens, 0, 0, count)
+
+    def _observe_step(self, seconds: float, num_tokens: int, num_forwards: int,
+                      num_draft_tokens: int, count: int = 1) -> None:
+        """``seconds``: the mean of ``count`` equal such steps, learned as that many."""
         if num_tokens <= 0 or count < 1:
             return
         if self.token_s is not None and seconds / num_tokens > 20 * self.token_s:

@@ -29,7 +29,7 @@ import numpy as np
 
 from specplugin.adaptive.arbiter import StepArbiter
 from specplugin.adaptive.controller import NO_CANDIDATE, Choice, divergence, expand, plan
-from specplugin.adaptive.cost import StepCostModel, StepSums
+from specplugin.adaptive.cost import StepCostModel
 from specplugin.adaptive.estimator import (AcceptanceEstimator, RequestHistory, TokenCells,
                                            history_bucket)
 from specplugin.metrics import FailureCounter, ProposerStats
@@ -43,6 +43,12 @@ logger = logging.getLogger("specplugin")
 # (measured in an engine); text that starts copying stays in sight for as many tokens as
 # the copy runs, so a late look loses at most the gap's steps of it.
 MAX_PEEK_GAP = 8
+# Steps in which an untried draft model runs on an optimistic estimate (Union.plan_draft):
+# its worth is unknown until it runs, and the posterior's coin flip may keep it off for
+# a whole short run (seen: a fresh engine's 60 speculative steps with no draft forward).
+DRAFT_TRIALS = 4
+# Judged draft tokens past which the draft counts as tried (a restored state included).
+DRAFT_TRIAL_EVIDENCE = 8.0
 
 
 @dataclass(frozen=True)
@@ -136,8 +142,6 @@ class Union:
         self.max_peek_gap = max_peek_gap
         self._peek_gap = 1  # plain steps from one peek to the next (see MAX_PEEK_GAP)
         self._steps_to_peek = 0  # plain steps until the next peek
-        # plain steps' wall times, summed before the cost model learns them (see _observe)
-        self._plain_sums = StepSums()
         # seconds of draft-model forwards plan_draft let run this step (in the prediction)
         self._draft_plan_seconds = 0.0
         # id(candidate) -> its tokens' acceptance as plan_draft estimated it this step:
@@ -147,6 +151,7 @@ class Union:
         # plan_draft's plan over the token-level candidates alone (their ids, the plan):
         # when the draft model then runs for no row, choose has nothing else to weigh
         self._plan_without: tuple[tuple[int, ...], list[Choice]] | None = None
+        self._draft_trials = DRAFT_TRIALS  # optimistic draft runs left (see plan_draft)
 
     def step(self, batch: StepBatch, verified: Verified | None) -> list[list[int]]:
         """Learn from ``verified``, then one draft per row of ``batch`` (``[]``: none)."""
@@ -316,18 +321,12 @@ class Union:
         if seconds is None:
             pass
         elif speculative or draft_seconds:
-            self._learn_plain_sums(self._plain_sums.flush())
             self.cost.observe(num_query_tokens, max(seconds - draft_seconds, 1e-9),
                               speculative=speculative)
-        else:  # a plain step: summed with the next ones of its size (see StepSums)
-            self._learn_plain_sums(self._plain_sums.add(num_query_tokens, seconds))
+        else:  # a plain step: learned with the next ones of its size (StepSums)
+            self.cost.observe_plain(num_query_tokens, seconds)
         if self.arbiter is not None:
             self.arbiter.observe(num_emitted, seconds)
-
-    def _learn_plain_sums(self, summed: tuple[int, float, int] | None) -> None:
-        if summed is not None:
-            num_query_tokens, seconds, count = summed
-            self.cost.observe(num_query_tokens, seconds, speculative=False, count=count)
 
     def ask(self, batch: StepBatch, proposers: Sequence[int]) -> list[tuple[int, int, Candidate]]:
         if not self.speculating:
@@ -364,7 +363,12 @@ class Union:
 
         At a cold start the draft's tokens are coin flips (the estimator's prior, Beta
         around 0.5), so the draft runs in the steps whose draw is high enough to pay;
-        once its acceptance is measured the draws narrow around it."""
+        once its acceptance is measured the draws narrow around it. Before that, in an
+        engine's first :data:`DRAFT_TRIALS` steps where it would pay if every token were
+        accepted (while fewer than :data:`DRAFT_TRIAL_EVIDENCE` of its tokens were
+        judged), it runs on that optimistic estimate: what it is worth on this pair is
+        learnt only by running it, and a few forwards are cheap next to a run that never
+        learns it (its own stop rule still ends each run where its confidence falls)."""
         lengths = np.where(np.asarray(caps) > 0, caps, 0).astype(np.int64)  # [num_reqs]
         if not self.speculating or not lengths.any():
             return np.zeros(batch.num_reqs, dtype=np.int64)
@@ -384,7 +388,11 @@ class Union:
             position=np.arange(lengths.sum()) - np.repeat(starts, lengths[rows]),
             signal=np.zeros(int(lengths.sum())),
             history=np.repeat(np.asarray(histories)[rows], lengths[rows]))
-        if self.explore:  # one draw per cell, shared by the rows (see the docstring)
+        trial = (self._draft_trials > 0
+                 and self.estimator.judged[draft_index].sum() < DRAFT_TRIAL_EVIDENCE)
+        if trial:  # untried: as if every token were accepted (see the docstring)
+            estimate = np.full(int(lengths.sum()), 1.0 - 1e-6)
+        elif self.explore:  # one draw per cell, shared by the rows (see the docstring)
             estimate = self.estimator.sample(cells, signal_known=False, shared=True)
         else:
             estimate = self.estimator.estimate(cells, signal_known=False)
@@ -415,6 +423,7 @@ class Union:
             return np.zeros_like(k)
         best = int(m[np.argmax(rates)])
         self._draft_plan_seconds = forward_seconds * best
+        self._draft_trials -= trial
         return np.minimum(k, best)
 
     def _rate_terms(self, acceptance, choices) -> tuple[float, float]:

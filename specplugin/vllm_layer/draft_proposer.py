@@ -34,7 +34,7 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.sample.sampler import _SAMPLING_EPS
 
 from specplugin.adaptive.arbiter import arbiter_for
-from specplugin.adaptive.cost import StepCostModel, StepSums, StepTimer
+from specplugin.adaptive.cost import StepCostModel, StepTimer
 from specplugin.adaptive.memory import open_memory
 from specplugin.config import SpecPluginConfig
 from specplugin.faults import EveryNth
@@ -75,7 +75,6 @@ class PluginDraftProposer(DraftModelProposer):
         self.calibration = AcceptanceCalibration()
         self.outcomes = OutcomeTracker(self.calibration)
         self.costs = CostModel()
-        self._plain_sums = StepSums()  # plain steps' times, summed for self.costs
         self.timer = StepTimer()  # wall time of each step, from one drafting call to the next
         self._step_seconds: float | None = None  # wall time of the step just run
         self._last_forwards = self._last_draft_tokens = 0  # of the previous propose()
@@ -164,11 +163,10 @@ class PluginDraftProposer(DraftModelProposer):
         if self._step_seconds is None:
             pass
         elif self._last_forwards or self._last_draft_tokens:
-            self._learn_plain_sums(self._plain_sums.flush())
             self.costs.observe_step(self._step_seconds, num_reqs, self._last_forwards,
                                     self._last_draft_tokens)
-        else:  # the draft did not run: summed with the next plain steps (StepSums)
-            self._learn_plain_sums(self._plain_sums.add(num_reqs, self._step_seconds))
+        else:  # the draft did not run: learned with the next plain steps (StepSums)
+            self.costs.observe_plain_step(self._step_seconds, num_reqs)
         draft_seconds = self._last_draft_seconds
         self._last_forwards = self._last_draft_tokens = 0
         self._last_draft_seconds = 0.0
@@ -195,11 +193,6 @@ class PluginDraftProposer(DraftModelProposer):
         else:
             self._observed = True  # the full path must not observe this step again
         return plain
-
-    def _learn_plain_sums(self, summed: tuple[int, float, int] | None) -> None:
-        if summed is not None:
-            num_reqs, seconds, count = summed
-            self.costs.observe_step(seconds, num_reqs, 0, 0, count=count)
 
     def propose(self, num_speculative_tokens: int, *args, **kwargs) -> torch.Tensor:
         """vLLM's drafting call (arguments as :meth:`_propose`). A failure here costs the
@@ -365,7 +358,6 @@ class PluginDraftProposer(DraftModelProposer):
             self._step_seconds, self._last_draft_seconds = self._agree_on_timings(
                 self._step_seconds, self._last_draft_seconds)
         if self._step_seconds is not None:  # every row emitted one token plus its accepted drafts
-            self._learn_plain_sums(self._plain_sums.flush())
             self.costs.observe_step(self._step_seconds, num_reqs + int(num_accepted.sum()),
                                     self._last_forwards, self._last_draft_tokens)
         return self._rule_with_thresholds()
