@@ -52,13 +52,19 @@ def plan(acceptance: Sequence[Sequence[np.ndarray]],  # [num_reqs][num_candidate
          num_base_tokens: int | None = None, spec_overhead: float = 0.0) -> list[Choice]:
     """``acceptance[r][c]``: conditional acceptance of each token of candidate c of request r
     (already cut to the request's limit). ``step_seconds(n)``: T(n), vectorised.
-    ``num_base_tokens``: query tokens the step runs without drafts (default num_reqs)."""
+    ``num_base_tokens``: query tokens the step runs without drafts (default num_reqs).
+
+    It runs every step on a few dozen numbers: ``T`` is asked once, for every ``n`` the
+    step may reach, and the rest is plain Python floats (numpy's per-call cost on arrays
+    this small is most of the work otherwise)."""
     num_reqs = len(acceptance)
     n0 = num_reqs if num_base_tokens is None else num_base_tokens
     if num_reqs == 0:
         return []
-    t0 = float(step_seconds(np.array([n0]))[0])
-    theta = (float(step_seconds(np.array([n0 + 1]))[0]) - t0) * num_reqs / t0
+    most = sum(max((len(a) for a in cands), default=0) for cands in acceptance)
+    times = step_seconds(n0 + np.arange(most + 2)).tolist()  # T(n0) .. T(n0 + most + 1)
+    t0 = times[0]
+    theta = (times[1] - t0) * num_reqs / t0
     chosen = [_best_candidate(cands, theta) for cands in acceptance]
     # every offered token: (P, request, position), in decreasing P
     offers = [(p, r, j) for r, (c, probs) in enumerate(chosen) if c != NO_CANDIDATE
@@ -66,26 +72,37 @@ def plan(acceptance: Sequence[Sequence[np.ndarray]],  # [num_reqs][num_candidate
     if not offers:
         return [Choice(NO_CANDIDATE, 0)] * num_reqs
     offers.sort(key=lambda o: (-o[0], o[1], o[2]))
-    gains = np.array([o[0] for o in offers])
-    n = n0 + np.arange(len(offers) + 1)
-    times = step_seconds(n) + spec_overhead * (n > n0)  # [num_offers + 1]
-    expected = num_reqs + np.concatenate([[0.0], np.cumsum(gains)])
-    num_taken = int(np.argmax(expected / times))  # the first best prefix
-    counts = np.zeros(num_reqs, dtype=int)
+    # the first best prefix: rate (num_reqs + P_(1) + ... + P_(j)) / (T(n0 + j) + overhead)
+    num_taken, best_rate, expected = 0, num_reqs / t0, float(num_reqs)
+    for j, (p, _, _) in enumerate(offers, 1):
+        expected += p
+        rate = expected / (times[j] + spec_overhead)
+        if rate > best_rate:
+            num_taken, best_rate = j, rate
+    counts = [0] * num_reqs
     for _, r, _ in offers[:num_taken]:
         counts[r] += 1
-    return [Choice(chosen[r][0], int(counts[r])) if counts[r] else Choice(NO_CANDIDATE, 0)
+    return [Choice(chosen[r][0], counts[r]) if counts[r] else Choice(NO_CANDIDATE, 0)
             for r in range(num_reqs)]
 
 
-def _best_candidate(candidates: Sequence[np.ndarray], theta: float) -> tuple[int, np.ndarray]:
+def cumulative(acceptance) -> list[float]:
+    """P_j = a_1 * ... * a_j for each j, as floats (multiplied in order, as np.cumprod)."""
+    probs, p = [], 1.0
+    for a in acceptance.tolist() if isinstance(acceptance, np.ndarray) else acceptance:
+        p *= a
+        probs.append(p)
+    return probs
+
+
+def _best_candidate(candidates: Sequence[np.ndarray], theta: float) -> tuple[int, list[float]]:
     """(index, cumulative P) of the candidate worth most at price theta."""
-    best, best_value, best_p = NO_CANDIDATE, 0.0, np.empty(0)
+    best, best_value, best_p = NO_CANDIDATE, 0.0, []
     for c, a in enumerate(candidates):
         if len(a) == 0:
             continue
-        p = np.cumprod(np.asarray(a, dtype=float))
-        value = float(np.maximum(p - theta, 0.0).sum())
+        p = cumulative(a)
+        value = sum(q - theta for q in p if q > theta)
         if value > best_value:
             best, best_value, best_p = c, value, p
     return best, best_p

@@ -109,6 +109,11 @@ class StepCostModel:
     def step_seconds(self, num_tokens) -> np.ndarray:
         return self.overhead_s + self.forward_seconds(num_tokens)
 
+    def step_one(self, num_tokens: int) -> float:
+        """T(n) for one n, as a float (what :meth:`step_seconds` gives, without numpy's
+        per-call cost: asked several times every step)."""
+        return self.overhead_s + self._forward_one(num_tokens)
+
     def marginal_seconds(self, num_tokens: int, extra) -> np.ndarray:
         return self.forward_seconds(num_tokens + np.asarray(extra)) - self.forward_seconds(num_tokens)
 

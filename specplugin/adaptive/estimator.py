@@ -112,9 +112,17 @@ class AcceptanceEstimator:
         pooled = cell[:3] + cell[4:]
         return judged_p[pooled], accepted_p[pooled], parent
 
-    def estimate(self, t: TokenCells, signal_known: bool = True) -> np.ndarray:  # [num_tokens]
+    def estimate(self, t: TokenCells, signal_known: bool = True,
+                 draw: np.ndarray | None = None) -> np.ndarray:  # [num_tokens]
+        """Posterior means; ``draw`` [num_tokens] bool: those tokens drawn from the
+        posterior instead (as :meth:`sample` on them would), from the same lookup."""
         n, s, parent = self._evidence(t, signal_known)
-        return (s + self.m * parent) / (n + self.m)
+        alpha = s + self.m * parent
+        mean = alpha / (n + self.m)
+        if draw is not None and draw.any():
+            beta = np.maximum(n[draw] - s[draw], 0.0) + self.m * (1.0 - parent[draw])
+            mean[draw] = np.clip(self.rng.beta(alpha[draw], beta), 1e-6, 1.0 - 1e-6)
+        return mean
 
     def sample(self, t: TokenCells, signal_known: bool = True,
                shared: bool = False) -> np.ndarray:  # [num_tokens]
@@ -140,9 +148,12 @@ class AcceptanceEstimator:
 
     def update(self, t: TokenCells, accepted: np.ndarray) -> None:
         """``accepted``: [num_tokens] bool for judged tokens only."""
-        cell = self._cells(t)
-        np.add.at(self.judged, cell, 1.0)
-        np.add.at(self.accepted, cell, np.asarray(accepted, dtype=float))
+        # counted per flat cell index (np.add.at on the index tuple costs several times more)
+        flat = np.ravel_multi_index(self._cells(t), self.judged.shape)
+        size = self.judged.size
+        self.judged += np.bincount(flat, minlength=size).reshape(self.judged.shape)
+        self.accepted += np.bincount(flat, weights=np.asarray(accepted, dtype=float),
+                                     minlength=size).reshape(self.judged.shape)
         self._marginals = None
 
     def step(self, num_steps: int = 1) -> None:

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from specplugin.adaptive.arbiter import StepArbiter
-from specplugin.adaptive.controller import NO_CANDIDATE, Choice, divergence, expand, plan
+from specplugin.adaptive.controller import (NO_CANDIDATE, Choice, cumulative, divergence,
+                                           expand, plan)
 from specplugin.adaptive.cost import StepCostModel
 from specplugin.adaptive.estimator import (AcceptanceEstimator, RequestHistory, TokenCells,
                                            history_bucket)
@@ -301,7 +302,7 @@ class Union:
         predicts it (None: it has timed no forward yet)."""
         if not self.cost.calibrated:
             return None
-        return num_reqs / float(self.cost.step_seconds(np.array([num_reqs]))[0])
+        return num_reqs / self.cost.step_one(num_reqs)
 
     def _count_plain_step(self, num_reqs: int) -> None:
         if self._pending or self._pending_extras:  # (no new objects on every plain step)
@@ -431,9 +432,9 @@ class Union:
         expected, num_tokens = float(len(choices)), len(choices)
         for r, c in enumerate(choices):
             if c.candidate != NO_CANDIDATE:
-                expected += float(np.cumprod(acceptance[r][c.candidate][:c.num_tokens]).sum())
+                expected += sum(cumulative(acceptance[r][c.candidate][:c.num_tokens]))
                 num_tokens += c.num_tokens
-        seconds = float(self.cost.step_seconds(np.array([num_tokens]))[0])
+        seconds = self.cost.step_one(num_tokens)
         return expected, seconds + self.cost.spec_overhead_s * (num_tokens > len(choices))
 
     def choose(self, batch: StepBatch, offers) -> list[list[int]]:
@@ -568,11 +569,11 @@ class Union:
             position=np.arange(lengths.sum()) - np.repeat(starts, lengths),
             signal=np.concatenate([c.signal for _, _, c in offers]),
             history=np.repeat(np.asarray(histories)[rows], lengths))
-        estimate = self.estimator.estimate(cells)  # [num_tokens]
+        explorer = None
         if self.explore if explore is None else explore:
             token_rows = np.repeat(rows, lengths)  # [num_tokens]
             explorer = token_rows == self.estimator.rng.choice(rows)
-            estimate[explorer] = self.estimator.sample(cells.subset(explorer))
+        estimate = self.estimator.estimate(cells, draw=explorer)  # [num_tokens]
         return np.split(estimate, starts[1:])
 
     def _remember(self, batch: StepBatch, offers, histories, choices) -> list[list[int]]:
