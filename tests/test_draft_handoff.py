@@ -63,3 +63,37 @@ def test_vllm_still_fetches_drafts_where_the_patch_expects():
     # the drafts exist before the synchronous output is returned
     assert source.index("propose_draft_token_ids(valid_sampled_token_ids)") < \
         source.index("if not self.use_async_scheduling:\n            return output")
+
+
+def test_a_mixed_batch_hands_the_sampler_each_rows_tokens_and_probabilities():
+    """The union's output at temperature > 0: a draft-model row keeps its draft
+    probabilities, a token-level row gets one-hot ones on its own tokens (a wrong
+    one-hot would make vLLM's rejection sampler accept what the target would not
+    sample: no end-to-end test sees that, the union rarely sends token-level drafts to
+    sampled rows), nothing beyond each row's length."""
+    import numpy as np
+    import torch
+
+    from specplugin.vllm_layer.draft_proposer import PluginDraftProposer
+
+    class Drafter:
+        _last_draft_probs = None
+
+    vocab = 11
+    token_ids = torch.tensor([[3, 4, 5], [0, 0, 0], [7, 8, 9], [0, 0, 0]])  # the draft's
+    draft_probs = torch.rand((4, 3, vocab))
+    drafts = [[3, 4], [6, 2, 1], [], [10]]  # row 0 the draft's, rows 1 and 3 token-level
+    draft_rows = np.array([True, False, True, False])
+    drafter = Drafter()
+    out = PluginDraftProposer._mixed_output(drafter, token_ids, draft_probs, drafts, draft_rows)
+    assert out.tolist() == [[3, 4, 0], [6, 2, 1], [0, 0, 0], [10, 0, 0]]
+    probs = drafter._last_draft_probs
+    assert probs.shape == (4, 3, vocab)
+    assert torch.equal(probs[0, :2], draft_probs[0, :2]) and not probs[0, 2].any()
+    for r, draft in ((1, [6, 2, 1]), (3, [10])):
+        one_hot = torch.zeros((3, vocab))
+        one_hot[torch.arange(len(draft)), torch.tensor(draft)] = 1.0
+        assert torch.equal(probs[r], one_hot), r
+    assert not probs[2].any()
+    PluginDraftProposer._mixed_output(drafter, token_ids, None, drafts, draft_rows)
+    assert drafter._last_draft_probs is None  # greedy: no probabilities

@@ -42,6 +42,7 @@ import numpy as np
 
 POSITION_EDGES = np.array([1, 2, 3, 4, 8])  # groups: 0, 1, 2, 3, 4-7, 8+
 HISTORY_EDGES = np.array([0.3, 0.7])  # recent acceptance: low, mid, high (+ "new")
+_HISTORY_EDGE_LIST = HISTORY_EDGES.tolist()
 
 
 @dataclass(frozen=True)
@@ -131,13 +132,13 @@ class AcceptanceEstimator:
         decision that holds for many rows at once, such as running the draft model,
         must weigh one guess at what its tokens are worth, not many independent ones
         whose average is the mean again)."""
+        if shared and not signal_known:
+            return self._sample_pooled(t)
         n, s, parent = self._evidence(t, signal_known)
         alpha = s + self.m * parent
         beta = np.maximum(n - s, 0.0) + self.m * (1.0 - parent)
         if shared and alpha.size:
             cell = list(np.broadcast_arrays(*self._cells(t)))
-            if not signal_known:
-                cell[3] = np.zeros_like(cell[3])  # pooled over signal buckets
             # cells as flat indices (np.unique over the stacked columns, axis=1, costs
             # ~10x more: it runs through numpy's Python axis handling every call)
             flat = np.ravel_multi_index(cell, self.judged.shape)
@@ -145,6 +146,18 @@ class AcceptanceEstimator:
             draws = self.rng.beta(alpha[first], beta[first])
             return np.clip(draws[np.ravel(inverse)], 1e-6, 1.0 - 1e-6)
         return np.clip(self.rng.beta(alpha, beta), 1e-6, 1.0 - 1e-6)
+
+    def _sample_pooled(self, t: TokenCells) -> np.ndarray:  # [num_tokens]
+        """:meth:`sample` shared over cells pooled over signal buckets: one draw for every
+        cell of that table (a few hundred), read by the tokens' cells; cheaper than
+        finding the tokens' distinct cells (np.unique) on every step's gate."""
+        judged_ph, accepted_ph, judged_p, accepted_p = self._sums()
+        parent = ((accepted_ph + self.m0 * self.prior_mean) / (judged_ph + self.m0))[..., None]
+        alpha = accepted_p + self.m * parent  # [proposers, 2, positions, histories]
+        beta = np.maximum(judged_p - accepted_p, 0.0) + self.m * (1.0 - parent)
+        draws = np.clip(self.rng.beta(alpha, beta), 1e-6, 1.0 - 1e-6)
+        proposer, sampled, position, _, history = self._cells(t)
+        return draws[proposer, sampled, position, history]
 
     def update(self, t: TokenCells, accepted: np.ndarray) -> None:
         """``accepted``: [num_tokens] bool for judged tokens only."""
@@ -168,7 +181,8 @@ def history_bucket(recent_acceptance: float | None) -> int:
     """Bucket of a request's recent acceptance; ``None`` (no evidence yet) has its own."""
     if recent_acceptance is None:
         return len(HISTORY_EDGES) + 1
-    return int(np.searchsorted(HISTORY_EDGES, recent_acceptance, side="right"))
+    # the edges at or below it (np.searchsorted, side="right", without numpy's call cost)
+    return sum(recent_acceptance >= edge for edge in _HISTORY_EDGE_LIST)
 
 
 class RequestHistory:

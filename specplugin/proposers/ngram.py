@@ -118,7 +118,8 @@ class NgramProposer:
                 if len(chosen) > self.num_alternatives:
                     break
             found = [self._candidate(context, end, match_len, limit) for end in chosen]
-            candidates[row] = dataclasses.replace(found[0], alternatives=tuple(found[1:]))
+            candidates[row] = (found[0] if len(found) == 1 else
+                               dataclasses.replace(found[0], alternatives=tuple(found[1:])))
         return candidates
 
     def _candidate(self, context: np.ndarray, end: int, match_len: int, limit: int) -> Candidate:

@@ -49,7 +49,6 @@ output into another. The store evicts whole outputs, oldest first (the order
 
 from __future__ import annotations
 
-import dataclasses
 from array import array
 from bisect import bisect_left
 from collections import Counter, deque
@@ -522,10 +521,10 @@ class SuffixCache:
         return entry[0]
 
 
-def _as_candidate(found: SuffixCandidate) -> Candidate:
+def _as_candidate(found: SuffixCandidate, alternatives: tuple[Candidate, ...] = ()) -> Candidate:
     count = found.confidences * found.support
     signal = (count + 1.0) / (found.support + 2.0)
-    return Candidate(np.array(found.token_ids, dtype=np.int64), signal)
+    return Candidate(np.array(found.token_ids, dtype=np.int64), signal, alternatives)
 
 
 class SuffixProposer:
@@ -555,9 +554,8 @@ class SuffixProposer:
             found = self.cache.propose(batch.req_ids[row], int(batch.max_draft_lens[row]),
                                        self.num_alternatives)
             if len(found):
-                candidates[row] = dataclasses.replace(
-                    _as_candidate(found),
-                    alternatives=tuple(_as_candidate(b) for b in found.alternatives))
+                candidates[row] = _as_candidate(found, tuple(
+                    _as_candidate(b) for b in found.alternatives))
         return candidates
 
     def _feed(self, req_id: str, context: np.ndarray, num_prompt_tokens: int) -> None:

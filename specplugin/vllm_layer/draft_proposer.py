@@ -72,6 +72,7 @@ class PluginDraftProposer(DraftModelProposer):
         k_max = plugin_config.num_speculative_tokens
         self.fixed_min_acceptance = settings.min_acceptance  # None: measured by self.costs
         self.rule = StopRule(k=min(settings.k, k_max), k_max=k_max)
+        self._rule_cache: tuple[tuple[float, float], StopRule] | None = None
         self.calibration = AcceptanceCalibration()
         self.outcomes = OutcomeTracker(self.calibration)
         self.costs = CostModel()
@@ -363,10 +364,16 @@ class PluginDraftProposer(DraftModelProposer):
         return self._rule_with_thresholds()
 
     def _rule_with_thresholds(self) -> StopRule:
+        """This step's stop rule; rebuilt only when its thresholds moved (every step asks)."""
         if self.fixed_min_acceptance is not None:
-            return dataclasses.replace(self.rule, row_threshold=self.fixed_min_acceptance)
-        row, per_pass = self.costs.thresholds()
-        return dataclasses.replace(self.rule, row_threshold=row, pass_threshold=per_pass)
+            thresholds = (self.fixed_min_acceptance, self.rule.pass_threshold)
+        else:
+            thresholds = self.costs.thresholds()
+        if self._rule_cache is None or self._rule_cache[0] != thresholds:
+            row, per_pass = thresholds
+            self._rule_cache = (thresholds, dataclasses.replace(
+                self.rule, row_threshold=row, pass_threshold=per_pass))
+        return self._rule_cache[1]
 
     def _observe_forward(self, seconds: float) -> None:
         if self.clock.shared:  # shared at the next step (_agree_on_timings)
@@ -570,28 +577,29 @@ class PluginDraftProposer(DraftModelProposer):
     def _mixed_output(self, token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                       drafts, draft_rows: np.ndarray) -> torch.Tensor:
         """[num_reqs, k_out] token ids (and [num_reqs, k_out, vocab] probabilities when
-        sampling) holding each row's chosen draft; ``token_ids`` [num_reqs, positions] and
-        ``draft_probs`` [num_reqs, positions, vocab] are the draft model's, taken for the
-        ``draft_rows``; the other rows' drafts are deterministic guesses (one-hot)."""
+        sampling) holding each row's chosen draft; ``draft_probs`` [num_reqs, positions,
+        vocab] are the draft model's, taken for the ``draft_rows``; the other rows' drafts
+        are deterministic guesses (one-hot). ``drafts`` already holds every row's tokens
+        (a draft row's are its prefix of ``token_ids``), so they are laid out on the host
+        and sent once: no tensor per row."""
         num_reqs, k_out = len(drafts), max(1, max(len(d) for d in drafts))
-        out = torch.zeros((num_reqs, k_out), dtype=token_ids.dtype, device=token_ids.device)
+        laid_out = np.zeros((num_reqs, k_out), dtype=np.int64)
+        for r, draft in enumerate(drafts):
+            laid_out[r, :len(draft)] = draft
+        out = torch.from_numpy(laid_out).to(device=token_ids.device, dtype=token_ids.dtype)
         probs = None
         if draft_probs is not None:
             probs = torch.zeros((num_reqs, k_out, draft_probs.shape[-1]),
                                 dtype=draft_probs.dtype, device=draft_probs.device)
-        for r, draft in enumerate(drafts):
-            k = len(draft)
-            if k == 0:
-                continue
-            if draft_rows[r]:
-                out[r, :k] = token_ids[r, :k]
-                if probs is not None:
-                    probs[r, :k] = draft_probs[r, :k]
-            else:
-                chosen = torch.tensor(draft, dtype=out.dtype, device=out.device)
-                out[r, :k] = chosen
-                if probs is not None:  # a deterministic guess: q is one-hot on it
-                    probs[r, torch.arange(k, device=out.device), chosen] = 1.0
+            lengths = np.array([len(d) for d in drafts], dtype=np.int64)  # [num_reqs]
+            for r in np.flatnonzero(draft_rows & (lengths > 0)).tolist():
+                probs[r, :lengths[r]] = draft_probs[r, :lengths[r]]
+            # a deterministic guess: q is one-hot on it, for all its tokens at once
+            guess = (~draft_rows & (lengths > 0))[:, None] & (
+                np.arange(k_out)[None, :] < lengths[:, None])  # [num_reqs, k_out]
+            if guess.any():
+                r, j = (torch.from_numpy(a).to(probs.device) for a in np.nonzero(guess))
+                probs[r, j, out[r, j]] = 1.0
         self._last_draft_probs = probs
         return out
 
