@@ -101,10 +101,14 @@ class FaultSettings:
     # the step arbiter alternates speculative and plain blocks whatever it measures, so
     # that plain steps (drafting skipped altogether) and speculative ones interleave
     alternate_blocks: bool = False
+    # the union runs the draft model in every speculative step where a row could use it,
+    # on its optimistic trial estimate (Union.plan_draft), whatever it has measured, so
+    # that a short run is sure to see draft forwards (the profile's tests)
+    draft_always: bool = False
 
     def __post_init__(self):
         where = _where("fault_injection")
-        for key in ("decoy_primary", "alternate_blocks"):
+        for key in ("decoy_primary", "alternate_blocks", "draft_always"):
             if not isinstance(getattr(self, key), bool):
                 raise SpecPluginConfigError(
                     f"{where}[\"{key}\"] must be true or false; got {getattr(self, key)!r}.")

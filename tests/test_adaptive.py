@@ -6,7 +6,8 @@ import pytest
 from specplugin.adaptive.arbiter import StepArbiter
 from specplugin.adaptive.controller import NO_CANDIDATE, Choice, Extra, divergence, expand, plan
 from specplugin.adaptive.cost import StepCostModel, StepSums
-from specplugin.adaptive.estimator import AcceptanceEstimator, TokenCells, history_bucket
+from specplugin.adaptive.estimator import (AcceptanceEstimator, TokenCells, history_bucket,
+                                           position_groups)
 from specplugin.proposers.base import Candidate, StepBatch
 from specplugin.proposers.union import Union, Verified
 
@@ -407,6 +408,21 @@ def test_an_untried_draft_runs_in_its_first_steps_where_it_could_pay_at_all():
     _teach(taught, 1, 0.5, num_tokens=16)
     assert taught.begin(None, 8, sampled=False)
     assert not taught.plan_draft(_batch(rows), [], 1, np.full(8, 8), forward_seconds=0.002).any()
+
+
+def test_draft_always_runs_the_draft_wherever_a_row_could_use_it():
+    """fault_injection.draft_always (the profile's tests): every gated step is an
+    optimistic trial, however much evidence says the draft does not pay; still never
+    where even a perfect draft would not pay."""
+    rows = [f"r{j}" for j in range(8)]
+    union = _union(Fixed("ngram", [], 0.5), Fixed("draft", [], 0.5))
+    union.draft_always = True
+    _teach(union, 1, 0.5, num_tokens=16)
+    assert union.begin(None, 8, sampled=False)
+    runs = [union.plan_draft(_batch(rows), [], 1, np.full(8, 8), forward_seconds=0.002)
+            for _ in range(12)]
+    assert all(k.any() for k in runs)
+    assert not union.plan_draft(_batch(rows), [], 1, np.full(8, 8), forward_seconds=0.5).any()
 
 
 def test_the_choice_reuses_the_gates_estimates_of_token_level_candidates():
@@ -851,3 +867,43 @@ def test_alternatives_that_lose_do_not_teach_the_estimator():
                                        np.array([len(draft) + 1]), None, 4, {"r": lost}))
     after = union.estimator.estimate(_cells(3, signal=0.99))
     assert np.all(after >= before - 1e-9), (before, after)
+
+
+def test_the_cost_models_table_of_step_times_follows_every_change():
+    """step_times / step_one read a cached table of T(n): it must say what step_seconds
+    says after calibration, after every observed step, and past its first size."""
+    cost = StepCostModel(max_tokens=64)
+
+    def agrees(first, count):
+        table = cost.step_times(first, count)
+        assert table == pytest.approx(cost.step_seconds(np.arange(first, first + count)).tolist())
+        assert cost.step_one(first) == pytest.approx(table[0])
+
+    cost.calibrate(np.array([1, 2, 64]), np.array([0.010, 0.011, 0.073]))
+    agrees(3, 5)
+    cost.observe(4, 0.05)  # a slow step: the overhead and the knots around 4 move
+    agrees(3, 5)
+    for _ in range(8):
+        cost.observe_plain(1, 0.03)  # learned as one mean of 8
+    agrees(1, 4)
+    cost.calibrate(np.array([1, 64]), np.array([0.02, 0.1]))
+    agrees(0, 3)
+    agrees(100, 40)  # past the table's first size: it grows
+
+
+def test_pooled_cells_are_what_the_estimator_says_of_tokens_not_drafted_yet():
+    """The draft's gate reads the pooled table in Python: the same numbers as estimating
+    its tokens with no signal, per mode, position and history."""
+    est = AcceptanceEstimator(("ngram", "draft"))
+    rng = np.random.default_rng(3)
+    n = 40
+    cells = TokenCells(np.full(n, 1), rng.random(n) < 0.5, np.arange(n) % 10, rng.random(n),
+                       rng.integers(0, 4, n))
+    est.update(cells, rng.random(n) < 0.7)
+    table = est.pooled(1)
+    for sampled in (False, True):
+        for history in range(4):
+            asked = TokenCells(np.full(12, 1), np.full(12, sampled), np.arange(12),
+                               np.zeros(12), np.full(12, history))
+            read = [table[sampled][g][history] for g in position_groups(12)]
+            assert read == pytest.approx(est.estimate(asked, signal_known=False).tolist())

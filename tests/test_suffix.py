@@ -334,7 +334,7 @@ def _step(req_ids, contexts, num_prompt, k=4):
 def test_adapter_feeds_the_cache_from_the_batch_and_stores_finished_outputs():
     from specplugin.proposers.suffix import SuffixProposer
 
-    p = SuffixProposer()
+    p = SuffixProposer(index="python")
     # request a: prompt [1, 2], then it generates 3 4 5 6 over two steps
     p.propose(_step(["a"], [[1, 2, 3, 4]], [2]))
     p.propose(_step(["a"], [[1, 2, 3, 4, 5, 6]], [2]))
@@ -344,6 +344,32 @@ def test_adapter_feeds_the_cache_from_the_batch_and_stores_finished_outputs():
     assert cand.token_ids.tolist() == [5, 6]
     assert np.all((cand.signal > 0.5) & (cand.signal < 1.0))  # seen once: (1 + 1) / (1 + 2)
     p.finish_requests(["b", "never-seen"])  # unknown ids are ignored
+
+
+def test_the_cpp_index_copies_from_the_request_and_the_store_like_the_python_one():
+    """arctic_inference's suffix trees (installed by scripts/install.sh) behind the same
+    adapter: the same feed, the same store of finished outputs, a loop continued
+    periodically; picked by default where no alternatives are asked."""
+    from specplugin.proposers.suffix import SuffixProposer, arctic_available
+
+    assert arctic_available(), "arctic-inference is not importable (see .venv/arctic-inference-build.log)"
+    assert SuffixProposer().index == "arctic"
+    assert SuffixProposer(num_alternatives=1).index == "python"  # it has no alternatives
+    for index in ("arctic", "python"):
+        p = SuffixProposer(index=index)
+        assert p.propose(_step(["a"], [[1, 2, 3, 4]], [2])) == [None]
+        p.propose(_step(["a"], [[1, 2, 3, 4, 5, 6]], [2]))
+        p.finish_requests(["a"])
+        [cand] = p.propose(_step(["b"], [[9, 9, 3, 4]], [4]))
+        assert cand.token_ids.tolist() == [5, 6], index
+        assert np.all((cand.signal > 0.5) & (cand.signal <= 1.0))
+        [loop] = p.propose(_step(["c"], [[1, 2, 7, 1, 2, 7, 1, 2]], [3], k=6))
+        assert loop.token_ids.tolist() == [7, 1, 2, 7, 1, 2], index
+        p.finish_requests(["b", "c", "never-seen"])
+    with pytest.raises(ValueError, match="index"):
+        SuffixProposer(index="tree")
+    with pytest.raises(ValueError, match="alternatives"):
+        SuffixProposer(index="arctic", num_alternatives=1)
 
 
 def test_branches_start_where_the_places_disagree_most_frequent_first():

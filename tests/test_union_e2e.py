@@ -67,8 +67,12 @@ def test_drafts_are_verified_and_accepted(request, union):
     run = request.getfixturevalue(union)
     assert run.num_drafts > 0 and run.num_accepted_tokens > 0
     assert run.mean_acceptance_length > 1.3, run
-    # the controller sizes drafts per step: not every draft is the longest allowed
-    assert run.num_draft_tokens < K * run.num_drafts
+    # the controller sizes drafts per step, and vLLM takes drafts shorter than K: not every
+    # draft is the longest allowed. (With the draft model as well, on these prompts that
+    # copy, every draft may rightly be K long: seen once in 4 suite runs, 28 of 28.)
+    if union == "token_union":
+        assert run.num_draft_tokens < K * run.num_drafts
+    assert run.num_draft_tokens <= K * run.num_drafts
 
 
 def test_plain_steps_skip_drafting_and_speculation_resumes(full_union):

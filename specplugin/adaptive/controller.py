@@ -35,8 +35,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from specplugin.adaptive.cost import StepCostModel
 
 NO_CANDIDATE = -1
 
@@ -48,10 +52,12 @@ class Choice:
 
 
 def plan(acceptance: Sequence[Sequence[np.ndarray]],  # [num_reqs][num_candidates] -> [k]
-         step_seconds: Callable[[np.ndarray], np.ndarray],
+         step_seconds: Callable[[np.ndarray], np.ndarray] | StepCostModel,
          num_base_tokens: int | None = None, spec_overhead: float = 0.0) -> list[Choice]:
     """``acceptance[r][c]``: conditional acceptance of each token of candidate c of request r
-    (already cut to the request's limit). ``step_seconds(n)``: T(n), vectorised.
+    (already cut to the request's limit). ``step_seconds(n)``: T(n), vectorised; or a
+    cost model with ``step_times(first, count)``
+    (:meth:`~specplugin.adaptive.cost.StepCostModel.step_times`, a cached table).
     ``num_base_tokens``: query tokens the step runs without drafts (default num_reqs).
 
     It runs every step on a few dozen numbers: ``T`` is asked once, for every ``n`` the
@@ -62,7 +68,9 @@ def plan(acceptance: Sequence[Sequence[np.ndarray]],  # [num_reqs][num_candidate
     if num_reqs == 0:
         return []
     most = sum(max((len(a) for a in cands), default=0) for cands in acceptance)
-    times = step_seconds(n0 + np.arange(most + 2)).tolist()  # T(n0) .. T(n0 + most + 1)
+    step_times = getattr(step_seconds, "step_times", None)
+    times = (step_times(n0, most + 2) if step_times is not None  # T(n0) .. T(n0 + most + 1)
+             else step_seconds(n0 + np.arange(most + 2)).tolist())
     t0 = times[0]
     theta = (times[1] - t0) * num_reqs / t0
     chosen = [_best_candidate(cands, theta) for cands in acceptance]

@@ -59,6 +59,7 @@ class StepCostModel:
         self._residual = {False: None, True: None}  # plain / speculative steps
         self._counts = {False: 0, True: 0}
         self._plain_sums = StepSums()  # plain steps not learned yet (observe_plain)
+        self._times: list[float] = []  # T(0), T(1), ... until the model changes (step_times)
 
     @property
     def spec_overhead_s(self) -> float:
@@ -93,11 +94,13 @@ class StepCostModel:
         n, s = n[order], s[order]
         if n.size == 1:
             self.forward_s = s[0] * self.knots / n[0]
+            self._times = []
             return
         slope = max(0.0, (s[-1] - s[-2]) / (n[-1] - n[-2]))
         inside = np.interp(self.knots, n, s)
         beyond = s[-1] + slope * (self.knots - n[-1])
         self.forward_s = np.where(self.knots > n[-1], beyond, inside)
+        self._times = []
 
     def forward_seconds(self, num_tokens) -> np.ndarray:
         """F(n); linear beyond the last knot."""
@@ -112,7 +115,20 @@ class StepCostModel:
     def step_one(self, num_tokens: int) -> float:
         """T(n) for one n, as a float (what :meth:`step_seconds` gives, without numpy's
         per-call cost: asked several times every step)."""
+        if num_tokens < len(self._times):
+            return self._times[num_tokens]
         return self.overhead_s + self._forward_one(num_tokens)
+
+    def step_times(self, first: int, count: int) -> list[float]:
+        """``[T(first), ..., T(first + count - 1)]`` as floats, read from a table of T(n)
+        kept until the model changes (:meth:`calibrate`, :meth:`observe`): the controller
+        asks for a range of T several times a step, and numpy's per-call cost on arrays
+        this small would be most of that work."""
+        end = first + count
+        if end > len(self._times):
+            size = max(end, 2 * len(self._times), 64)
+            self._times = self.step_seconds(np.arange(size)).tolist()
+        return self._times[first:end]
 
     def marginal_seconds(self, num_tokens: int, extra) -> np.ndarray:
         return self.forward_seconds(num_tokens + np.asarray(extra)) - self.forward_seconds(num_tokens)
@@ -160,6 +176,7 @@ class StepCostModel:
         # the fixed part takes the residual's average; the knots take what varies with n
         self.overhead_s = max(0.0, self.overhead_s + weight * residual)
         self._nudge_knots(num_tokens, 0.5 * weight * residual)
+        self._times = []
 
     def _nudge_knots(self, num_tokens: int, delta: float) -> None:
         knots = self._knot_list

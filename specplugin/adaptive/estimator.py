@@ -43,6 +43,8 @@ import numpy as np
 POSITION_EDGES = np.array([1, 2, 3, 4, 8])  # groups: 0, 1, 2, 3, 4-7, 8+
 HISTORY_EDGES = np.array([0.3, 0.7])  # recent acceptance: low, mid, high (+ "new")
 _HISTORY_EDGE_LIST = HISTORY_EDGES.tolist()
+# the position group of draft positions 0, 1, ... (see position_groups)
+_POSITION_GROUPS = np.searchsorted(POSITION_EDGES, np.arange(64), side="right").tolist()
 
 
 @dataclass(frozen=True)
@@ -151,13 +153,26 @@ class AcceptanceEstimator:
         """:meth:`sample` shared over cells pooled over signal buckets: one draw for every
         cell of that table (a few hundred), read by the tokens' cells; cheaper than
         finding the tokens' distinct cells (np.unique) on every step's gate."""
-        judged_ph, accepted_ph, judged_p, accepted_p = self._sums()
-        parent = ((accepted_ph + self.m0 * self.prior_mean) / (judged_ph + self.m0))[..., None]
-        alpha = accepted_p + self.m * parent  # [proposers, 2, positions, histories]
-        beta = np.maximum(judged_p - accepted_p, 0.0) + self.m * (1.0 - parent)
-        draws = np.clip(self.rng.beta(alpha, beta), 1e-6, 1.0 - 1e-6)
+        draws = self._pooled(slice(None), draw=True)  # [proposers, 2, positions, histories]
         proposer, sampled, position, _, history = self._cells(t)
         return draws[proposer, sampled, position, history]
+
+    def pooled(self, proposer: int, draw: bool = False) -> list:  # [2][positions][histories]
+        """One proposer's acceptance per (greedy / sampled, position group, history bucket),
+        pooled over signal buckets (a token not drafted yet): posterior means, or
+        (``draw``) one posterior draw per cell, as :meth:`sample` shared would give its
+        tokens. As nested lists: a caller reads a few cells per row, in Python
+        (:func:`position_groups`). The draw covers this proposer's cells only."""
+        return self._pooled(proposer, draw).tolist()
+
+    def _pooled(self, proposer, draw: bool) -> np.ndarray:
+        judged_ph, accepted_ph, judged_p, accepted_p = (a[proposer] for a in self._sums())
+        parent = ((accepted_ph + self.m0 * self.prior_mean) / (judged_ph + self.m0))[..., None]
+        alpha = accepted_p + self.m * parent  # [..., 2, positions, histories]
+        if not draw:
+            return alpha / (judged_p + self.m)
+        beta = np.maximum(judged_p - accepted_p, 0.0) + self.m * (1.0 - parent)
+        return np.clip(self.rng.beta(alpha, beta), 1e-6, 1.0 - 1e-6)
 
     def update(self, t: TokenCells, accepted: np.ndarray) -> None:
         """``accepted``: [num_tokens] bool for judged tokens only."""
@@ -175,6 +190,12 @@ class AcceptanceEstimator:
         self.judged *= factor
         self.accepted *= factor
         self._marginals = None
+
+
+def position_groups(num_tokens: int) -> list[int]:
+    """The position group (the estimator's cell axis) of draft positions 0 .. n - 1."""
+    groups = _POSITION_GROUPS[:num_tokens]
+    return groups + groups[-1:] * (num_tokens - len(groups))
 
 
 def history_bucket(recent_acceptance: float | None) -> int:

@@ -32,7 +32,7 @@ from specplugin.adaptive.controller import (NO_CANDIDATE, Choice, cumulative, di
                                            expand, plan)
 from specplugin.adaptive.cost import StepCostModel
 from specplugin.adaptive.estimator import (AcceptanceEstimator, RequestHistory, TokenCells,
-                                           history_bucket)
+                                           history_bucket, position_groups)
 from specplugin.metrics import FailureCounter, ProposerStats
 from specplugin.proposers import MODEL_PROPOSERS
 from specplugin.proposers.base import Candidate, Proposer, StepBatch
@@ -102,7 +102,8 @@ class Union:
     def __init__(self, proposers: Sequence[Proposer], cost: StepCostModel | None = None,
                  estimator: AcceptanceEstimator | None = None, explore: bool = True,
                  arbiter: StepArbiter | None = None, max_candidates: int = 1,
-                 decoy_primary: bool = False, max_peek_gap: int = MAX_PEEK_GAP):
+                 decoy_primary: bool = False, max_peek_gap: int = MAX_PEEK_GAP,
+                 draft_always: bool = False):
         """``explore``: one request per step (chosen at random among those with
         candidates) is judged by posterior draws (Thompson sampling), the others by
         posterior means, so that a proposer unlucky early on is tried again (see the
@@ -111,7 +112,9 @@ class Union:
         speculative step costs the whole batch the engine's speculative machinery.
         ``arbiter``: measures whether speculating pays at all and switches whole steps
         to plain decoding when it does not (None: every step is planned).
-        ``max_peek_gap``: see :data:`MAX_PEEK_GAP` (1: peek on every plain step)."""
+        ``max_peek_gap``: see :data:`MAX_PEEK_GAP` (1: peek on every plain step).
+        ``draft_always``: test only (``fault_injection.draft_always``): every step is
+        one of :meth:`plan_draft`'s optimistic trials."""
         self.explore = explore
         self.arbiter = arbiter
         if arbiter is not None:
@@ -153,6 +156,7 @@ class Union:
         # when the draft model then runs for no row, choose has nothing else to weigh
         self._plan_without: tuple[tuple[int, ...], list[Choice]] | None = None
         self._draft_trials = DRAFT_TRIALS  # optimistic draft runs left (see plan_draft)
+        self.draft_always = draft_always
 
     def step(self, batch: StepBatch, verified: Verified | None) -> list[list[int]]:
         """Learn from ``verified``, then one draft per row of ``batch`` (``[]``: none)."""
@@ -262,7 +266,7 @@ class Union:
         acceptance: list[list[np.ndarray]] = [[] for _ in range(batch.num_reqs)]
         for (r, _, _), a in zip(offers, self._estimate(offers, batch, histories, explore=False)):
             acceptance[r].append(a)
-        choices = plan(acceptance, self.cost.step_seconds, spec_overhead=self.cost.spec_overhead_s)
+        choices = plan(acceptance, self.cost, spec_overhead=self.cost.spec_overhead_s)
         if not any(c.num_tokens for c in choices):
             return False
         expected, seconds = self._rate_terms(acceptance, choices)
@@ -374,58 +378,58 @@ class Union:
         if not self.speculating or not lengths.any():
             return np.zeros(batch.num_reqs, dtype=np.int64)
         histories = self._histories(batch)
-        acceptance: list[list[np.ndarray]] = [[] for _ in range(batch.num_reqs)]
+        acceptance: list[list] = [[] for _ in range(batch.num_reqs)]  # [num_reqs][candidates]
         offers = sorted(offers, key=lambda o: o[0])
         for (r, _, c), a in zip(offers, self._estimate(offers, batch, histories)):
             acceptance[r].append(a)
             self._estimated[id(c)] = a
-        without = plan(acceptance, self.cost.step_seconds, spec_overhead=self.cost.spec_overhead_s)
+        without = plan(acceptance, self.cost, spec_overhead=self.cost.spec_overhead_s)
         self._plan_without = (tuple(id(c) for _, _, c in offers), without)
-        rows = np.flatnonzero(lengths)
-        starts = np.cumsum(lengths[rows]) - lengths[rows]
-        cells = TokenCells(
-            proposer=np.full(int(lengths.sum()), draft_index),
-            sampled=np.repeat(np.asarray(batch.sampled)[rows], lengths[rows]),
-            position=np.arange(lengths.sum()) - np.repeat(starts, lengths[rows]),
-            signal=np.zeros(int(lengths.sum())),
-            history=np.repeat(np.asarray(histories)[rows], lengths[rows]))
-        trial = (self._draft_trials > 0
-                 and self.estimator.judged[draft_index].sum() < DRAFT_TRIAL_EVIDENCE)
-        if trial:  # untried: as if every token were accepted (see the docstring)
-            estimate = np.full(int(lengths.sum()), 1.0 - 1e-6)
-        elif self.explore:  # one draw per cell, shared by the rows (see the docstring)
-            estimate = self.estimator.sample(cells, signal_known=False, shared=True)
-        else:
-            estimate = self.estimator.estimate(cells, signal_known=False)
-        for r, a in zip(rows, np.split(estimate, starts[1:])):
-            acceptance[r].append(a)
-        with_draft = plan(acceptance, self.cost.step_seconds,
-                          spec_overhead=self.cost.spec_overhead_s)
-        k = np.array([c.num_tokens if lengths[r] and c.candidate == len(acceptance[r]) - 1
-                      else 0 for r, c in enumerate(with_draft)], dtype=np.int64)
-        if not k.any():
-            return k
+        trial = self.draft_always or (
+            self._draft_trials > 0
+            and self.estimator.judged[draft_index].sum() < DRAFT_TRIAL_EVIDENCE)
+        # the draft's tokens before it runs: one cell per (mode, position, history), read
+        # per row in Python (a few rows of a few tokens: cheaper than numpy's calls)
+        table = None if trial else self.estimator.pooled(draft_index, draw=self.explore)
+        sampled = np.asarray(batch.sampled, dtype=bool).tolist()
+        lengths_list = lengths.tolist()
+        for r, n in enumerate(lengths_list):
+            if not n:
+                continue
+            if table is None:  # untried: as if every token were accepted (see the docstring)
+                acceptance[r].append([1.0 - 1e-6] * n)
+            else:  # one draw per cell, shared by the rows (see the docstring)
+                cells, h = table[sampled[r]], histories[r]
+                acceptance[r].append([cells[g][h] for g in position_groups(n)])
+        with_draft = plan(acceptance, self.cost, spec_overhead=self.cost.spec_overhead_s)
+        k = [c.num_tokens if n and c.candidate == len(acceptance[r]) - 1 else 0
+             for r, (c, n) in enumerate(zip(with_draft, lengths_list))]  # [num_reqs]
+        if not any(k):
+            return np.zeros(batch.num_reqs, dtype=np.int64)
         kept, kept_seconds = self._rate_terms(acceptance, without)
-        # the with-draft plan cut to m = 1 .. max k forwards, all at once: the other rows'
-        # part is fixed, the draft rows' gains are their cumulative P up to min(k_r, m)
+        # the with-draft plan cut to m = 1 .. max k forwards: the other rows' part is
+        # fixed, the draft rows add their P_m while they have an m-th token
         others = [Choice(NO_CANDIDATE, 0) if k[r] else c for r, c in enumerate(with_draft)]
-        rest = self._rate_terms(acceptance, others)[0]
-        rest_tokens = batch.num_reqs + sum(c.num_tokens for c in others)
-        gains = np.zeros((int(np.count_nonzero(k)), int(k.max())))  # [num_draft_rows, max k]
-        for i, r in enumerate(np.flatnonzero(k)):
-            gains[i, :k[r]] = np.cumprod(acceptance[r][-1][:k[r]])
-        m = np.arange(1, gains.shape[1] + 1)  # [max k]
-        expected = rest + np.cumsum(gains.sum(axis=0))
-        num_tokens = rest_tokens + np.minimum(k[k > 0][:, None], m).sum(axis=0)
-        seconds = (self.cost.step_seconds(num_tokens) + self.cost.spec_overhead_s
-                   + forward_seconds * m)
-        rates = expected / seconds  # [max k]
-        if rates.max() <= kept / kept_seconds:
-            return np.zeros_like(k)
-        best = int(m[np.argmax(rates)])
+        expected = self._rate_terms(acceptance, others)[0]
+        num_tokens = batch.num_reqs + sum(c.num_tokens for c in others)
+        gains, reach = [0.0] * max(k), [0] * max(k)  # [max k] sum of P_m, rows with an m-th
+        for r, kr in enumerate(k):
+            for j, p in enumerate(cumulative(acceptance[r][-1][:kr])):
+                gains[j] += p
+                reach[j] += 1
+        best, best_rate = 0, kept / kept_seconds
+        overhead = self.cost.spec_overhead_s
+        for m in range(1, len(gains) + 1):
+            expected += gains[m - 1]
+            num_tokens += reach[m - 1]
+            rate = expected / (self.cost.step_one(num_tokens) + overhead + forward_seconds * m)
+            if rate > best_rate:
+                best, best_rate = m, rate
+        if not best:
+            return np.zeros(batch.num_reqs, dtype=np.int64)
         self._draft_plan_seconds = forward_seconds * best
-        self._draft_trials -= trial
-        return np.minimum(k, best)
+        self._draft_trials -= trial and not self.draft_always
+        return np.minimum(np.array(k, dtype=np.int64), best)
 
     def _rate_terms(self, acceptance, choices) -> tuple[float, float]:
         """(expected tokens emitted, seconds) of a step that verifies ``choices``."""
@@ -449,8 +453,7 @@ class Union:
         if planned is not None and planned[0] == tuple(id(c) for _, _, c in offers):
             choices = planned[1]  # the same candidates, estimates and costs: the same plan
         else:
-            choices = plan(acceptance, self.cost.step_seconds,
-                           spec_overhead=self.cost.spec_overhead_s)
+            choices = plan(acceptance, self.cost, spec_overhead=self.cost.spec_overhead_s)
         if self.arbiter is not None:  # the draft's forwards, if it ran, are the step's too
             expected, seconds = self._rate_terms(acceptance, choices)
             self.arbiter.predicted(expected / (seconds + self._draft_plan_seconds))

@@ -109,7 +109,8 @@ class PluginDraftProposer(DraftModelProposer):
                                cost=StepCostModel(max_tokens=max_tokens),
                                arbiter=arbiter_for(plugin_config),
                                max_candidates=plugin_config.max_candidates,
-                               decoy_primary=plugin_config.fault_injection.decoy_primary)
+                               decoy_primary=plugin_config.fault_injection.decoy_primary,
+                               draft_always=plugin_config.fault_injection.draft_always)
         self.memory = None if self.union is None else open_memory(
             self.union, plugin_config.state_dir, vllm_config.model_config.model,
             plugin_config.draft_model, k_max, writer=tensor_parallel_rank() == 0)
