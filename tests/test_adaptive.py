@@ -437,9 +437,11 @@ def test_the_choice_reuses_the_gates_estimates_of_token_level_candidates():
     gate = {id(c): union._estimated[id(c)].copy() for _, _, c in offers}
     assert len(gate) == 2
     seen = []
-    estimate, sample = union.estimator.estimate, union.estimator.sample
-    union.estimator.estimate = lambda cells, **kw: seen.append(cells.proposer) or estimate(cells, **kw)
-    union.estimator.sample = lambda cells, **kw: seen.append(cells.proposer) or sample(cells, **kw)
+    est = union.estimator
+    estimate, sample = est.estimate_flat, est.sample
+    est.estimate_flat = lambda flat, **kw: (
+        seen.append(np.unravel_index(flat, est.judged.shape)[0]) or estimate(flat, **kw))
+    est.sample = lambda cells, **kw: seen.append(cells.proposer) or sample(cells, **kw)
     acceptance = union._acceptance(offers + union.ask(batch, [1]), batch, union._histories(batch))
     assert len(seen) == 1 and (seen[0] == 1).all()  # one call, the draft's tokens only
     for (_, _, c), accepted in zip(offers, acceptance[:2]):
@@ -907,3 +909,49 @@ def test_pooled_cells_are_what_the_estimator_says_of_tokens_not_drafted_yet():
                                np.zeros(12), np.full(12, history))
             read = [table[sampled][g][history] for g in position_groups(12)]
             assert read == pytest.approx(est.estimate(asked, signal_known=False).tolist())
+
+
+def test_the_estimator_learns_every_step_when_cold_then_every_learn_every_steps():
+    """Verdicts reach the estimator at once in an engine's first steps (COLD_TOKENS), then
+    LEARN_EVERY steps at a time; what it holds after a flush is what learning every step
+    gives (up to the order of decay and update: fresh verdicts are not decayed by the steps
+    they waited, 1 / memory per step)."""
+    from specplugin.proposers.union import COLD_TOKENS, LEARN_EVERY
+
+    def run(learn_every, cold):
+        cost = StepCostModel(max_tokens=64)  # GPU-like: verifying a token is nearly free
+        cost.calibrate(np.array([1, 64]), np.array([0.010, 0.0101]))
+        union = Union([Fixed("p", [1, 2, 3, 4], 0.5)], cost=cost, learn_every=learn_every)
+        union._learned_tokens = 0 if cold else COLD_TOKENS
+        held, verified = [], None
+        for _ in range(2 * LEARN_EVERY):
+            drafts = union.step(_batch(["a"]), verified)
+            held.append(union.estimator.judged.sum())
+            assert drafts == [[1, 2, 3, 4]]  # all accepted: the same choice either way
+            verified = Verified(("a",), np.array([4]), np.array([5]), 0.012, 5)
+        return held
+
+    every = run(1, cold=False)
+    assert every[1] > 0  # the first verdict, learned in the next step
+    assert run(LEARN_EVERY, cold=True) == pytest.approx(every)
+    batched = run(LEARN_EVERY, cold=False)
+    assert batched[1] == 0 and batched[LEARN_EVERY - 2] == 0  # held back
+    assert batched[LEARN_EVERY - 1] == pytest.approx(every[LEARN_EVERY - 1], rel=1e-3)
+    assert batched[-1] == pytest.approx(every[-1], rel=1e-3)
+
+
+def test_flat_cells_are_the_token_cells_raveled():
+    """The union's per-step index of its candidates' cells (flat_cells) is the one the
+    TokenCells form gives: proposer, mode, position group, signal bucket, history."""
+    est = AcceptanceEstimator(("ngram", "suffix", "draft"))
+    rng = np.random.default_rng(5)
+    lengths = [1, 3, 9, 12, 70]  # past the last position group, past the first table
+    proposer = rng.integers(0, 3, len(lengths)).tolist()
+    sampled = (rng.random(len(lengths)) < 0.5).tolist()
+    history = rng.integers(0, 4, len(lengths)).tolist()
+    signals = [np.r_[0.0, 1.0, rng.random(k)][:k] for k in lengths]  # the edges included
+    flat = est.flat_cells(proposer, sampled, history, signals)
+    cells = TokenCells(np.repeat(proposer, lengths), np.repeat(sampled, lengths),
+                       np.concatenate([np.arange(k) for k in lengths]), np.concatenate(signals),
+                       np.repeat(history, lengths))
+    assert flat.tolist() == est._flat(cells).tolist()

@@ -130,3 +130,22 @@ def test_state_dir_must_be_a_directory_this_user_can_write(tmp_path):
         parse({"state_dir": str(a_file)}, 8)
     with pytest.raises(SpecPluginConfigError, match=r'\["state_dir"\] must be a str'):
         parse({"state_dir": 3}, 8)
+
+
+def test_verdicts_the_estimator_holds_back_are_written_too(tmp_path):
+    """The union learns LEARN_EVERY steps at a time (warm): the file written between two
+    flushes has every verdict judged so far."""
+    from specplugin.proposers.union import COLD_TOKENS, Verified
+    from tests.test_adaptive import _batch
+
+    union = _union()
+    union._learned_tokens = COLD_TOKENS  # warm: verdicts wait for the next flush
+    memory = _open(union, tmp_path)
+    drafts = union.step(_batch(["a"]), None)
+    assert drafts[0]
+    union.step(_batch(["a"]), Verified(("a",), np.array([len(drafts[0])]), np.array([2]),
+                                       0.012, 1 + len(drafts[0])))
+    assert union.estimator.judged.sum() == 0  # held back
+    memory.save(union)
+    written = json.loads(memory.path.read_text())
+    assert np.sum(written["judged"]) > 0

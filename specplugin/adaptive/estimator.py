@@ -36,6 +36,7 @@ tokens (accepted = 1, rejected = 0), bucketed; a new request has its own bucket.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,6 +81,7 @@ class AcceptanceEstimator:
         # (update, step, changed): a step estimates several times between two changes,
         # and each sum is a reduction over the whole table
         self._marginals: tuple[np.ndarray, ...] | None = None
+        self._position_terms = np.zeros(0, dtype=np.intp)  # [positions] (see flat_cells)
 
     def changed(self) -> None:
         """``judged`` / ``accepted`` were written from outside (a restored state)."""
@@ -102,24 +104,52 @@ class AcceptanceEstimator:
         return (np.asarray(t.proposer), np.asarray(t.sampled, dtype=int), position, signal,
                 np.asarray(t.history))
 
-    def _evidence(self, t: TokenCells, signal_known: bool = True):
-        """(judged n, accepted s, parent) per token. ``signal_known`` False: the token is
-        not drafted yet (the draft model before it runs), so its cell is pooled over
-        signal buckets: what tokens of that proposer, position and history brought."""
-        cell = self._cells(t)
+    def _flat(self, t: TokenCells) -> np.ndarray:  # [num_tokens] flat cell index
+        return np.ravel_multi_index(np.broadcast_arrays(*self._cells(t)), self.judged.shape)
+
+    def flat_cells(self, proposer: Sequence[int], sampled: Sequence[bool],
+                   history: Sequence[int], signals: Sequence[np.ndarray]) -> np.ndarray:
+        """Flat cell index (into the tables raveled) of every token of several candidates
+        at once, concatenated: per candidate its proposer, mode, history bucket and its
+        tokens' signals ``[k]`` (positions 0 .. k - 1). What :class:`TokenCells` says, for
+        the union's per-step path: the per-candidate part of the index in Python, the
+        per-token part in four numpy calls."""
+        _, modes, groups, buckets, histories = self.judged.shape
+        lengths = [len(x) for x in signals]
+        if max(lengths, default=0) > len(self._position_terms):
+            groups_of = np.array(position_groups(max(64, *lengths)), dtype=np.intp)
+            self._position_terms = groups_of * (buckets * histories)
+        base = [((p * modes + int(s)) * groups * buckets) * histories + h
+                for p, s, h in zip(proposer, sampled, history)]
+        bucket = np.clip((np.concatenate(signals) * buckets).astype(np.intp), 0, buckets - 1)
+        position = np.concatenate([self._position_terms[:k] for k in lengths])
+        return np.repeat(base, lengths) + position + bucket * histories
+
+    def _evidence(self, flat: np.ndarray, signal_known: bool = True):
+        """(judged n, accepted s, parent) per token (``flat``: cell indices). ``signal_known``
+        False: the token is not drafted yet (the draft model before it runs), so its cell
+        is pooled over signal buckets: what tokens of that proposer, position and history
+        brought."""
+        buckets, histories = self.judged.shape[3:]
         judged_ph, accepted_ph, judged_p, accepted_p = self._sums()
-        parent_n, parent_s = judged_ph[cell[:3]], accepted_ph[cell[:3]]
-        parent = (parent_s + self.m0 * self.prior_mean) / (parent_n + self.m0)
+        parent_cell = flat // (buckets * histories)  # (proposer, mode, position)
+        parent = ((accepted_ph.reshape(-1)[parent_cell] + self.m0 * self.prior_mean)
+                  / (judged_ph.reshape(-1)[parent_cell] + self.m0))
         if signal_known:
-            return self.judged[cell], self.accepted[cell], parent
-        pooled = cell[:3] + cell[4:]
-        return judged_p[pooled], accepted_p[pooled], parent
+            return self.judged.reshape(-1)[flat], self.accepted.reshape(-1)[flat], parent
+        pooled = parent_cell * histories + flat % histories
+        return judged_p.reshape(-1)[pooled], accepted_p.reshape(-1)[pooled], parent
 
     def estimate(self, t: TokenCells, signal_known: bool = True,
                  draw: np.ndarray | None = None) -> np.ndarray:  # [num_tokens]
         """Posterior means; ``draw`` [num_tokens] bool: those tokens drawn from the
         posterior instead (as :meth:`sample` on them would), from the same lookup."""
-        n, s, parent = self._evidence(t, signal_known)
+        return self.estimate_flat(self._flat(t), signal_known, draw)
+
+    def estimate_flat(self, flat: np.ndarray, signal_known: bool = True,
+                      draw: np.ndarray | None = None) -> np.ndarray:  # [num_tokens]
+        """:meth:`estimate` of tokens given by their cell indices (:meth:`flat_cells`)."""
+        n, s, parent = self._evidence(flat, signal_known)
         alpha = s + self.m * parent
         mean = alpha / (n + self.m)
         if draw is not None and draw.any():
@@ -136,14 +166,13 @@ class AcceptanceEstimator:
         whose average is the mean again)."""
         if shared and not signal_known:
             return self._sample_pooled(t)
-        n, s, parent = self._evidence(t, signal_known)
+        flat = self._flat(t)
+        n, s, parent = self._evidence(flat, signal_known)
         alpha = s + self.m * parent
         beta = np.maximum(n - s, 0.0) + self.m * (1.0 - parent)
         if shared and alpha.size:
-            cell = list(np.broadcast_arrays(*self._cells(t)))
-            # cells as flat indices (np.unique over the stacked columns, axis=1, costs
-            # ~10x more: it runs through numpy's Python axis handling every call)
-            flat = np.ravel_multi_index(cell, self.judged.shape)
+            # distinct cells by their flat indices (np.unique over the stacked columns,
+            # axis=1, costs ~10x more: it runs through numpy's Python axis handling)
             _, first, inverse = np.unique(flat, return_index=True, return_inverse=True)
             draws = self.rng.beta(alpha[first], beta[first])
             return np.clip(draws[np.ravel(inverse)], 1e-6, 1.0 - 1e-6)
@@ -176,8 +205,11 @@ class AcceptanceEstimator:
 
     def update(self, t: TokenCells, accepted: np.ndarray) -> None:
         """``accepted``: [num_tokens] bool for judged tokens only."""
+        self.update_flat(self._flat(t), accepted)
+
+    def update_flat(self, flat: np.ndarray, accepted: np.ndarray) -> None:
+        """:meth:`update` of tokens given by their cell indices (:meth:`flat_cells`)."""
         # counted per flat cell index (np.add.at on the index tuple costs several times more)
-        flat = np.ravel_multi_index(self._cells(t), self.judged.shape)
         size = self.judged.size
         self.judged += np.bincount(flat, minlength=size).reshape(self.judged.shape)
         self.accepted += np.bincount(flat, weights=np.asarray(accepted, dtype=float),

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 
@@ -31,7 +32,7 @@ from specplugin.adaptive.arbiter import StepArbiter
 from specplugin.adaptive.controller import (NO_CANDIDATE, Choice, cumulative, divergence,
                                            expand, plan)
 from specplugin.adaptive.cost import StepCostModel
-from specplugin.adaptive.estimator import (AcceptanceEstimator, RequestHistory, TokenCells,
+from specplugin.adaptive.estimator import (AcceptanceEstimator, RequestHistory,
                                            history_bucket, position_groups)
 from specplugin.metrics import FailureCounter, ProposerStats
 from specplugin.proposers import MODEL_PROPOSERS
@@ -50,6 +51,15 @@ MAX_PEEK_GAP = 8
 DRAFT_TRIALS = 4
 # Judged draft tokens past which the draft counts as tried (a restored state included).
 DRAFT_TRIAL_EVIDENCE = 8.0
+# Steps whose verdicts the estimator learns at once (Union.flush_learning): one update
+# and one decay of its tables per LEARN_EVERY steps instead of one of each per step (the
+# tables' sums are recomputed after every change: measured in the union's core at batch
+# 1, learning and the sums were a third of its per-step work). What it learns is the
+# same, LEARN_EVERY - 1 steps late at most, next to a memory of thousands of steps; and
+# every step until COLD_TOKENS judged tokens were learned (an engine's first steps, where
+# each verdict moves the estimates most).
+LEARN_EVERY = 4
+COLD_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -103,7 +113,7 @@ class Union:
                  estimator: AcceptanceEstimator | None = None, explore: bool = True,
                  arbiter: StepArbiter | None = None, max_candidates: int = 1,
                  decoy_primary: bool = False, max_peek_gap: int = MAX_PEEK_GAP,
-                 draft_always: bool = False):
+                 draft_always: bool = False, learn_every: int = LEARN_EVERY):
         """``explore``: one request per step (chosen at random among those with
         candidates) is judged by posterior draws (Thompson sampling), the others by
         posterior means, so that a proposer unlucky early on is tried again (see the
@@ -114,7 +124,8 @@ class Union:
         to plain decoding when it does not (None: every step is planned).
         ``max_peek_gap``: see :data:`MAX_PEEK_GAP` (1: peek on every plain step).
         ``draft_always``: test only (``fault_injection.draft_always``): every step is
-        one of :meth:`plan_draft`'s optimistic trials."""
+        one of :meth:`plan_draft`'s optimistic trials.
+        ``learn_every``: see :data:`LEARN_EVERY` (1: the estimator learns every step)."""
         self.explore = explore
         self.arbiter = arbiter
         if arbiter is not None:
@@ -156,6 +167,12 @@ class Union:
         # when the draft model then runs for no row, choose has nothing else to weigh
         self._plan_without: tuple[tuple[int, ...], list[Choice]] | None = None
         self._draft_trials = DRAFT_TRIALS  # optimistic draft runs left (see plan_draft)
+        self.learn_every = learn_every
+        # verdicts not yet in the estimator: (sent, tokens judged, tokens accepted), and
+        # the steps of decay it has not yet applied (see flush_learning)
+        self._unlearned: list[tuple[_Pending, int, int]] = []
+        self._undecayed_steps = 0
+        self._learned_tokens = 0  # judged tokens flush_learning has taught (to COLD_TOKENS)
         self.draft_always = draft_always
 
     def step(self, batch: StepBatch, verified: Verified | None) -> list[list[int]]:
@@ -175,8 +192,10 @@ class Union:
         observed, self._observed = self._observed, False
         if verified is not None:
             self._learn(verified, observe=not observed)
-        self.estimator.step(1 + self._skipped_steps)
+        self._undecayed_steps += 1 + self._skipped_steps
         self._skipped_steps = 0
+        if self._undecayed_steps >= self.learn_every or self._learned_tokens < COLD_TOKENS:
+            self.flush_learning()
         if self.arbiter is not None and not observed:
             self.speculating = self.arbiter.speculate(num_reqs, sampled)
         if not self.speculating:
@@ -299,7 +318,9 @@ class Union:
             parts.append((shadow.sent, judged, accepted))
             self.history.update(req_id, np.arange(judged) < accepted)
             del self._shadows[req_id]
-        self._teach(parts)
+        if parts:  # learned at once: the peek's estimate that follows rests on them
+            self._teach(parts)
+            self.flush_learning()
 
     def _plain_rate(self, num_reqs: int) -> float | None:
         """Tokens per second of a plain step of ``num_reqs`` requests, as the cost model
@@ -563,21 +584,18 @@ class Union:
         (``explore``: one row's drawn from the posterior; default: the union's setting)."""
         if not offers:
             return []
-        lengths = np.array([len(c) for _, _, c in offers])  # [num_offers]
-        rows = np.array([r for r, _, _ in offers])
-        starts = np.cumsum(lengths) - lengths
-        cells = TokenCells(
-            proposer=np.repeat([i for _, i, _ in offers], lengths),
-            sampled=np.repeat(np.asarray(batch.sampled)[rows], lengths),
-            position=np.arange(lengths.sum()) - np.repeat(starts, lengths),
-            signal=np.concatenate([c.signal for _, _, c in offers]),
-            history=np.repeat(np.asarray(histories)[rows], lengths))
+        sampled = batch.sampled
+        flat = self.estimator.flat_cells(  # [num_tokens] every offered token's cell
+            [i for _, i, _ in offers], [sampled[r] for r, _, _ in offers],
+            [histories[r] for r, _, _ in offers], [c.signal for _, _, c in offers])
+        lengths = [len(c) for _, _, c in offers]  # [num_offers]
         explorer = None
         if self.explore if explore is None else explore:
-            token_rows = np.repeat(rows, lengths)  # [num_tokens]
-            explorer = token_rows == self.estimator.rng.choice(rows)
-        estimate = self.estimator.estimate(cells, draw=explorer)  # [num_tokens]
-        return np.split(estimate, starts[1:])
+            rows = np.array([r for r, _, _ in offers])  # [num_offers]
+            explorer = np.repeat(rows == self.estimator.rng.choice(rows), lengths)
+        estimate = self.estimator.estimate_flat(flat, draw=explorer)  # [num_tokens]
+        ends = list(accumulate(lengths))
+        return [estimate[end - k:end] for end, k in zip(ends, lengths)]
 
     def _remember(self, batch: StepBatch, offers, histories, choices) -> list[list[int]]:
         self._pending, self._pending_extras = {}, {}
@@ -653,16 +671,23 @@ class Union:
         self._teach(judged_parts)
 
     def _teach(self, judged_parts: list[tuple[_Pending, int, int]]) -> None:
-        """One estimator update: (sent, tokens judged, tokens accepted) per candidate."""
+        """(sent, tokens judged, tokens accepted) per candidate: for the estimator's next
+        update (:meth:`flush_learning`)."""
+        self._unlearned += judged_parts
+
+    def flush_learning(self) -> None:
+        """Everything judged since the last flush into the estimator, in one update, after
+        the decay of the steps since (see :data:`LEARN_EVERY`). Also before the learned
+        state is written (:mod:`specplugin.adaptive.memory`)."""
+        if self._undecayed_steps:
+            self.estimator.step(self._undecayed_steps)
+            self._undecayed_steps = 0
+        judged_parts, self._unlearned = self._unlearned, []
         if judged_parts:
-            lengths = np.array([j for _, j, _ in judged_parts])
-            starts = np.cumsum(lengths) - lengths
-            position = np.arange(lengths.sum()) - np.repeat(starts, lengths)
-            cells = TokenCells(
-                proposer=np.repeat([p.proposer for p, _, _ in judged_parts], lengths),
-                sampled=np.repeat([p.sampled for p, _, _ in judged_parts], lengths),
-                position=position,
-                signal=np.concatenate([p.signal[:j] for p, j, _ in judged_parts]),
-                history=np.repeat([p.history for p, _, _ in judged_parts], lengths))
-            accepted = position < np.repeat([a for _, _, a in judged_parts], lengths)
-            self.estimator.update(cells, accepted)
+            flat = self.estimator.flat_cells(  # [num_tokens] every judged token's cell
+                [p.proposer for p, _, _ in judged_parts], [p.sampled for p, _, _ in judged_parts],
+                [p.history for p, _, _ in judged_parts],
+                [p.signal[:j] for p, j, _ in judged_parts])
+            accepted = np.array([i < a for _, j, a in judged_parts for i in range(j)], dtype=bool)
+            self.estimator.update_flat(flat, accepted)
+            self._learned_tokens += len(flat)
