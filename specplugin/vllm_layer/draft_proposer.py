@@ -273,6 +273,9 @@ class PluginDraftProposer(DraftModelProposer):
             offers, caps = self._union_offers(batch, caps)
             finish = functools.partial(self._finish_union, offers=offers)
         rows = np.flatnonzero(caps > 0)  # [num_drafting] the rows the draft model drafts for
+        if self.union is not None and not rows.size:  # no draft-model machinery at all
+            self._last_draft_seconds = 0.0
+            return self._finish_without_draft(batch, offers)
         starts = self.cursor.starts([batch.req_ids[r] for r in rows], batch.num_tokens[rows],
                                     self.max_num_tokens)
         rows, starts = rows[starts >= 0], starts[starts >= 0]
@@ -574,6 +577,17 @@ class PluginDraftProposer(DraftModelProposer):
         # greedy rows' drafts, the draft model's included: those rows verify the decoy
         decoyed = self.union.decoy_primary & ~np.asarray(batch.sampled, dtype=bool)
         return self._mixed_output(token_ids, draft_probs, drafts, draft_rows & ~decoyed)
+
+    def _finish_without_draft(self, batch: StepBatch, offers) -> torch.Tensor:
+        """The union's step in which the draft model runs for no row: its choice among the
+        token-level ``offers`` alone (what :meth:`_finish_union` gives then, without a
+        draft run to lay out or record)."""
+        drafts = self.union.choose(batch, offers)
+        self.outcomes.forget()
+        self.last_lengths = [len(d) for d in drafts]
+        self._last_forwards, self._last_draft_tokens = 0, sum(self.last_lengths)
+        no_rows = torch.zeros((batch.num_reqs, 1), dtype=torch.int64, device=self.input_ids.device)
+        return self._mixed_output(no_rows, None, drafts, np.zeros(batch.num_reqs, dtype=bool))
 
     def _mixed_output(self, token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                       drafts, draft_rows: np.ndarray) -> torch.Tensor:

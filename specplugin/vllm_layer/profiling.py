@@ -108,6 +108,7 @@ WORKER_TIMED: Timed = (
     (_DRAFT, "PluginDraftProposer", "_draft", "draft: loop"),
     (_DRAFT, "PluginDraftProposer", "_finish", "plugin: hand back"),
     (_DRAFT, "PluginDraftProposer", "_finish_union", "plugin: hand back"),
+    (_DRAFT, "PluginDraftProposer", "_finish_without_draft", "plugin: hand back"),
     (_DRAFT, "PluginDraftProposer", "_full_rows", "plugin: hand back"),
     (_DRAFT, "PluginDraftProposer", "_mixed_output", "plugin: hand back"),
     # the union (vLLM-free core)
