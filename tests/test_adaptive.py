@@ -357,6 +357,11 @@ def test_the_draft_runs_where_its_priced_forwards_pay():
     cold = union.plan_draft(one, [], 1, np.array([8]), forward_seconds=0.001)
     assert 0 < cold[0] < 8
     assert union.plan_draft(one, [], 1, np.array([8]), forward_seconds=0.05)[0] == 0
+    # the same cheap forwards behind a first pass that must first read a long prompt
+    assert union.plan_draft(one, [], 1, np.array([8]), forward_seconds=0.001,
+                            catch_up_seconds=[0.05])[0] == 0
+    assert union.plan_draft(one, [], 1, np.array([8]), forward_seconds=0.001,
+                            catch_up_seconds=[0.0])[0] > 0
     assert union.plan_draft(one, [], 1, np.array([0]), forward_seconds=0.0)[0] == 0
     _teach(union, 0, 0.95)
     two = StepBatch(("a", "b"), np.zeros((2, 32), dtype=np.int32), np.full(2, 10),
@@ -486,10 +491,13 @@ def test_the_draft_models_time_is_kept_out_of_the_target_step_cost():
     the whole step."""
     def fed(seconds, draft_seconds):
         union = _union(Fixed("p", [1, 2], 0.9))
+        for _ in range(10):  # plain steps first: the machinery's part is then known
+            union.cost.observe(3, 0.012, speculative=False)
         for _ in range(50):
             union.begin(Verified(("a",), np.array([2]), np.array([3]), seconds, 3,
                                  draft_seconds=draft_seconds), 1, sampled=False)
-        return float(union.cost.step_seconds(np.array([3]))[0])
+        # what a speculative step of 3 tokens is priced at
+        return float(union.cost.step_seconds(np.array([3]))[0]) + union.cost.spec_overhead_s
 
     assert fed(0.020, 0.008) == pytest.approx(fed(0.012, 0.0))
     assert fed(0.020, 0.0) > fed(0.012, 0.0) + 0.004
@@ -512,6 +520,31 @@ def test_cost_model_learns_the_speculative_overhead_from_the_two_kinds_of_steps(
         cost.observe(8, 0.012 + 0.001, speculative=False)  # 8 tokens: F = 12 ms, +1 ms
         cost.observe(8, 0.012 + 0.004, speculative=True)  # +3 ms more when verifying
     assert cost.spec_overhead_s == pytest.approx(0.003, rel=0.1)
+
+
+def test_a_fresh_cost_model_prices_the_speculative_machinery_within_a_few_steps():
+    """A fresh engine's first steps must already pay for the machinery: an average
+    started at 0 and moved 5% a step would say 40% of it after ten steps of each kind
+    (measured in an engine: speculative steps at batch 8, temperature 1 cost ~8.5 ms
+    against ~6 predicted, and lost to plain decoding for a whole cell)."""
+    cost = StepCostModel(max_tokens=64)
+    cost.calibrate(np.array([1, 64]), np.array([0.005, 0.068]))
+    for _ in range(10):
+        cost.observe(8, 0.012 + 0.001, speculative=False)
+        cost.observe(8, 0.012 + 0.004, speculative=True)
+    assert cost.spec_overhead_s == pytest.approx(0.003, rel=0.1)
+
+
+def test_speculative_steps_do_not_price_a_plain_step_before_the_machinery_is_known():
+    """Before both kinds of steps were seen ``warmup`` times, a speculative step's
+    residual (mostly the machinery's) must not become the fixed part of every step: a
+    fresh engine that speculates every step would judge plain decoding by it."""
+    cost = StepCostModel(max_tokens=64)
+    cost.calibrate(np.array([1, 64]), np.array([0.005, 0.068]))
+    plain = cost.step_one(1)
+    for _ in range(50):
+        cost.observe(8, 0.012 + 0.004, speculative=True)
+    assert cost.step_one(1) == pytest.approx(plain)
 
 
 def test_one_pathological_speculative_step_cannot_switch_speculation_off():

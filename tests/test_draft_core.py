@@ -244,6 +244,8 @@ def test_the_draft_rereads_only_what_its_kv_cache_misses():
     assert cursor.starts(["a"], np.array([5]), budget=100).tolist() == [0]
     cursor.forget(["a"])
     assert cursor.starts(["a"], np.array([12]), budget=100).tolist() == [0]
+    # the catch-up a run would price: tokens read beyond the newest one
+    assert cursor.behind(["a", "b", "c"], np.array([12, 13, 4])) == [11, 5, 3]
 
 
 def test_draft_tokens_follow_the_draft_probabilities_they_return():

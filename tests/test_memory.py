@@ -52,6 +52,31 @@ def test_a_second_engine_starts_where_the_first_one_stopped(tmp_path):
     assert cold.estimator.judged.sum() == 0
 
 
+def test_forgetting_what_was_learned_gives_a_fresh_engines_choices():
+    """``specplugin bench`` warms an engine up on reversed text, then has the union forget
+    (Union.forget_learned): a union taught that a proposer fails and that plain decoding
+    pays must then choose what an untaught union chooses, from the same evidence on."""
+    from tests.test_adaptive import _batch
+
+    taught, fresh = _union(), _union()
+    taught.explore = fresh.explore = False  # posterior means: the same evidence, the same choice
+    _teach(taught, 0, 0.0)  # every n-gram token rejected
+    _teach(taught, 1, 0.0)
+    _measure_plain_faster(taught.arbiter)
+    batch = _batch(["a", "b"])
+
+    def drafts(union):
+        union.begin(None, 2, sampled=False)
+        return union.choose(batch, union.ask(batch, range(len(union.proposers))))
+
+    assert not any(drafts(taught)), "the lesson did not take: the test tests nothing"
+    taught.forget_learned()
+    assert taught.estimator.judged.sum() == 0 and taught.arbiter.rate(1, PLAIN) is None
+    assert taught.arbiter.speculate(2) == SPECULATE
+    fresh.arbiter.speculate(2)
+    assert drafts(taught) == drafts(fresh) != [[], []]
+
+
 def test_a_restored_state_is_what_the_estimates_read(tmp_path):
     """The estimator keeps its counts' sums between changes: a state restored after it
     estimated must be what it estimates from next, not the sums of its old counts."""

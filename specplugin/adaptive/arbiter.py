@@ -132,6 +132,16 @@ class StepArbiter:
         # union gives its cost model's
         self.plain_rate_model: Callable[[int], float | None] | None = None
 
+    def forget(self) -> None:
+        """Back to a fresh engine's measurements: no bucket's rates, no block running
+        (the counters stay; see :meth:`Union.forget_learned
+        <specplugin.proposers.union.Union.forget_learned>`)."""
+        self._buckets = {}
+        self._choice, self._bucket = SPECULATE, None
+        self._steps, self._tokens, self._seconds = 0, 0.0, 0.0
+        self._predicted = []
+        self._skip_observation = False
+
     def stats(self) -> dict[str, int]:
         return {"speculative_blocks": self.num_spec_blocks, "plain_blocks": self.num_plain_blocks}
 

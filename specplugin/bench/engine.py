@@ -78,11 +78,14 @@ def _generate(llm, prompts: list[list[int]], params) -> tuple[list, float]:
     return outputs, time.perf_counter() - start
 
 
-def warm_up(llm, cells: list[dict[str, Any]]) -> None:
+def warm_up(llm, cells: list[dict[str, Any]], plugin: bool = False) -> None:
     """Pay one-off costs (first kernels, allocations, the spec path) before timing.
 
     The warm-up prompt is the reverse of a real one, so a proposer that caches
-    earlier requests learns nothing it could replay in the timed cells.
+    earlier requests learns nothing it could replay in the timed cells. ``plugin``: the
+    engine runs specplugin, whose union then forgets what the warm-up's verification
+    taught it (reversed text: its proposers look useless), so that the first cell starts
+    as a user's fresh engine does (``specplugin_forget_learned``).
     """
     first = cells[0]
     prompt = list(reversed(first["prompts"][0]))
@@ -91,6 +94,8 @@ def warm_up(llm, cells: list[dict[str, Any]]) -> None:
                               | {c["temperature"] for c in cells}):
         params = _sampling({**first, "temperature": temperature, "n": 1}, max_tokens=16)
         _generate(llm, [prompt] * batch, params)
+    if plugin:
+        llm.collective_rpc("specplugin_forget_learned")
 
 
 def with_token_ids(llm, cell: dict[str, Any]) -> dict[str, Any]:
@@ -220,12 +225,17 @@ def decode(llm, token_ids: list[list[int]]) -> list[str]:
     return [tokenizer.decode(ids, skip_special_tokens=True) for ids in token_ids]
 
 
+def is_plugin(job: dict[str, Any]) -> bool:
+    """Whether the job's engine runs specplugin."""
+    spec = job["engine_kwargs"].get("speculative_config") or {}
+    return spec.get("model") == SPECULATOR_CLASS
+
+
 def run_generate(llm, job: dict[str, Any], emit: Emit) -> None:
     """Cells of prompts: warm up, then generate each cell and report what it did."""
     cells = [with_token_ids(llm, cell) for cell in job["cells"]]
-    warm_up(llm, cells)
-    spec = job["engine_kwargs"].get("speculative_config") or {}
-    plugin = spec.get("model") == SPECULATOR_CLASS
+    plugin = is_plugin(job)
+    warm_up(llm, cells, plugin)
     for cell in cells:
         result = run_cell(llm, cell, job["return_token_ids"] or job["return_texts"], plugin)
         if job["return_texts"]:
@@ -256,7 +266,7 @@ def run_profile(llm, job: dict[str, Any], emit: Emit) -> None:
     from specplugin.vllm_layer.profiling import FrontEndTimer
 
     cells = [with_token_ids(llm, cell) for cell in job["cells"]]
-    warm_up(llm, cells)
+    warm_up(llm, cells, is_plugin(job))
     front_end = FrontEndTimer()
     front_end.install()
     device = _profile_rpc(llm, "device")[0]["worker"]

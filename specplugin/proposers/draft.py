@@ -387,6 +387,14 @@ class DraftKVCursor:
         fits = np.cumsum(num_tokens - starts) <= budget
         return np.where(fits, starts, -1)
 
+    def behind(self, req_ids: Sequence[str],  # [n]
+               num_tokens: np.ndarray) -> list[int]:  # [n] context length, newest included
+        """Tokens each row's first pass would read beyond its newest one (the catch-up a
+        draft run costs: a new request's whole prompt, a skipped one's gap)."""
+        written = self._written
+        return [n - 1 - (w if w < n else 0)
+                for w, n in zip((written.get(r, 0) for r in req_ids), num_tokens.tolist())]
+
     def advance(self, req_ids: Sequence[str], num_tokens: np.ndarray) -> None:
         for req_id, n in zip(req_ids, num_tokens.tolist()):
             self._written[req_id] = n

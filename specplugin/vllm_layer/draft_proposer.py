@@ -212,6 +212,15 @@ class PluginDraftProposer(DraftModelProposer):
             self.timer.reset()
             return torch.zeros((num_reqs, 1), dtype=torch.int64, device=self.device)
 
+    def forget_learned(self) -> None:
+        """See :meth:`Union.forget_learned <specplugin.proposers.union.Union.forget_learned>`
+        (the draft model alone: its step arbiter's rates)."""
+        self.forget_pending()
+        if self.union is not None:
+            self.union.forget_learned()
+        elif self.arbiter is not None:
+            self.arbiter.forget()
+
     def forget_pending(self) -> None:
         """vLLM skipped drafting for a step: the drafts recorded before it were verified
         in that step, whose results never reach this drafter."""
@@ -532,8 +541,26 @@ class PluginDraftProposer(DraftModelProposer):
         draft_index = len(self.union.proposers) - 1
         offers = self.union.ask(batch, range(draft_index))
         rows = int(np.count_nonzero(caps))
-        caps = self.union.plan_draft(batch, offers, draft_index, caps, self._forward_price(rows))
+        forward = self._forward_price(rows)
+        caps = self.union.plan_draft(batch, offers, draft_index, caps, forward,
+                                     self._catch_up_seconds(batch, rows, forward))
         return offers, caps
+
+    def _catch_up_seconds(self, batch: StepBatch, num_rows: int, forward: float) -> list[float]:
+        """[num_reqs] seconds the draft's first pass adds for each row beyond one forward:
+        its catch-up tokens (:meth:`DraftKVCursor.behind`) at the draft's price per token,
+        the target's forward curve (timed at engine start) scaled by what one draft
+        forward measured against the target's for as many rows."""
+        behind = self.cursor.behind(batch.req_ids, batch.num_tokens)
+        total = sum(behind)
+        cost = self.union.cost
+        if not total or not cost.calibrated or forward <= 0.0:
+            return [0.0] * len(behind)
+        base = max(1, num_rows)
+        target_one = cost.step_one(base) - cost.overhead_s  # F(rows)
+        extra = cost.step_one(base + total) - cost.overhead_s - target_one  # F(rows + total) - F(rows)
+        per_token = forward / max(target_one, 1e-9) * extra / total
+        return [per_token * b for b in behind]
 
     def _forward_price(self, num_rows: int) -> float:
         """Seconds of one draft forward: measured once the draft has run; before that, the

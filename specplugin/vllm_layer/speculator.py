@@ -157,6 +157,11 @@ class Speculator:
         if self.memory is not None:
             self.memory.maybe_save(self.union, idle=self.union.idle)
 
+    def forget_learned(self) -> None:
+        """See :meth:`Union.forget_learned <specplugin.proposers.union.Union.forget_learned>`."""
+        self._step_timed = False
+        self.union.forget_learned()
+
     def forget_pending(self) -> None:
         self._step_timed = False
         self.union.forget_pending()

@@ -416,6 +416,18 @@ class PluginWorkerMixin:
         return self.model_runner.plugin_stats()
 
 
+    def specplugin_forget_learned(self) -> bool:
+        """``llm.collective_rpc("specplugin_forget_learned")``, between requests: the
+        drafter forgets what verification taught it (``specplugin bench`` after its
+        warm-up, so that a timed cell starts as a user's fresh engine does). False when
+        the drafter learns nothing."""
+        forget = getattr(self.model_runner.drafter, "forget_learned", None)
+        if forget is None:
+            return False
+        forget()
+        return True
+
+
 class PluginCPUWorker(PluginWorkerMixin, CPUWorker):
     def init_device(self) -> None:
         # vLLM's CPU worker builds its runner inline from this module-level name
