@@ -320,3 +320,25 @@ def test_shared_vocabulary_passes_for_equal_tokenizers_and_names_a_mismatch(tmp_
         check_shared_vocabulary(target, swapped, 3, 3)
     with pytest.raises(SpecPluginConfigError, match="vocabulary of 5 tokens but the target has 3"):
         check_shared_vocabulary(target, same, 3, 5)
+
+
+def test_the_draft_runs_catch_up_is_priced_by_the_rows_it_reads():
+    """``_catch_up_seconds``: what each row's first pass adds beyond one forward, in
+    proportion to the tokens it reads, at the target's forward curve scaled by what one
+    draft forward costs against the target's for as many rows."""
+    from types import SimpleNamespace
+
+    from specplugin.adaptive.cost import StepCostModel
+    from specplugin.proposers.base import StepBatch
+    from specplugin.vllm_layer.draft_proposer import PluginDraftProposer
+
+    cost = StepCostModel(max_tokens=64)
+    cost.calibrate(np.array([1, 64]), np.array([0.005, 0.068]))  # 1 ms per extra token
+    drafter = SimpleNamespace(cursor=DraftKVCursor(), union=SimpleNamespace(cost=cost))
+    drafter.cursor.advance(["a"], np.array([8]))
+    batch = StepBatch(("a", "b"), np.zeros((2, 32), dtype=np.int32), np.array([10, 21]),
+                      np.full(2, 5), np.full(2, 8), np.zeros(2, bool), (0, 1))
+    # rows read 1 and 20 tokens beyond their newest; the draft costs half the target
+    seconds = PluginDraftProposer._catch_up_seconds(drafter, batch, 2, 0.5 * cost.forward_one(2))
+    assert seconds == pytest.approx([0.0005, 0.010])
+    assert PluginDraftProposer._catch_up_seconds(drafter, batch, 2, 0.0) == [0.0, 0.0]

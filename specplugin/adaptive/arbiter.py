@@ -119,28 +119,24 @@ class StepArbiter:
             raise ValueError(f"block_steps must be >= 1; got {block_steps}")
         self.block_steps, self.smoothing, self.warmup_blocks = block_steps, smoothing, warmup_blocks
         self.min_interval, self.max_interval, self.gap_unit = min_interval, max_interval, gap_unit
-        self._buckets: dict[tuple[int, bool], _Bucket] = {}
-        self._choice = SPECULATE
-        self._bucket: tuple[int, bool] | None = None  # of the running block
-        self._steps = 0  # steps of the running block so far
-        self._tokens = self._seconds = 0.0  # counted part of the running block
-        self._predicted: list[float] = []  # the union's predicted rate of each planned step
+        self.forget()
         self.num_plain_blocks = self.num_spec_blocks = 0
-        self._skip_observation = False  # see new_requests
         self._engine_spec_blocks = 0  # speculative blocks closed (see ENGINE_WARMUP_BLOCKS)
         # num_reqs -> tokens per second of a plain step, modelled (None: unknown); the
         # union gives its cost model's
         self.plain_rate_model: Callable[[int], float | None] | None = None
 
     def forget(self) -> None:
-        """Back to a fresh engine's measurements: no bucket's rates, no block running
-        (the counters stay; see :meth:`Union.forget_learned
+        """A fresh engine's measurements (also what ``__init__`` starts from): no bucket's
+        rates, no block running. The block counters stay (see :meth:`Union.forget_learned
         <specplugin.proposers.union.Union.forget_learned>`)."""
-        self._buckets = {}
-        self._choice, self._bucket = SPECULATE, None
-        self._steps, self._tokens, self._seconds = 0, 0.0, 0.0
-        self._predicted = []
-        self._skip_observation = False
+        self._buckets: dict[tuple[int, bool], _Bucket] = {}
+        self._choice = SPECULATE
+        self._bucket: tuple[int, bool] | None = None  # of the running block
+        self._steps = 0  # steps of the running block so far
+        self._tokens = self._seconds = 0.0  # counted part of the running block
+        self._predicted: list[float] = []  # the union's predicted rate of each planned step
+        self._skip_observation = False  # see new_requests
 
     def stats(self) -> dict[str, int]:
         return {"speculative_blocks": self.num_spec_blocks, "plain_blocks": self.num_plain_blocks}

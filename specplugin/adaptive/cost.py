@@ -68,9 +68,15 @@ class StepCostModel:
         self._times: list[float] = []  # T(0), T(1), ... until the model changes (step_times)
 
     @property
+    def _machinery_known(self) -> bool:
+        """Both kinds of steps were seen ``warmup`` times."""
+        return min(self._counts.values()) >= self.warmup
+
+    @property
     def spec_overhead_s(self) -> float:
-        """0 until both kinds of steps were seen ``warmup`` times (averages start at 0)."""
-        if min(self._counts.values()) < self.warmup:
+        """0 until :attr:`_machinery_known`; then the difference of the bias-corrected
+        averages (see the module docstring)."""
+        if not self._machinery_known:
             return 0.0
         spec, plain = (self._residual[c] / self._residual_weight[c] for c in (True, False))
         return max(0.0, spec - plain)
@@ -79,7 +85,7 @@ class StepCostModel:
     def calibrated(self) -> bool:
         return not np.isnan(self.forward_s).any()
 
-    def _forward_one(self, n: float) -> float:
+    def forward_one(self, n: float) -> float:
         """F(n) for one n, in plain floats: :meth:`observe` runs on every plain step, where
         numpy's per-call overhead on scalars (~60 us) would be a percent of the step."""
         knots, f = self._knot_list, self.forward_s
@@ -124,7 +130,7 @@ class StepCostModel:
         per-call cost: asked several times every step)."""
         if num_tokens < len(self._times):
             return self._times[num_tokens]
-        return self.overhead_s + self._forward_one(num_tokens)
+        return self.overhead_s + self.forward_one(num_tokens)
 
     def step_times(self, first: int, count: int) -> list[float]:
         """``[T(first), ..., T(first + count - 1)]`` as floats, read from a table of T(n)
@@ -164,7 +170,7 @@ class StepCostModel:
             return
         if not self.num_observed and not self.calibrated:  # first sight: a line through 0
             self.forward_s = seconds * self.knots / num_tokens
-        forward = self._forward_one(num_tokens)
+        forward = self.forward_one(num_tokens)
         predicted = self.overhead_s + forward
         if self.num_observed and seconds > 20 * predicted:
             return
@@ -181,7 +187,7 @@ class StepCostModel:
         self._residual_weight[speculative] = held + weight * (1.0 - held)
         self._counts[speculative] += count
         if speculative:  # the fixed part and the knots learn from plain steps' terms only
-            if min(self._counts.values()) < self.warmup:
+            if not self._machinery_known:
                 # the machinery's part of this residual is not known yet: taken as the
                 # fixed part, it would make a plain step look dearer than it is (measured:
                 # a fresh engine at batch 1, temperature 1 speculated nearly every step at

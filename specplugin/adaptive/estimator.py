@@ -83,8 +83,11 @@ class AcceptanceEstimator:
         self._marginals: tuple[np.ndarray, ...] | None = None
         self._position_terms = np.zeros(0, dtype=np.intp)  # [positions] (see flat_cells)
 
-    def changed(self) -> None:
-        """``judged`` / ``accepted`` were written from outside (a restored state)."""
+    def set_counts(self, judged, accepted) -> None:
+        """Replace the counts (arrays of the tables' shape, or scalars): a restored state,
+        or 0 to forget everything learned. The kept sums are recomputed on next use."""
+        self.judged[...] = judged
+        self.accepted[...] = accepted
         self._marginals = None
 
     def _sums(self) -> tuple[np.ndarray, ...]:

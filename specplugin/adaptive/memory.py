@@ -112,9 +112,7 @@ class UnionMemory:
             correction = entry.get("correction")
             buckets.append(((int(entry["bucket"]), bool(entry["sampled"])), rate, blocks,
                             None if correction is None else float(correction)))
-        estimator.judged[...] = judged
-        estimator.accepted[...] = accepted
-        estimator.changed()
+        estimator.set_counts(judged, accepted)
         for key, rate, blocks, correction in buckets:
             arbiter.restore_bucket(key, rate, blocks, correction)
 

@@ -189,9 +189,7 @@ class Union:
         Only between requests (nothing pending)."""
         self._pending, self._pending_extras, self._shadows = {}, {}, {}
         self._unlearned, self._undecayed_steps, self._learned_tokens = [], 0, 0
-        self.estimator.judged[...] = 0.0
-        self.estimator.accepted[...] = 0.0
-        self.estimator.changed()
+        self.estimator.set_counts(0.0, 0.0)
         self.history = RequestHistory(self.history.alpha)
         if self.arbiter is not None:
             self.arbiter.forget()

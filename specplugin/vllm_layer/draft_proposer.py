@@ -557,9 +557,8 @@ class PluginDraftProposer(DraftModelProposer):
         if not total or not cost.calibrated or forward <= 0.0:
             return [0.0] * len(behind)
         base = max(1, num_rows)
-        target_one = cost.step_one(base) - cost.overhead_s  # F(rows)
-        extra = cost.step_one(base + total) - cost.overhead_s - target_one  # F(rows + total) - F(rows)
-        per_token = forward / max(target_one, 1e-9) * extra / total
+        target = cost.forward_one(base)  # F(rows)
+        per_token = forward / max(target, 1e-9) * (cost.forward_one(base + total) - target) / total
         return [per_token * b for b in behind]
 
     def _forward_price(self, num_rows: int) -> float:

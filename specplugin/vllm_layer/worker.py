@@ -415,7 +415,6 @@ class PluginWorkerMixin:
         (:func:`specplugin.vllm_layer.metrics_export.engine_stats`)."""
         return self.model_runner.plugin_stats()
 
-
     def specplugin_forget_learned(self) -> bool:
         """``llm.collective_rpc("specplugin_forget_learned")``, between requests: the
         drafter forgets what verification taught it (``specplugin bench`` after its
