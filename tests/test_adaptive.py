@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from specplugin.adaptive.arbiter import StepArbiter
-from specplugin.adaptive.controller import NO_CANDIDATE, Choice, Extra, divergence, expand, plan
+from specplugin.adaptive.controller import (NO_CANDIDATE, Choice, Extra, divergence, expand, plan,
+                                           planned)
 from specplugin.adaptive.cost import StepCostModel, StepSums
 from specplugin.adaptive.estimator import (AcceptanceEstimator, TokenCells, history_bucket,
                                            position_groups)
@@ -51,6 +52,26 @@ def test_the_batch_shares_one_budget_best_tokens_first():
     # two requests, one confident, one middling: the step verifies more of the first
     choices = plan([[np.full(6, 0.95)], [np.full(6, 0.5)]], linear(0.004, 0.001))
     assert choices[0].num_tokens > choices[1].num_tokens >= 0
+
+
+def test_the_plans_rate_terms_are_the_expected_tokens_and_seconds_of_its_choice():
+    """planned gives, beside the choice, what the union's arbiter and draft gate weigh
+    it by: expected tokens 1 + sum of P_j per request, and T(n) of the tokens verified
+    plus the speculative machinery's price once if any draft is verified."""
+    rng = np.random.default_rng(11)
+    cost = StepCostModel(max_tokens=64)
+    cost.calibrate(np.array([1, 64]), np.array([0.004, 0.010]))
+    union = Union([], cost=cost)
+    for num_reqs in (1, 3, 8):
+        for overhead in (0.0, 0.0005):
+            acceptance = [[rng.random(int(rng.integers(1, 9))) ** 0.3
+                           for _ in range(int(rng.integers(0, 3)))] for _ in range(num_reqs)]
+            choices, expected, seconds = planned(acceptance, cost, spec_overhead=overhead)
+            assert choices == plan(acceptance, cost, spec_overhead=overhead)
+            terms = union._rate_terms(acceptance, choices)  # (its machinery price is 0)
+            assert expected == pytest.approx(terms[0])
+            drafts = any(c.num_tokens for c in choices)
+            assert seconds == pytest.approx(terms[1] + overhead * drafts)
 
 
 def test_divergence_is_the_first_differing_position():
@@ -354,25 +375,25 @@ def test_the_draft_runs_where_its_priced_forwards_pay():
     union._draft_trials = 0  # past its optimistic trials (see the next test)
     one = _batch(["a"])
     assert union.begin(None, 1, sampled=False)
-    cold = union.plan_draft(one, [], 1, np.array([8]), forward_seconds=0.001)
+    cold = np.asarray(union.plan_draft(one, [], 1, np.array([8]), forward_seconds=0.001))
     assert 0 < cold[0] < 8
-    assert union.plan_draft(one, [], 1, np.array([8]), forward_seconds=0.05)[0] == 0
+    assert np.asarray(union.plan_draft(one, [], 1, np.array([8]), forward_seconds=0.05))[0] == 0
     # the same cheap forwards behind a first pass that must first read a long prompt
-    assert union.plan_draft(one, [], 1, np.array([8]), forward_seconds=0.001,
-                            catch_up_seconds=[0.05])[0] == 0
-    assert union.plan_draft(one, [], 1, np.array([8]), forward_seconds=0.001,
-                            catch_up_seconds=[0.0])[0] > 0
-    assert union.plan_draft(one, [], 1, np.array([0]), forward_seconds=0.0)[0] == 0
+    assert np.asarray(union.plan_draft(one, [], 1, np.array([8]), forward_seconds=0.001,
+                            catch_up_seconds=[0.05]))[0] == 0
+    assert np.asarray(union.plan_draft(one, [], 1, np.array([8]), forward_seconds=0.001,
+                            catch_up_seconds=[0.0]))[0] > 0
+    assert np.asarray(union.plan_draft(one, [], 1, np.array([0]), forward_seconds=0.0))[0] == 0
     _teach(union, 0, 0.95)
     two = StepBatch(("a", "b"), np.zeros((2, 32), dtype=np.int32), np.full(2, 10),
                     np.full(2, 5), np.full(2, 8), np.zeros(2, bool), (0,))
     union.cost = flat_cost()  # verifying is cheap: row 1 gains from the draft, row 0 cannot
     offers = union.ask(two, [0])  # row 0 only has an n-gram candidate
-    k = union.plan_draft(two, offers, 1, np.array([8, 8]), forward_seconds=0.0002)
+    k = np.asarray(union.plan_draft(two, offers, 1, np.array([8, 8]), forward_seconds=0.0002))
     assert k[0] == 0 and k[1] > 0
     union.cost = _union().cost
     _teach(union, 1, 0.95)
-    assert union.plan_draft(one, [], 1, np.array([8]), forward_seconds=0.001)[0] > cold[0]
+    assert np.asarray(union.plan_draft(one, [], 1, np.array([8]), forward_seconds=0.001))[0] > cold[0]
 
 
 def test_a_cold_draft_runs_in_some_steps_for_every_row_though_its_prior_does_not_pay():
@@ -385,9 +406,11 @@ def test_a_cold_draft_runs_in_some_steps_for_every_row_though_its_prior_does_not
     for explore in (False, True):
         union = _union(Fixed("ngram", [], 0.5), Fixed("draft", [], 0.5), explore=explore)
         union._draft_trials = 0  # past its optimistic trials
-        assert union.begin(None, 8, sampled=False)
-        runs[explore] = [union.plan_draft(_batch(rows), [], 1, np.full(8, 8),
-                                          forward_seconds=0.002) for _ in range(200)]
+        runs[explore] = []
+        for _ in range(200):  # each step a new draw (a cold estimator updates every step)
+            assert union.begin(None, 8, sampled=False)
+            runs[explore].append(np.asarray(union.plan_draft(_batch(rows), [], 1, np.full(8, 8),
+                                                  forward_seconds=0.002)))
     assert not any(k.any() for k in runs[False])
     drafted = [k for k in runs[True] if k.any()]
     assert len(drafted) > 20, len(drafted)
@@ -404,15 +427,15 @@ def test_an_untried_draft_runs_in_its_first_steps_where_it_could_pay_at_all():
     rows = [f"r{j}" for j in range(8)]
     union = _union(Fixed("ngram", [], 0.5), Fixed("draft", [], 0.5))
     assert union.begin(None, 8, sampled=False)
-    assert not union.plan_draft(_batch(rows), [], 1, np.full(8, 8), forward_seconds=0.5).any()
-    runs = [union.plan_draft(_batch(rows), [], 1, np.full(8, 8), forward_seconds=0.002)
+    assert not np.asarray(union.plan_draft(_batch(rows), [], 1, np.full(8, 8), forward_seconds=0.5)).any()
+    runs = [np.asarray(union.plan_draft(_batch(rows), [], 1, np.full(8, 8), forward_seconds=0.002))
             for _ in range(3 * DRAFT_TRIALS)]
     assert [k.any() for k in runs] == [True] * DRAFT_TRIALS + [False] * (2 * DRAFT_TRIALS)
     assert all((k == k[0]).all() and k[0] > 0 for k in runs[:DRAFT_TRIALS])
     taught = _union(Fixed("ngram", [], 0.5), Fixed("draft", [], 0.5))
     _teach(taught, 1, 0.5, num_tokens=16)
     assert taught.begin(None, 8, sampled=False)
-    assert not taught.plan_draft(_batch(rows), [], 1, np.full(8, 8), forward_seconds=0.002).any()
+    assert not np.asarray(taught.plan_draft(_batch(rows), [], 1, np.full(8, 8), forward_seconds=0.002)).any()
 
 
 def test_draft_always_runs_the_draft_wherever_a_row_could_use_it():
@@ -424,10 +447,10 @@ def test_draft_always_runs_the_draft_wherever_a_row_could_use_it():
     union.draft_always = True
     _teach(union, 1, 0.5, num_tokens=16)
     assert union.begin(None, 8, sampled=False)
-    runs = [union.plan_draft(_batch(rows), [], 1, np.full(8, 8), forward_seconds=0.002)
+    runs = [np.asarray(union.plan_draft(_batch(rows), [], 1, np.full(8, 8), forward_seconds=0.002))
             for _ in range(12)]
     assert all(k.any() for k in runs)
-    assert not union.plan_draft(_batch(rows), [], 1, np.full(8, 8), forward_seconds=0.5).any()
+    assert not np.asarray(union.plan_draft(_batch(rows), [], 1, np.full(8, 8), forward_seconds=0.5)).any()
 
 
 def test_the_choice_reuses_the_gates_estimates_of_token_level_candidates():
@@ -443,12 +466,10 @@ def test_the_choice_reuses_the_gates_estimates_of_token_level_candidates():
     assert len(gate) == 2
     seen = []
     est = union.estimator
-    estimate, sample = est.estimate_flat, est.sample
-    est.estimate_flat = lambda flat, **kw: (
-        seen.append(np.unravel_index(flat, est.judged.shape)[0]) or estimate(flat, **kw))
-    est.sample = lambda cells, **kw: seen.append(cells.proposer) or sample(cells, **kw)
+    cells_of = est.cells
+    est.cells = lambda proposer, *a: seen.append(proposer) or cells_of(proposer, *a)
     acceptance = union._acceptance(offers + union.ask(batch, [1]), batch, union._histories(batch))
-    assert len(seen) == 1 and (seen[0] == 1).all()  # one call, the draft's tokens only
+    assert seen == [1, 1]  # the draft's candidates only, one per row
     for (_, _, c), accepted in zip(offers, acceptance[:2]):
         assert np.array_equal(accepted, gate[id(c)])
     assert union.choose(batch, offers + union.ask(batch, [1]))  # the whole choice runs
@@ -463,9 +484,10 @@ def test_a_step_the_draft_skips_is_planned_once(monkeypatch):
     from specplugin.proposers import union as union_module
 
     calls = []
-    real_plan = union_module.plan
-    monkeypatch.setattr(union_module, "plan",
-                        lambda *a, **kw: calls.append(1) or real_plan(*a, **kw))
+    for name in ("plan", "planned"):  # (the choice alone; or with its rate's terms)
+        real = getattr(union_module, name)
+        monkeypatch.setattr(union_module, name,
+                            lambda *a, _real=real, **kw: calls.append(1) or _real(*a, **kw))
     union = _union(Fixed("ngram", [1, 2, 3], 0.9), Fixed("draft", [4, 5], 0.9), explore=False)
     batch = _batch(["r0", "r1"])
     assert union.begin(None, 2, sampled=False)
@@ -988,3 +1010,32 @@ def test_flat_cells_are_the_token_cells_raveled():
                        np.concatenate([np.arange(k) for k in lengths]), np.concatenate(signals),
                        np.repeat(history, lengths))
     assert flat.tolist() == est._flat(cells).tolist()
+    # the same cells in plain Python, one candidate at a time (the per-step path)
+    each = [est.cells(p, m, h, x) for p, m, h, x in zip(proposer, sampled, history, signals)]
+    assert sum(each, []) == flat.tolist()
+    assert est.cells(0, False, 0, np.array([2.0, -1.0])) == est.flat_cells(
+        [0], [False], [0], [np.array([2.0, -1.0])]).tolist()  # out of [0, 1]: clipped
+    assert est.cells(0, False, 0, [np.nan]) == est.cells(0, False, 0, [0.0])
+
+
+def test_the_per_step_estimates_are_the_estimators_and_its_draws_last_until_it_learns():
+    """estimate_cells (plain Python over tables kept until the counts change) says what
+    estimate_flat says; a draw is one per cell, the same for every token of the cell and
+    on every call until the estimator learns or decays, then drawn again."""
+    est = AcceptanceEstimator(("ngram", "draft"))
+    rng = np.random.default_rng(7)
+    n = 60
+    cells = TokenCells(rng.integers(0, 2, n), rng.random(n) < 0.5, np.arange(n) % 10,
+                       rng.random(n), rng.integers(0, 4, n))
+    est.update(cells, rng.random(n) < 0.6)
+    flat = est._flat(cells).tolist()
+    assert est.estimate_cells(flat) == pytest.approx(est.estimate_flat(np.array(flat)).tolist())
+    drawn = est.estimate_cells(flat + flat, draw=True)
+    assert drawn[:n] == drawn[n:]  # one draw per cell
+    assert est.estimate_cells(flat, draw=True) == drawn[:n]  # held
+    assert drawn[:n] != pytest.approx(est.estimate_cells(flat))  # draws, not means
+    est.step()
+    assert est.estimate_cells(flat, draw=True) != drawn[:n]  # the counts changed: new draws
+    means = est.estimate_cells(flat)
+    est.update(cells, np.ones(n, dtype=bool))
+    assert all(a > b for a, b in zip(est.estimate_cells(flat), means))

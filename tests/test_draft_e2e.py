@@ -115,11 +115,11 @@ from specplugin.vllm_layer import draft_proposer
 reads, calls = [], {"n": 0}
 orig_caps, orig_inputs = draft_proposer._caps, P._first_pass_inputs
 
-def caps(remaining, k):
-    out = orig_caps(remaining, k)
+def caps(remaining, k, prefilling):
+    out = orig_caps(remaining, k, prefilling)
     calls["n"] += 1
     if calls["n"] % 3 == 0:
-        out[1::2] = 0
+        out[1::2] = [0] * len(out[1::2])
     return out
 
 def first_pass_inputs(self, batch, rows, starts, cad):

@@ -82,7 +82,7 @@ def test_without_an_arbiter_every_step_is_planned():
 
 def test_skipped_steps_still_age_the_estimators_evidence():
     union, _ = _union([PLAIN, PLAIN, PLAIN, SPECULATE])
-    union.estimator.judged[:] = 1.0
+    union.estimator.set_counts(1.0, 0.0)
     for _ in range(3):
         union.plain_step(0.01, 1, 1, False)
     union.step(_batch(["r0"]), _none_verified(1))

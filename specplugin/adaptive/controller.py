@@ -54,11 +54,22 @@ class Choice:
 def plan(acceptance: Sequence[Sequence[np.ndarray]],  # [num_reqs][num_candidates] -> [k]
          step_seconds: Callable[[np.ndarray], np.ndarray] | StepCostModel,
          num_base_tokens: int | None = None, spec_overhead: float = 0.0) -> list[Choice]:
+    """The choice for the batch (see :func:`planned`, which also gives its rate's terms)."""
+    return planned(acceptance, step_seconds, num_base_tokens, spec_overhead)[0]
+
+
+def planned(acceptance: Sequence[Sequence[np.ndarray]],  # [num_reqs][num_candidates] -> [k]
+            step_seconds: Callable[[np.ndarray], np.ndarray] | StepCostModel,
+            num_base_tokens: int | None = None, spec_overhead: float = 0.0,
+            ) -> tuple[list[Choice], float, float]:
     """``acceptance[r][c]``: conditional acceptance of each token of candidate c of request r
     (already cut to the request's limit). ``step_seconds(n)``: T(n), vectorised; or a
     cost model with ``step_times(first, count)``
     (:meth:`~specplugin.adaptive.cost.StepCostModel.step_times`, a cached table).
     ``num_base_tokens``: query tokens the step runs without drafts (default num_reqs).
+
+    Returns the choices, the tokens the step is expected to emit and its predicted
+    seconds (the step's rate is their ratio).
 
     It runs every step on a few dozen numbers: ``T`` is asked once, for every ``n`` the
     step may reach, and the rest is plain Python floats (numpy's per-call cost on arrays
@@ -66,7 +77,7 @@ def plan(acceptance: Sequence[Sequence[np.ndarray]],  # [num_reqs][num_candidate
     num_reqs = len(acceptance)
     n0 = num_reqs if num_base_tokens is None else num_base_tokens
     if num_reqs == 0:
-        return []
+        return [], 0.0, 0.0
     most = sum(max((len(a) for a in cands), default=0) for cands in acceptance)
     step_times = getattr(step_seconds, "step_times", None)
     times = (step_times(n0, most + 2) if step_times is not None  # T(n0) .. T(n0 + most + 1)
@@ -78,20 +89,22 @@ def plan(acceptance: Sequence[Sequence[np.ndarray]],  # [num_reqs][num_candidate
     offers = [(p, r, j) for r, (c, probs) in enumerate(chosen) if c != NO_CANDIDATE
               for j, p in enumerate(probs)]
     if not offers:
-        return [Choice(NO_CANDIDATE, 0)] * num_reqs
+        return [Choice(NO_CANDIDATE, 0)] * num_reqs, float(num_reqs), t0
     offers.sort(key=lambda o: (-o[0], o[1], o[2]))
     # the first best prefix: rate (num_reqs + P_(1) + ... + P_(j)) / (T(n0 + j) + overhead)
-    num_taken, best_rate, expected = 0, num_reqs / t0, float(num_reqs)
+    num_taken, best_rate, expected, best_expected = 0, num_reqs / t0, float(num_reqs), 0.0
     for j, (p, _, _) in enumerate(offers, 1):
         expected += p
         rate = expected / (times[j] + spec_overhead)
         if rate > best_rate:
-            num_taken, best_rate = j, rate
+            num_taken, best_rate, best_expected = j, rate, expected
+    if not num_taken:
+        return [Choice(NO_CANDIDATE, 0)] * num_reqs, float(num_reqs), t0
     counts = [0] * num_reqs
     for _, r, _ in offers[:num_taken]:
         counts[r] += 1
-    return [Choice(chosen[r][0], counts[r]) if counts[r] else Choice(NO_CANDIDATE, 0)
-            for r in range(num_reqs)]
+    return ([Choice(chosen[r][0], counts[r]) if counts[r] else Choice(NO_CANDIDATE, 0)
+             for r in range(num_reqs)], best_expected, times[num_taken] + spec_overhead)
 
 
 def cumulative(acceptance) -> list[float]:

@@ -36,6 +36,7 @@ tokens (accepted = 1, rejected = 0), bucketed; a new request has its own bucket.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -65,6 +66,17 @@ class TokenCells:
 
 
 class AcceptanceEstimator:
+    """The cells' counts and posteriors (see the module docstring).
+
+    Kept in plain Python lists, not numpy arrays: the union reads a few dozen cells and
+    learns a few dozen tokens per step, right after the target's forward has evicted
+    the caches, where each numpy call costs several microseconds and a list lookup a
+    fraction of one (measured: 13 small numpy calls 105 us cold against 23 us for the
+    same work on lists). Decay is a common scale (the stored counts times ``_scale``
+    are the counts), so fading every cell costs one multiplication; the sums a cell's
+    parent and its signal-pooled cell need are kept beside the counts, updated with them.
+    """
+
     def __init__(self, proposers: tuple[str, ...], num_signal_buckets: int = 8,
                  prior_mean: float = 0.5, parent_strength: float = 4.0,
                  prior_strength: float = 2.0, memory: float = 4000.0, seed: int = 0):
@@ -72,33 +84,93 @@ class AcceptanceEstimator:
         self.num_signal_buckets = num_signal_buckets
         self.prior_mean, self.m, self.m0 = prior_mean, parent_strength, prior_strength
         self.decay = 1.0 - 1.0 / memory
-        shape = (len(proposers), 2, len(POSITION_EDGES) + 1, num_signal_buckets,
-                 len(HISTORY_EDGES) + 2)
-        self.judged = np.zeros(shape)  # n per cell
-        self.accepted = np.zeros(shape)  # s per cell
-        self.rng = np.random.default_rng(seed)  # draws (seeded: runs repeat)
-        # the counts' sums over signal (and history) buckets, kept until the counts change
-        # (update, step, changed): a step estimates several times between two changes,
-        # and each sum is a reduction over the whole table
-        self._marginals: tuple[np.ndarray, ...] | None = None
+        self.shape = (len(proposers), 2, len(POSITION_EDGES) + 1, num_signal_buckets,
+                      len(HISTORY_EDGES) + 2)
+        self.rng = np.random.default_rng(seed)  # TokenCells draws (sample)
+        self.random = random.Random(seed)  # the per-step draws (seeded: runs repeat)
+        _, modes, groups, buckets, histories = self.shape
+        self._strides = (modes * groups * buckets * histories, groups * buckets * histories,
+                         buckets * histories, histories)
+        self._position_list = [g * buckets * histories for g in position_groups(64)]
         self._position_terms = np.zeros(0, dtype=np.intp)  # [positions] (see flat_cells)
+        self.set_counts(0.0, 0.0)
+
+    # -- the counts -------------------------------------------------------------------
+
+    @property
+    def judged(self) -> np.ndarray:
+        """n per cell, an array of the tables' shape (a copy: change it with set_counts)."""
+        return np.array(self._n).reshape(self.shape) * self._scale
+
+    @property
+    def accepted(self) -> np.ndarray:
+        """s per cell (a copy, as :attr:`judged`)."""
+        return np.array(self._s).reshape(self.shape) * self._scale
 
     def set_counts(self, judged, accepted) -> None:
         """Replace the counts (arrays of the tables' shape, or scalars): a restored state,
-        or 0 to forget everything learned. The kept sums are recomputed on next use."""
-        self.judged[...] = judged
-        self.accepted[...] = accepted
-        self._marginals = None
+        or 0 to forget everything learned."""
+        n = np.broadcast_to(np.asarray(judged, dtype=float), self.shape)
+        s = np.broadcast_to(np.asarray(accepted, dtype=float), self.shape)
+        self._scale = 1.0
+        self._n, self._s = n.ravel().tolist(), s.ravel().tolist()
+        # per (proposer, mode, position): the parent; and per (..., history): pooled
+        self._parent_n, self._parent_s = (a.sum(axis=(3, 4)).ravel().tolist() for a in (n, s))
+        self._pool_n, self._pool_s = (a.sum(axis=3).ravel().tolist() for a in (n, s))
+        self._changed()
 
-    def _sums(self) -> tuple[np.ndarray, ...]:
-        """(n, s) summed over signal and history buckets, then (n, s) over signal only."""
-        if self._marginals is None:
-            self._marginals = (self.judged.sum(axis=(3, 4)), self.accepted.sum(axis=(3, 4)),
-                               self.judged.sum(axis=3), self.accepted.sum(axis=3))
-        return self._marginals
+    def _changed(self) -> None:
+        """The counts changed: every kept estimate and draw is stale."""
+        self._means: dict[int, float] = {}
+        self._drawn: dict[int, float] = {}
+        self._pooled_lists: dict[tuple[int, bool], list] = {}
+
+    def step(self, num_steps: int = 1) -> None:
+        """Once per engine step (or for ``num_steps`` steps at once): old evidence fades."""
+        self._scale *= self.decay ** num_steps
+        if self._scale < 1e-200:  # (after ~2 million steps) back to scale 1, same counts
+            g = self._scale
+            for table in (self._n, self._s, self._parent_n, self._parent_s,
+                          self._pool_n, self._pool_s):
+                table[:] = [x * g for x in table]
+            self._scale = 1.0
+        self._changed()
+
+    def update_cells(self, cells: Sequence[int], accepted: Sequence[bool]) -> None:
+        """One judged token per entry: its cell (:meth:`cells`) and whether it was accepted."""
+        inc = 1.0 / self._scale
+        per_parent, histories = self._strides[2], self._strides[3]
+        n, s, pn, ps, qn, qs = (self._n, self._s, self._parent_n, self._parent_s,
+                                self._pool_n, self._pool_s)
+        for c, a in zip(cells, accepted):
+            p = c // per_parent
+            q = p * histories + c % histories
+            n[c] += inc
+            pn[p] += inc
+            qn[q] += inc
+            if a:
+                s[c] += inc
+                ps[p] += inc
+                qs[q] += inc
+        self._changed()
+
+    def update(self, t: TokenCells, accepted: np.ndarray) -> None:
+        """``accepted``: [num_tokens] bool for judged tokens only."""
+        self.update_cells(self._flat(t).tolist(), np.asarray(accepted, dtype=bool).tolist())
+
+    def update_flat(self, flat: np.ndarray, accepted: np.ndarray) -> None:
+        """:meth:`update` of tokens given by their cell indices (:meth:`flat_cells`)."""
+        self.update_cells(np.asarray(flat).tolist(), np.asarray(accepted, dtype=bool).tolist())
 
     def index(self, name: str) -> int:
         return self.proposers.index(name)
+
+    def judged_tokens(self, proposer: int) -> float:
+        """Judged tokens of one proposer in all (decayed), without building :attr:`judged`."""
+        per_proposer = len(self._parent_n) // self.shape[0]
+        return sum(self._parent_n[proposer * per_proposer:(proposer + 1) * per_proposer]) * self._scale
+
+    # -- cells --------------------------------------------------------------------------
 
     def _cells(self, t: TokenCells) -> tuple[np.ndarray, ...]:
         position = np.searchsorted(POSITION_EDGES, t.position, side="right")
@@ -108,16 +180,15 @@ class AcceptanceEstimator:
                 np.asarray(t.history))
 
     def _flat(self, t: TokenCells) -> np.ndarray:  # [num_tokens] flat cell index
-        return np.ravel_multi_index(np.broadcast_arrays(*self._cells(t)), self.judged.shape)
+        return np.ravel_multi_index(np.broadcast_arrays(*self._cells(t)), self.shape)
 
     def flat_cells(self, proposer: Sequence[int], sampled: Sequence[bool],
                    history: Sequence[int], signals: Sequence[np.ndarray]) -> np.ndarray:
         """Flat cell index (into the tables raveled) of every token of several candidates
         at once, concatenated: per candidate its proposer, mode, history bucket and its
-        tokens' signals ``[k]`` (positions 0 .. k - 1). What :class:`TokenCells` says, for
-        the union's per-step path: the per-candidate part of the index in Python, the
-        per-token part in four numpy calls."""
-        _, modes, groups, buckets, histories = self.judged.shape
+        tokens' signals ``[k]`` (positions 0 .. k - 1). What :class:`TokenCells` says,
+        vectorised (the per-step path reads one candidate at a time: :meth:`cells`)."""
+        _, modes, groups, buckets, histories = self.shape
         lengths = [len(x) for x in signals]
         if max(lengths, default=0) > len(self._position_terms):
             groups_of = np.array(position_groups(max(64, *lengths)), dtype=np.intp)
@@ -128,37 +199,79 @@ class AcceptanceEstimator:
         position = np.concatenate([self._position_terms[:k] for k in lengths])
         return np.repeat(base, lengths) + position + bucket * histories
 
-    def _evidence(self, flat: np.ndarray, signal_known: bool = True):
-        """(judged n, accepted s, parent) per token (``flat``: cell indices). ``signal_known``
-        False: the token is not drafted yet (the draft model before it runs), so its cell
-        is pooled over signal buckets: what tokens of that proposer, position and history
-        brought."""
-        buckets, histories = self.judged.shape[3:]
-        judged_ph, accepted_ph, judged_p, accepted_p = self._sums()
-        parent_cell = flat // (buckets * histories)  # (proposer, mode, position)
-        parent = ((accepted_ph.reshape(-1)[parent_cell] + self.m0 * self.prior_mean)
-                  / (judged_ph.reshape(-1)[parent_cell] + self.m0))
-        if signal_known:
-            return self.judged.reshape(-1)[flat], self.accepted.reshape(-1)[flat], parent
-        pooled = parent_cell * histories + flat % histories
-        return judged_p.reshape(-1)[pooled], accepted_p.reshape(-1)[pooled], parent
+    def cells(self, proposer: int, sampled: bool, history: int, signal) -> list[int]:
+        """Flat cell index of each token of one candidate (``signal`` [k], positions 0 ..
+        k - 1), in plain Python: what :meth:`flat_cells` gives for it."""
+        per_proposer, per_mode, _, histories = self._strides
+        buckets = self.num_signal_buckets
+        base = proposer * per_proposer + int(sampled) * per_mode + history
+        terms = self._position_list
+        if len(signal) > len(terms):
+            terms = self._position_list = [
+                g * buckets * histories for g in position_groups(2 * len(signal))]
+        # the signal's bucket as flat_cells' clip(int(x * buckets)): NaN -> 0, 1 -> last
+        return [base + terms[j] + histories * (
+                    int(x * buckets) if 0.0 <= x < 1.0 else (buckets - 1 if x >= 1.0 else 0))
+                for j, x in enumerate(signal.tolist() if isinstance(signal, np.ndarray)
+                                      else signal)]
+
+    # -- posteriors ---------------------------------------------------------------------
+
+    def _posterior(self, c: int, pooled: bool = False) -> tuple[float, float, float]:
+        """(alpha, beta, mean) of cell ``c``'s posterior; ``pooled``: ``c`` indexes the
+        signal-pooled table ((proposer, mode, position, history): a token not drafted
+        yet, its cell pooled over signal buckets: what tokens of that proposer, position
+        and history brought)."""
+        g, per_parent, histories = self._scale, self._strides[2], self._strides[3]
+        p = c // histories if pooled else c // per_parent
+        parent = ((self._parent_s[p] * g + self.m0 * self.prior_mean)
+                  / (self._parent_n[p] * g + self.m0))
+        n, s = ((self._pool_n[c], self._pool_s[c]) if pooled else (self._n[c], self._s[c]))
+        n, s = n * g, s * g
+        alpha = s + self.m * parent
+        return alpha, max(n - s, 0.0) + self.m * (1.0 - parent), alpha / (n + self.m)
+
+    def _draw(self, alpha: float, beta: float) -> float:
+        return min(max(self.random.betavariate(alpha, beta), 1e-6), 1.0 - 1e-6)
+
+    def estimate_cells(self, cells: Sequence[int], draw: bool = False) -> list[float]:
+        """Acceptance of tokens given by their cells (:meth:`cells`): posterior means, or
+        (``draw``) one posterior draw per cell, kept until the counts change (tokens of the
+        same cell, within a step and across the steps until the next update, get the same
+        draw: Thompson sampling with the estimator's batched updates)."""
+        kept = self._drawn if draw else self._means
+        out = []
+        for c in cells:
+            x = kept.get(c)
+            if x is None:
+                alpha, beta, mean = self._posterior(c)
+                x = kept[c] = self._draw(alpha, beta) if draw else mean
+            out.append(x)
+        return out
 
     def estimate(self, t: TokenCells, signal_known: bool = True,
                  draw: np.ndarray | None = None) -> np.ndarray:  # [num_tokens]
         """Posterior means; ``draw`` [num_tokens] bool: those tokens drawn from the
-        posterior instead (as :meth:`sample` on them would), from the same lookup."""
+        posterior instead (fresh draws, one per token); ``signal_known`` False: the
+        tokens' cells pooled over signal buckets (a token not drafted yet)."""
         return self.estimate_flat(self._flat(t), signal_known, draw)
 
     def estimate_flat(self, flat: np.ndarray, signal_known: bool = True,
                       draw: np.ndarray | None = None) -> np.ndarray:  # [num_tokens]
         """:meth:`estimate` of tokens given by their cell indices (:meth:`flat_cells`)."""
-        n, s, parent = self._evidence(flat, signal_known)
-        alpha = s + self.m * parent
-        mean = alpha / (n + self.m)
-        if draw is not None and draw.any():
-            beta = np.maximum(n[draw] - s[draw], 0.0) + self.m * (1.0 - parent[draw])
-            mean[draw] = np.clip(self.rng.beta(alpha[draw], beta), 1e-6, 1.0 - 1e-6)
-        return mean
+        flat = np.asarray(flat).tolist()
+        drawn = [False] * len(flat) if draw is None else np.asarray(draw, dtype=bool).tolist()
+        out = []
+        for c, d in zip(flat, drawn):
+            alpha, beta, mean = (self._posterior(c) if signal_known
+                                 else self._posterior(self._pool_index(c), pooled=True))
+            out.append(self._draw(alpha, beta) if d else mean)
+        return np.array(out, dtype=float)
+
+    def _pool_index(self, c: int) -> int:
+        """The signal-pooled cell of flat cell ``c``."""
+        per_parent, histories = self._strides[2], self._strides[3]
+        return (c // per_parent) * histories + c % histories
 
     def sample(self, t: TokenCells, signal_known: bool = True,
                shared: bool = False) -> np.ndarray:  # [num_tokens]
@@ -167,64 +280,36 @@ class AcceptanceEstimator:
         decision that holds for many rows at once, such as running the draft model,
         must weigh one guess at what its tokens are worth, not many independent ones
         whose average is the mean again)."""
-        if shared and not signal_known:
-            return self._sample_pooled(t)
-        flat = self._flat(t)
-        n, s, parent = self._evidence(flat, signal_known)
-        alpha = s + self.m * parent
-        beta = np.maximum(n - s, 0.0) + self.m * (1.0 - parent)
-        if shared and alpha.size:
-            # distinct cells by their flat indices (np.unique over the stacked columns,
-            # axis=1, costs ~10x more: it runs through numpy's Python axis handling)
-            _, first, inverse = np.unique(flat, return_index=True, return_inverse=True)
-            draws = self.rng.beta(alpha[first], beta[first])
-            return np.clip(draws[np.ravel(inverse)], 1e-6, 1.0 - 1e-6)
-        return np.clip(self.rng.beta(alpha, beta), 1e-6, 1.0 - 1e-6)
-
-    def _sample_pooled(self, t: TokenCells) -> np.ndarray:  # [num_tokens]
-        """:meth:`sample` shared over cells pooled over signal buckets: one draw for every
-        cell of that table (a few hundred), read by the tokens' cells; cheaper than
-        finding the tokens' distinct cells (np.unique) on every step's gate."""
-        draws = self._pooled(slice(None), draw=True)  # [proposers, 2, positions, histories]
-        proposer, sampled, position, _, history = self._cells(t)
-        return draws[proposer, sampled, position, history]
+        flat = self._flat(t).tolist()
+        if not signal_known:
+            flat = [self._pool_index(c) for c in flat]
+        params = [self._posterior(c, pooled=not signal_known)[:2] for c in flat]
+        if not shared:
+            return np.array([self._draw(a, b) for a, b in params], dtype=float)
+        drawn: dict[int, float] = {}
+        return np.array([drawn[c] if c in drawn else drawn.setdefault(c, self._draw(a, b))
+                         for c, (a, b) in zip(flat, params)], dtype=float)
 
     def pooled(self, proposer: int, draw: bool = False) -> list:  # [2][positions][histories]
         """One proposer's acceptance per (greedy / sampled, position group, history bucket),
         pooled over signal buckets (a token not drafted yet): posterior means, or
         (``draw``) one posterior draw per cell, as :meth:`sample` shared would give its
-        tokens. As nested lists: a caller reads a few cells per row, in Python
-        (:func:`position_groups`). The draw covers this proposer's cells only."""
-        return self._pooled(proposer, draw).tolist()
-
-    def _pooled(self, proposer, draw: bool) -> np.ndarray:
-        judged_ph, accepted_ph, judged_p, accepted_p = (a[proposer] for a in self._sums())
-        parent = ((accepted_ph + self.m0 * self.prior_mean) / (judged_ph + self.m0))[..., None]
-        alpha = accepted_p + self.m * parent  # [..., 2, positions, histories]
-        if not draw:
-            return alpha / (judged_p + self.m)
-        beta = np.maximum(judged_p - accepted_p, 0.0) + self.m * (1.0 - parent)
-        return np.clip(self.rng.beta(alpha, beta), 1e-6, 1.0 - 1e-6)
-
-    def update(self, t: TokenCells, accepted: np.ndarray) -> None:
-        """``accepted``: [num_tokens] bool for judged tokens only."""
-        self.update_flat(self._flat(t), accepted)
-
-    def update_flat(self, flat: np.ndarray, accepted: np.ndarray) -> None:
-        """:meth:`update` of tokens given by their cell indices (:meth:`flat_cells`)."""
-        # counted per flat cell index (np.add.at on the index tuple costs several times more)
-        size = self.judged.size
-        self.judged += np.bincount(flat, minlength=size).reshape(self.judged.shape)
-        self.accepted += np.bincount(flat, weights=np.asarray(accepted, dtype=float),
-                                     minlength=size).reshape(self.judged.shape)
-        self._marginals = None
-
-    def step(self, num_steps: int = 1) -> None:
-        """Once per engine step (or for ``num_steps`` steps at once): old evidence fades."""
-        factor = self.decay ** num_steps
-        self.judged *= factor
-        self.accepted *= factor
-        self._marginals = None
+        tokens. As nested lists: a caller reads a few cells per row
+        (:func:`position_groups`). Kept until the counts change, draws included, as
+        :meth:`estimate_cells`'s."""
+        key = (proposer, draw)
+        table = self._pooled_lists.get(key)
+        if table is None:
+            _, modes, groups, _, histories = self.shape
+            first = proposer * modes * groups * histories
+            values = []
+            for q in range(first, first + modes * groups * histories):
+                alpha, beta, mean = self._posterior(q, pooled=True)
+                values.append(self._draw(alpha, beta) if draw else mean)
+            table = self._pooled_lists[key] = [
+                [values[(m * groups + g) * histories:(m * groups + g + 1) * histories]
+                 for g in range(groups)] for m in range(modes)]
+        return table
 
 
 def position_groups(num_tokens: int) -> list[int]:
@@ -254,10 +339,13 @@ class RequestHistory:
     def get(self, req_id: str) -> float | None:
         return self._recent.get(req_id)
 
-    def update(self, req_id: str, accepted: np.ndarray) -> None:
-        value = self._recent.get(req_id)
-        for a in np.asarray(accepted, dtype=float):
-            value = a if value is None else value + self.alpha * (a - value)
+    def update(self, req_id: str, judged: int, accepted: int) -> None:
+        """``judged`` tokens of one draft were judged, its first ``accepted`` accepted
+        (and, if fewer, the next one rejected): averaged in that order."""
+        value, alpha = self._recent.get(req_id), self.alpha
+        for j in range(judged):
+            a = 1.0 if j < accepted else 0.0
+            value = a if value is None else value + alpha * (a - value)
         if value is not None:
             self._recent[req_id] = value
 

@@ -72,7 +72,9 @@ class CostModel:
         self.token_s: float | None = None
         self._step_s: float | None = None
         self._step_tokens: float | None = None
-        self._moments = np.zeros(5)  # weighted averages of 1, x, y, xx, xy
+        # weighted averages of 1, x, y, xx, xy (floats: updated every step, where numpy's
+        # per-call cost on five numbers is most of the work)
+        self._moments = [0.0] * 5
         self._num_steps = 0
         self._plain_sums = StepSums()  # plain steps not learned yet (observe_plain_step)
 
@@ -118,14 +120,14 @@ class CostModel:
         self.token_s = self._step_s / self._step_tokens
         x = float(num_draft_tokens)
         y = seconds - (self.draft_forward_s or 0.0) * num_forwards
-        sample = np.array([1.0, x, y, x * x, x * y])
         weight = smoothing if self._num_steps else 1.0
-        self._moments += weight * (sample - self._moments)
+        self._moments = [m + weight * (v - m)
+                         for m, v in zip(self._moments, (1.0, x, y, x * x, x * y))]
         self._num_steps += count
 
     @property
     def verify_s(self) -> float:
-        _, x, y, xx, xy = self._moments.tolist()  # the weight moment is always 1
+        _, x, y, xx, xy = self._moments  # the weight moment is always 1
         variance = xx - x * x
         return max(0.0, (xy - x * y) / variance) if variance > 1e-9 else 0.0
 

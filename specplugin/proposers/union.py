@@ -24,13 +24,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import accumulate
 
 import numpy as np
 
 from specplugin.adaptive.arbiter import StepArbiter
 from specplugin.adaptive.controller import (NO_CANDIDATE, Choice, cumulative, divergence,
-                                           expand, plan)
+                                           expand, plan, planned)
 from specplugin.adaptive.cost import StepCostModel
 from specplugin.adaptive.estimator import (AcceptanceEstimator, RequestHistory,
                                            history_bucket, position_groups)
@@ -62,6 +61,11 @@ LEARN_EVERY = 4
 COLD_TOKENS = 256
 
 
+def _as_list(values) -> list:
+    """An engine array's values as Python numbers (one call instead of one per element)."""
+    return values.tolist() if isinstance(values, np.ndarray) else list(values)
+
+
 @dataclass(frozen=True)
 class Scored:
     """How a request's candidates fared when the batch-expanding scorer verified extra
@@ -78,8 +82,9 @@ class Verified:
     """The engine step that just ran, for the requests of the current batch rows."""
 
     req_ids: tuple[str, ...]  # [num_reqs]
-    num_scheduled_drafts: np.ndarray  # [num_reqs] draft tokens the target verified per row
-    num_emitted: np.ndarray  # [num_reqs] tokens the row emitted (accepted drafts + 1)
+    # [num_reqs] draft tokens the target verified per row (a list, or an array)
+    num_scheduled_drafts: Sequence[int] | np.ndarray
+    num_emitted: Sequence[int] | np.ndarray  # [num_reqs] tokens each row emitted (accepted + 1)
     seconds: float | None  # wall time of the step (None: unknown, e.g. the first one)
     num_query_tokens: int  # tokens the target ran in it (all rows, drafts included)
     scored: dict[str, Scored] | None = None  # req_id -> outcome, for requests with extras
@@ -165,7 +170,10 @@ class Union:
         self._estimated: dict[int, np.ndarray] = {}
         # plan_draft's plan over the token-level candidates alone (their ids, the plan):
         # when the draft model then runs for no row, choose has nothing else to weigh
-        self._plan_without: tuple[tuple[int, ...], list[Choice]] | None = None
+        # (and its expected tokens and seconds, for the arbiter's prediction)
+        self._plan_without: tuple[tuple[int, ...], tuple[list[Choice], float, float]] | None = None
+        # (this step's batch, its rows' history buckets): see _histories
+        self._step_histories: tuple[StepBatch, list[int]] | None = None
         self._draft_trials = DRAFT_TRIALS  # optimistic draft runs left (see plan_draft)
         self.learn_every = learn_every
         # verdicts not yet in the estimator: (sent, tokens judged, tokens accepted), and
@@ -211,6 +219,7 @@ class Union:
         self.last_alternates, self._alternative_offers = [], []
         self._draft_plan_seconds = 0.0
         self._estimated, self._plan_without = {}, None
+        self._step_histories = None
         observed, self._observed = self._observed, False
         if verified is not None:
             self._learn(verified, observe=not observed)
@@ -307,10 +316,10 @@ class Union:
         acceptance: list[list[np.ndarray]] = [[] for _ in range(batch.num_reqs)]
         for (r, _, _), a in zip(offers, self._estimate(offers, batch, histories, explore=False)):
             acceptance[r].append(a)
-        choices = plan(acceptance, self.cost, spec_overhead=self.cost.spec_overhead_s)
+        choices, expected, seconds = planned(acceptance, self.cost,
+                                             spec_overhead=self.cost.spec_overhead_s)
         if not any(c.num_tokens for c in choices):
             return False
-        expected, seconds = self._rate_terms(acceptance, choices)
         return self.arbiter.pays_now(batch.num_reqs, expected / seconds,
                                      bool(np.mean(batch.sampled) > 0.5))
 
@@ -338,7 +347,7 @@ class Union:
             accepted = int(differs[0]) if differs.size else seen
             judged = min(accepted + 1, len(shadow.tokens))
             parts.append((shadow.sent, judged, accepted))
-            self.history.update(req_id, np.arange(judged) < accepted)
+            self.history.update(req_id, judged, accepted)
             del self._shadows[req_id]
         if parts:  # learned at once: the peek's estimate that follows rests on them
             self._teach(parts)
@@ -390,7 +399,7 @@ class Union:
 
     def plan_draft(self, batch: StepBatch, offers, draft_index: int, caps: np.ndarray,
                    forward_seconds: float,
-                   catch_up_seconds: Sequence[float] | None = None) -> np.ndarray:  # [num_reqs]
+                   catch_up_seconds: Sequence[float] | None = None) -> list[int]:  # [num_reqs]
         """Tokens the draft model drafts for each row this step (0: it does not run for it).
 
         The draft model's candidate is unknown until it runs, and running it costs
@@ -425,39 +434,39 @@ class Union:
         for the rows the plan gives the draft (measured: unpriced, the catch-ups of the
         draft's exploratory runs held a fresh engine at batch 1, temperature 1 to 0.83x
         of no speculation while it decoded 476 of 510 steps plainly)."""
-        lengths = np.where(np.asarray(caps) > 0, caps, 0).astype(np.int64)  # [num_reqs]
-        if not self.speculating or not lengths.any():
-            return np.zeros(batch.num_reqs, dtype=np.int64)
+        lengths_list = [n if n > 0 else 0 for n in _as_list(caps)]  # [num_reqs]
+        if not self.speculating or not any(lengths_list):
+            return [0] * batch.num_reqs
         histories = self._histories(batch)
         acceptance: list[list] = [[] for _ in range(batch.num_reqs)]  # [num_reqs][candidates]
         offers = sorted(offers, key=lambda o: o[0])
         for (r, _, c), a in zip(offers, self._estimate(offers, batch, histories)):
             acceptance[r].append(a)
             self._estimated[id(c)] = a
-        without = plan(acceptance, self.cost, spec_overhead=self.cost.spec_overhead_s)
-        self._plan_without = (tuple(id(c) for _, _, c in offers), without)
+        spec_overhead = self.cost.spec_overhead_s
+        plan_without = planned(acceptance, self.cost, spec_overhead=spec_overhead)
+        without, kept, kept_seconds = plan_without
+        self._plan_without = (tuple(id(c) for _, _, c in offers), plan_without)
         trial = self.draft_always or (
             self._draft_trials > 0
-            and self.estimator.judged[draft_index].sum() < DRAFT_TRIAL_EVIDENCE)
+            and self.estimator.judged_tokens(draft_index) < DRAFT_TRIAL_EVIDENCE)
         # the draft's tokens before it runs: one cell per (mode, position, history), read
         # per row in Python (a few rows of a few tokens: cheaper than numpy's calls)
         table = None if trial else self.estimator.pooled(draft_index, draw=self.explore)
-        sampled = np.asarray(batch.sampled, dtype=bool).tolist()
-        lengths_list = lengths.tolist()
+        sampled = _as_list(batch.sampled)
         for r, n in enumerate(lengths_list):
             if not n:
                 continue
             if table is None:  # untried: as if every token were accepted (see the docstring)
                 acceptance[r].append([1.0 - 1e-6] * n)
             else:  # one draw per cell, shared by the rows (see the docstring)
-                cells, h = table[sampled[r]], histories[r]
+                cells, h = table[bool(sampled[r])], histories[r]
                 acceptance[r].append([cells[g][h] for g in position_groups(n)])
-        with_draft = plan(acceptance, self.cost, spec_overhead=self.cost.spec_overhead_s)
+        with_draft = plan(acceptance, self.cost, spec_overhead=spec_overhead)
         k = [c.num_tokens if n and c.candidate == len(acceptance[r]) - 1 else 0
              for r, (c, n) in enumerate(zip(with_draft, lengths_list))]  # [num_reqs]
         if not any(k):
-            return np.zeros(batch.num_reqs, dtype=np.int64)
-        kept, kept_seconds = self._rate_terms(acceptance, without)
+            return [0] * batch.num_reqs
         # the with-draft plan cut to m = 1 .. max k forwards: the other rows' part is
         # fixed, the draft rows add their P_m while they have an m-th token
         others = [Choice(NO_CANDIDATE, 0) if k[r] else c for r, c in enumerate(with_draft)]
@@ -469,7 +478,7 @@ class Union:
                 gains[j] += p
                 reach[j] += 1
         best, best_rate = 0, kept / kept_seconds
-        overhead = self.cost.spec_overhead_s
+        overhead = spec_overhead
         if catch_up_seconds is not None:  # the first pass's catch-up, for the draft's rows
             overhead += sum(c for c, kr in zip(catch_up_seconds, k) if kr)
         for m in range(1, len(gains) + 1):
@@ -479,10 +488,10 @@ class Union:
             if rate > best_rate:
                 best, best_rate = m, rate
         if not best:
-            return np.zeros(batch.num_reqs, dtype=np.int64)
+            return [0] * batch.num_reqs
         self._draft_plan_seconds = forward_seconds * best
         self._draft_trials -= trial and not self.draft_always
-        return np.minimum(np.array(k, dtype=np.int64), best)
+        return [min(kr, best) for kr in k]
 
     def _rate_terms(self, acceptance, choices) -> tuple[float, float]:
         """(expected tokens emitted, seconds) of a step that verifies ``choices``."""
@@ -502,13 +511,13 @@ class Union:
         offers = [offers[o] for o in order]
         for (r, _, _), a in zip(offers, self._acceptance(offers, batch, histories)):
             acceptance[r].append(a)
-        planned = self._plan_without
-        if planned is not None and planned[0] == tuple(id(c) for _, _, c in offers):
-            choices = planned[1]  # the same candidates, estimates and costs: the same plan
+        kept = self._plan_without
+        if kept is not None and kept[0] == tuple(id(c) for _, _, c in offers):
+            choices, expected, seconds = kept[1]  # the same candidates, estimates and costs
         else:
-            choices = plan(acceptance, self.cost, spec_overhead=self.cost.spec_overhead_s)
+            choices, expected, seconds = planned(acceptance, self.cost,
+                                                 spec_overhead=self.cost.spec_overhead_s)
         if self.arbiter is not None:  # the draft's forwards, if it ran, are the step's too
-            expected, seconds = self._rate_terms(acceptance, choices)
             self.arbiter.predicted(expected / (seconds + self._draft_plan_seconds))
         drafts = self._remember(batch, offers, histories, choices)
         self.last_alternates = [[] for _ in choices]
@@ -577,7 +586,14 @@ class Union:
                     self._pending_extras.setdefault(batch.req_ids[r], []).insert(0, sent)
 
     def _histories(self, batch: StepBatch) -> list[int]:
-        return [history_bucket(self.history.get(req_id)) for req_id in batch.req_ids]
+        """[num_reqs] each row's history bucket, once per step's batch (the gate and the
+        choice both ask)."""
+        kept = self._step_histories
+        if kept is not None and kept[0] is batch:
+            return kept[1]
+        histories = [history_bucket(self.history.get(req_id)) for req_id in batch.req_ids]
+        self._step_histories = (batch, histories)
+        return histories
 
     def forget_pending(self) -> None:
         """The engine skipped drafting for a step: the drafts proposed before it were
@@ -611,23 +627,20 @@ class Union:
         return [c if c is not None and len(c) else None for c in candidates]
 
     def _estimate(self, offers, batch: StepBatch, histories: list[int],
-                  explore: bool | None = None) -> list[np.ndarray]:
-        """Acceptance of every offered token in one estimator call, split per offer
-        (``explore``: one row's drawn from the posterior; default: the union's setting)."""
+                  explore: bool | None = None) -> list[list[float]]:
+        """Acceptance of every offered token, per offer (``explore``: one row's drawn from
+        the posterior; default: the union's setting). Plain Python over the estimator's
+        tables (:meth:`~specplugin.adaptive.estimator.AcceptanceEstimator.estimate_cells`):
+        a step estimates a few dozen tokens."""
         if not offers:
             return []
-        sampled = batch.sampled
-        flat = self.estimator.flat_cells(  # [num_tokens] every offered token's cell
-            [i for _, i, _ in offers], [sampled[r] for r, _, _ in offers],
-            [histories[r] for r, _, _ in offers], [c.signal for _, _, c in offers])
-        lengths = [len(c) for _, _, c in offers]  # [num_offers]
-        explorer = None
+        estimator, sampled = self.estimator, batch.sampled
+        explorer = -1
         if self.explore if explore is None else explore:
-            rows = np.array([r for r, _, _ in offers])  # [num_offers]
-            explorer = np.repeat(rows == self.estimator.rng.choice(rows), lengths)
-        estimate = self.estimator.estimate_flat(flat, draw=explorer)  # [num_tokens]
-        ends = list(accumulate(lengths))
-        return [estimate[end - k:end] for end, k in zip(ends, lengths)]
+            explorer = offers[estimator.random.randrange(len(offers))][0]
+        return [estimator.estimate_cells(
+                    estimator.cells(i, sampled[r], histories[r], c.signal), draw=r == explorer)
+                for r, i, c in offers]
 
     def _remember(self, batch: StepBatch, offers, histories, choices) -> list[list[int]]:
         self._pending, self._pending_extras = {}, {}
@@ -673,27 +686,26 @@ class Union:
     def _learn(self, verified: Verified, observe: bool = True) -> None:
         """One estimator update for every judged token of the step just verified
         (``observe``: its wall time too, unless :meth:`plain_step` already did)."""
+        scheduled_drafts = _as_list(verified.num_scheduled_drafts)  # [num_reqs]
+        num_emitted = _as_list(verified.num_emitted)  # [num_reqs]
         if observe:
-            self._observe(verified.seconds, verified.num_query_tokens,
-                          int(np.sum(verified.num_emitted)),
-                          bool(np.any(verified.num_scheduled_drafts > 0)),
-                          verified.draft_seconds)
+            self._observe(verified.seconds, verified.num_query_tokens, sum(num_emitted),
+                          any(k > 0 for k in scheduled_drafts), verified.draft_seconds)
         pending, self._pending = self._pending, {}
         pending_extras, self._pending_extras = self._pending_extras, {}
         scored = verified.scored or {}
         judged_parts: list[tuple[_Pending, int, int]] = []  # (sent, judged, accepted)
-        for r, req_id in enumerate(verified.req_ids):
-            scheduled = int(verified.num_scheduled_drafts[r])
+        for req_id, scheduled, emitted in zip(verified.req_ids, scheduled_drafts, num_emitted):
             if scheduled <= 0:
                 continue
-            emitted = int(max(verified.num_emitted[r] - 1, 0))  # accepted tokens emitted
+            emitted = max(emitted - 1, 0)  # accepted tokens emitted
             outcome = scored.get(req_id)
             sent = pending.get(req_id)
             if sent is not None:
                 k = min(len(sent.signal), scheduled)
                 won = outcome is not None and outcome.winner is not None
                 own = min(emitted, k) if outcome is None else outcome.own_accepted
-                self.history.update(req_id, np.arange(min(k, emitted + 1)) < emitted)
+                self.history.update(req_id, min(k, emitted + 1), emitted)
                 self.stats.verified(self.proposers[sent.proposer].name, k,
                                     0 if won else min(emitted, k))
                 if own is not None:
@@ -716,10 +728,10 @@ class Union:
             self._undecayed_steps = 0
         judged_parts, self._unlearned = self._unlearned, []
         if judged_parts:
-            flat = self.estimator.flat_cells(  # [num_tokens] every judged token's cell
-                [p.proposer for p, _, _ in judged_parts], [p.sampled for p, _, _ in judged_parts],
-                [p.history for p, _, _ in judged_parts],
-                [p.signal[:j] for p, j, _ in judged_parts])
-            accepted = np.array([i < a for _, j, a in judged_parts for i in range(j)], dtype=bool)
-            self.estimator.update_flat(flat, accepted)
-            self._learned_tokens += len(flat)
+            estimator, cells, accepted = self.estimator, [], []
+            for sent, judged, num_accepted in judged_parts:
+                cells += estimator.cells(sent.proposer, sent.sampled, sent.history,
+                                         sent.signal[:judged])
+                accepted += [j < num_accepted for j in range(judged)]
+            estimator.update_cells(cells, accepted)
+            self._learned_tokens += len(cells)

@@ -259,36 +259,41 @@ class PluginDraftProposer(DraftModelProposer):
         self.last_lengths = None
         num_reqs = common_attn_metadata.batch_size()
         context = self.plugin_runner.step_context()
+        # Per-row values as Python lists on the no-draft path: after the target's forward
+        # each numpy or torch call costs several microseconds of cold caches, a list of a
+        # few rows far less (see docs/benchmarks.md, "cold caches").
         # [num_reqs] rejected drafts of the step just verified, on the host once (None: no drafts)
         rejected = (None if num_rejected_tokens_gpu is None
-                    else num_rejected_tokens_gpu[:num_reqs].cpu().numpy())
-        # [num_reqs] draft tokens each row had verified in that step
-        scheduled = np.asarray(context.num_scheduled_drafts[:num_reqs], dtype=np.int64)
+                    else num_rejected_tokens_gpu[:num_reqs].tolist())
+        # [num_reqs] draft tokens each row had verified in that step, and accepted
+        scheduled = list(context.num_scheduled_drafts[:num_reqs])
         num_accepted = _num_accepted(scheduled, rejected)
         rule = self._rule_for_this_step(context, num_accepted, rejected)
         sampled = _sampled_rows(sampling_metadata, num_reqs)
-        caps = _caps(context.remaining_tokens[:num_reqs], context.max_k[:num_reqs])
         # rows still in chunked prefill have no token to draft from yet
-        caps[self.plugin_runner.discard_request_mask.np[:num_reqs]] = 0
+        caps = _caps(context.remaining_tokens[:num_reqs], context.max_k[:num_reqs],
+                     self.plugin_runner.discard_request_mask.np[:num_reqs].tolist())
         if not self._speculating(context, scheduled, num_accepted, sampled):
             return self._plain_step(num_reqs)
         batch = _step_batch(self.plugin_runner.input_batch, context, sampled, caps,
                             num_accepted, next_token_ids[:num_reqs])
         if batch.allowed is not None:  # requests whose specplugin_proposers leave out the draft
-            caps = np.where([a is None or DraftCandidates.name in a for a in batch.allowed],
-                            caps, 0)
+            caps = [c if a is None or DraftCandidates.name in a else 0
+                    for c, a in zip(caps, batch.allowed)]
         finish = self._finish
         if self.union is not None:  # token-level candidates first: they may spare drafting
             offers, caps = self._union_offers(batch, caps)
+            if not any(caps):  # no draft-model machinery at all
+                self._last_draft_seconds = 0.0
+                return self._finish_without_draft(batch, offers)
             finish = functools.partial(self._finish_union, offers=offers)
+        caps = np.asarray(caps, dtype=np.int64)
         rows = np.flatnonzero(caps > 0)  # [num_drafting] the rows the draft model drafts for
-        if self.union is not None and not rows.size:  # no draft-model machinery at all
-            self._last_draft_seconds = 0.0
-            return self._finish_without_draft(batch, offers)
         starts = self.cursor.starts([batch.req_ids[r] for r in rows], batch.num_tokens[rows],
                                     self.max_num_tokens)
         rows, starts = rows[starts >= 0], starts[starts >= 0]
-        run = DraftRun(rule, self.calibration, sampled[rows], caps=caps[rows])
+        run = DraftRun(rule, self.calibration, np.asarray(sampled, dtype=bool)[rows],
+                       caps=caps[rows])
         self._last_draft_seconds = 0.0
         if rows.size:
             start = time.perf_counter()
@@ -355,15 +360,13 @@ class PluginDraftProposer(DraftModelProposer):
         last = torch.from_numpy(cu_query_lens[1:] - 1).to(device, torch.long)  # [num_rows]
         return sub, num_tokens, last
 
-    def _rule_for_this_step(self, context, num_accepted: np.ndarray,
-                            rejected: np.ndarray | None) -> StopRule:
+    def _rule_for_this_step(self, context, num_accepted: list[int],
+                            rejected: list[int] | None) -> StopRule:
         """Learn from the step just verified (``num_accepted``: [num_reqs] draft tokens
         each row had accepted, whichever proposer drafted them), then set this step's
         threshold."""
         num_reqs = len(num_accepted)
-        self.outcomes.resolve(
-            context.req_ids, context.num_scheduled_drafts[:num_reqs],
-            None if rejected is None else rejected.tolist())
+        self.outcomes.resolve(context.req_ids, context.num_scheduled_drafts[:num_reqs], rejected)
         if self._observed:  # skip_drafting timed this step already
             return self._rule_with_thresholds()
         # wall time of the step just run (None: first step, or the last one failed)
@@ -372,7 +375,7 @@ class PluginDraftProposer(DraftModelProposer):
             self._step_seconds, self._last_draft_seconds = self._agree_on_timings(
                 self._step_seconds, self._last_draft_seconds)
         if self._step_seconds is not None:  # every row emitted one token plus its accepted drafts
-            self.costs.observe_step(self._step_seconds, num_reqs + int(num_accepted.sum()),
+            self.costs.observe_step(self._step_seconds, num_reqs + sum(num_accepted),
                                     self._last_forwards, self._last_draft_tokens)
         return self._rule_with_thresholds()
 
@@ -502,23 +505,25 @@ class PluginDraftProposer(DraftModelProposer):
         return token_ids, draft_probs
 
 
-    def _speculating(self, context, scheduled: np.ndarray, num_accepted: np.ndarray,
-                     sampled: np.ndarray) -> bool:
+    def _speculating(self, context, scheduled: list[int], num_accepted: list[int],
+                     sampled: list[bool]) -> bool:
         """Learn from the step just verified (the union) and ask the step arbiter whether
         this step speculates at all. ``scheduled``: [num_reqs] drafts each row verified."""
-        num_reqs, mostly_sampled = len(num_accepted), bool(sampled.mean() > 0.5)
+        num_reqs = len(num_accepted)
+        mostly_sampled = 2 * sum(sampled) > num_reqs
         observed, self._observed = self._observed, False
         if self.union is None:
-            drafted = scheduled > 0  # [num_reqs] rows whose drafts were just verified
-            for k, a in zip(scheduled[drafted].tolist(), num_accepted[drafted].tolist()):
-                self.proposer_stats.verified(DraftCandidates.name, k, a)
+            for k, a in zip(scheduled, num_accepted):  # the rows whose drafts were verified
+                if k > 0:
+                    self.proposer_stats.verified(DraftCandidates.name, k, a)
             if self.arbiter is None or observed:  # (skip_drafting decided: speculate)
                 return True
-            self.arbiter.observe(num_reqs + int(num_accepted.sum()), self._step_seconds)
+            self.arbiter.observe(num_reqs + sum(num_accepted), self._step_seconds)
             return self.arbiter.speculate(num_reqs, mostly_sampled)
         expander = getattr(self.plugin_runner, "expander", None)
-        verified = Verified(tuple(context.req_ids[:num_reqs]), scheduled, num_accepted + 1,
-                            self._step_seconds, context.num_query_tokens,
+        verified = Verified(tuple(context.req_ids[:num_reqs]), scheduled,
+                            [a + 1 for a in num_accepted], self._step_seconds,
+                            context.num_query_tokens,
                             None if expander is None else dict(expander.outcomes),
                             draft_seconds=self._last_draft_seconds)
         return self.union.begin(verified, num_reqs, mostly_sampled)
@@ -533,14 +538,14 @@ class PluginDraftProposer(DraftModelProposer):
         self._last_draft_seconds = 0.0
         return torch.zeros((num_reqs, 1), dtype=torch.int64, device=self.input_ids.device)
 
-    def _union_offers(self, batch: StepBatch, caps: np.ndarray):
+    def _union_offers(self, batch: StepBatch, caps: list[int]):
         """Ask the token-level proposers, then let the union plan the draft model's part:
         which rows it drafts for and how far, its forwards priced in
         (:meth:`Union.plan_draft <specplugin.proposers.union.Union.plan_draft>`).
         Returns the offers and the draft's per-row caps (0: no draft model for that row)."""
         draft_index = len(self.union.proposers) - 1
         offers = self.union.ask(batch, range(draft_index))
-        rows = int(np.count_nonzero(caps))
+        rows = sum(1 for c in caps if c > 0)
         forward = self._forward_price(rows)
         caps = self.union.plan_draft(batch, offers, draft_index, caps, forward,
                                      self._catch_up_seconds(batch, rows, forward))
@@ -573,7 +578,7 @@ class PluginDraftProposer(DraftModelProposer):
             target = self.plugin_runner.get_model()
             self._param_ratio = (sum(p.numel() for p in self.model.parameters())
                                  / max(1, sum(p.numel() for p in target.parameters())))
-        return self._param_ratio * float(self.union.cost.forward_seconds(max(1, num_rows)))
+        return self._param_ratio * self.union.cost.forward_one(max(1, num_rows))
 
     def _finish_union(self, run: DraftRun, rows: np.ndarray, batch: StepBatch,
                       offers) -> torch.Tensor:
@@ -610,10 +615,14 @@ class PluginDraftProposer(DraftModelProposer):
         draft run to lay out or record)."""
         drafts = self.union.choose(batch, offers)
         self.outcomes.forget()
-        self.last_lengths = [len(d) for d in drafts]
-        self._last_forwards, self._last_draft_tokens = 0, sum(self.last_lengths)
-        no_rows = torch.zeros((batch.num_reqs, 1), dtype=torch.int64, device=self.input_ids.device)
-        return self._mixed_output(no_rows, None, drafts, np.zeros(batch.num_reqs, dtype=bool))
+        self.last_lengths = lengths = [len(d) for d in drafts]
+        self._last_forwards, self._last_draft_tokens = 0, sum(lengths)
+        self._last_draft_probs = None  # deterministic guesses only: no probabilities
+        # (at temperature > 0 the rejection sampler takes them as one-hot: vLLM's own
+        # token-level methods hand back no draft probabilities either)
+        k_out = max(1, max(lengths))
+        return torch.tensor([d + [0] * (k_out - len(d)) for d in drafts], dtype=torch.int64,
+                            device=self.input_ids.device)  # [num_reqs, k_out]
 
     def _mixed_output(self, token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                       drafts, draft_rows: np.ndarray) -> torch.Tensor:
@@ -645,42 +654,56 @@ class PluginDraftProposer(DraftModelProposer):
         return out
 
 
-def _step_batch(input_batch, context, sampled: np.ndarray, caps: np.ndarray,
-                num_accepted: np.ndarray, next_token_ids: torch.Tensor) -> StepBatch:
+def _step_batch(input_batch, context, sampled: list[bool], caps: list[int],
+                num_accepted: list[int], next_token_ids: torch.Tensor) -> StepBatch:
     """The batch as token-level proposers see it, before vLLM's bookkeeping: each row's
     context is its tokens so far, the drafts it just had accepted (already in the token
-    buffer, where the scheduler put them) and the token this step sampled."""
+    buffer, where the scheduler put them) and the token this step sampled.
+
+    A view of the runner's token buffer, no copy: each drafting row's sampled token is
+    written where vLLM's bookkeeping writes it later in this step (position
+    ``num_tokens_no_spec + accepted``: its accepted drafts end there, and what the
+    buffer held there is the first rejected draft, or nothing yet). Rows that do not
+    draft (chunked prefill: their token is a placeholder) are left alone; a row with no
+    room left in the buffer drafts nothing (``caps`` set to 0 in place)."""
     num_reqs = len(caps)
-    known = input_batch.num_tokens_no_spec[:num_reqs] + num_accepted  # [num_reqs]
-    num_tokens = known + 1
-    token_ids = np.zeros((num_reqs, int(num_tokens.max())), dtype=np.int64)
-    for r in range(num_reqs):
-        token_ids[r, : known[r]] = input_batch.token_ids_cpu[r, : known[r]]
-    token_ids[np.arange(num_reqs), known] = next_token_ids.cpu().numpy()
-    rows = tuple(int(r) for r in np.flatnonzero(caps > 0))
-    return StepBatch(tuple(context.req_ids[:num_reqs]), token_ids, num_tokens,
-                     np.asarray(context.num_prompt_tokens[:num_reqs]), caps, sampled, rows,
+    known = [n + a for n, a in zip(input_batch.num_tokens_no_spec[:num_reqs].tolist(),
+                                   num_accepted)]  # [num_reqs]
+    buffer = input_batch.token_ids_cpu  # [max_num_reqs, max_model_len]
+    for r, n in enumerate(known):
+        if n >= buffer.shape[1]:  # at max_model_len: no room for its token, nor drafts
+            caps[r] = 0
+    rows = tuple(r for r, c in enumerate(caps) if c > 0)
+    if rows:
+        new_tokens = next_token_ids.tolist()
+        for r in rows:
+            buffer[r, known[r]] = new_tokens[r]
+    return StepBatch(tuple(context.req_ids[:num_reqs]), buffer,
+                     np.array(known, dtype=np.int64) + 1,
+                     np.asarray(context.num_prompt_tokens[:num_reqs]),
+                     np.array(caps, dtype=np.int64), np.array(sampled, dtype=bool), rows,
                      context.allowed)
 
 
-def _num_accepted(scheduled: np.ndarray, rejected: np.ndarray | None) -> np.ndarray:
+def _num_accepted(scheduled: list[int], rejected: list[int] | None) -> list[int]:
     """[num_reqs] draft tokens each row had accepted in the step just verified, from the
     [num_reqs] drafts it verified (vLLM passes no rejection counts when no row had drafts)."""
     if rejected is None:
         return scheduled
-    return np.maximum(scheduled - rejected, 0)
+    return [s - r if s > r else 0 for s, r in zip(scheduled, rejected)]
 
 
-def _sampled_rows(sampling_metadata, num_reqs: int) -> np.ndarray:  # [num_reqs] bool
+def _sampled_rows(sampling_metadata, num_reqs: int) -> list[bool]:  # [num_reqs]
     if sampling_metadata.all_greedy:
-        return np.zeros(num_reqs, dtype=bool)
-    return (sampling_metadata.temperature[:num_reqs] >= _SAMPLING_EPS).cpu().numpy()
+        return [False] * num_reqs
+    return (sampling_metadata.temperature[:num_reqs] >= _SAMPLING_EPS).tolist()
 
 
-def _caps(remaining_tokens: list[int], max_k: np.ndarray) -> np.ndarray:
-    """[num_reqs] most useful draft tokens per row, at most the request's ``max_k``: a
-    request that may emit only n more tokens gains nothing from drafts past n - 1 (the
-    last one comes as the bonus). ``remaining_tokens`` does not count this step's own
-    tokens yet (at least one), so ``remaining - 2`` is an upper bound that never cuts a
-    useful draft."""
-    return np.clip(np.asarray(remaining_tokens) - 2, 0, max_k)
+def _caps(remaining_tokens: list[int], max_k, prefilling: list[bool]) -> list[int]:
+    """[num_reqs] most useful draft tokens per row, at most the request's ``max_k``, 0 for
+    rows still in chunked prefill: a request that may emit only n more tokens gains
+    nothing from drafts past n - 1 (the last one comes as the bonus).
+    ``remaining_tokens`` does not count this step's own tokens yet (at least one), so
+    ``remaining - 2`` is an upper bound that never cuts a useful draft."""
+    return [0 if p else min(max(r - 2, 0), k)
+            for r, k, p in zip(remaining_tokens, max_k, prefilling)]

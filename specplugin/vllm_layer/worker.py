@@ -12,7 +12,7 @@ What the layer adds to vLLM's runner (:class:`PluginRunnerMixin`):
   draft model's attention layers register in vLLM's static forward context and get
   KV tensors in the same paged block pool as the target's);
 - :meth:`~PluginRunnerMixin.step_context`: request ids, each request's
-  ``SamplingParams``, tokens each may still emit, and the block tables;
+  ``SamplingParams``, tokens each may still emit, its K limit and allowed proposers;
 - per-request draft lengths: the drafter returns a [num_reqs, positions] tensor and
   the number of tokens each row keeps; the rows are cut before the scheduler sees them;
 - :meth:`~PluginRunnerMixin.time_forward`: the target's forward time for a shape (rows,
@@ -63,14 +63,13 @@ class StepContext:
     # vLLM's bookkeeping (this step's tokens not counted yet), specplugin.Speculator after
     # it (counted): each drafter bounds its drafts accordingly.
     remaining_tokens: list[int]
-    block_table: torch.Tensor  # [num_reqs, max_num_blocks_per_req] the target's KV blocks
     # [num_reqs] draft tokens the scheduler verified for each row in this step (it may
     # have cut a row's draft short of what the drafter proposed, e.g. near max_model_len)
     num_scheduled_drafts: list[int]
     num_prompt_tokens: np.ndarray  # [num_reqs]
     num_query_tokens: int  # tokens the target ran in this step, every row's drafts included
     # [num_reqs] the longest draft each request allows (specplugin_max_k; else the server's K)
-    max_k: np.ndarray
+    max_k: list[int]
     # [num_reqs] the proposers each request allows (specplugin_proposers; None: all);
     # None when no request of the batch restricts them
     allowed: tuple | None
@@ -125,16 +124,15 @@ class PluginRunnerMixin:
             _NO_LIMIT if p is None or p.max_tokens is None else p.max_tokens - len(s.output_token_ids)
             for p, s in zip(params, states)
         ]
-        block_table = batch.block_table[0].get_device_tensor(len(req_ids))
         so = self.step_scheduler_output
         scheduled = getattr(so, "scheduled_spec_decode_tokens", None) or {}
         num_scheduled = [len(scheduled.get(r, ())) for r in req_ids]
         options = [self.request_options.get(r, None if p is None else p.extra_args)
                    for r, p in zip(req_ids, params)]
         server_k = self.request_options.server_k
-        max_k = np.array([o.cap(server_k) for o in options], dtype=np.int64)
+        max_k = [o.cap(server_k) for o in options]
         allowed = tuple(o.proposers for o in options)
-        return StepContext(req_ids, params, remaining, block_table, num_scheduled,
+        return StepContext(req_ids, params, remaining, num_scheduled,
                            batch.num_prompt_tokens[: len(req_ids)],
                            getattr(so, "total_num_scheduled_tokens", 0), max_k,
                            None if all(a is None for a in allowed) else allowed)
