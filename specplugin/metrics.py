@@ -47,6 +47,9 @@ class ProposerStats:
     steps_without_drafts: int = 0
     steps_skipped: int = 0  # of those, steps whose drafting was skipped altogether
     steps_peeked: int = 0  # plain steps the n-gram peek turned speculative (Union.plain_step)
+    # steps decided before vLLM prepared the draft model's inputs, in which it then ran for
+    # no row: none of the draft model's machinery ran (a draft model configured)
+    steps_without_draft_model: int = 0
     extra_candidates: int = 0  # candidates sent to the batch-expanding scorer beside the chosen
 
     def verified(self, proposer: str, num_draft_tokens: int, num_accepted: int) -> None:
@@ -85,6 +88,7 @@ class ProposerStats:
                 "accepted_tokens_per_pos": [self.accepted_per_pos[name, p] for p in range(depth)]}
         return {"steps": self.steps, "steps_without_drafts": self.steps_without_drafts,
                 "steps_skipped": self.steps_skipped, "steps_peeked": self.steps_peeked,
+                "steps_without_draft_model": self.steps_without_draft_model,
                 "extra_candidates": self.extra_candidates,
                 "k_histogram": {str(k): n for k, n in sorted(self.k_histogram.items())},
                 "proposers": proposers}

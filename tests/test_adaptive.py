@@ -159,6 +159,23 @@ def test_cost_model_calibrates_then_tracks_observed_steps():
     assert cost.marginal_seconds(4, 12) == pytest.approx(0.012, rel=0.3)
 
 
+def test_the_cost_models_table_of_t_follows_every_observation():
+    """step_times reads a table of F kept between observations and mended where a knot
+    moved: after each observation it says what T(n) computed afresh says, for every n,
+    past the last knot included."""
+    rng = np.random.default_rng(4)
+    for max_tokens in (16, 512):
+        cost = StepCostModel(max_tokens=max_tokens, warmup=2)
+        cost.calibrate(np.array([1, 4, 16]), np.array([0.004, 0.005, 0.008]))
+        for _ in range(300):
+            n = int(rng.integers(1, 2 * max_tokens))
+            cost.observe(n, float(cost.step_seconds(np.array([n]))[0] * rng.uniform(0.7, 1.4)),
+                         speculative=bool(rng.random() < 0.5))
+            fresh = cost.step_seconds(np.arange(96)).tolist()
+            assert cost.step_times(0, 96) == pytest.approx(fresh, rel=1e-9, abs=1e-12)
+            assert cost.step_one(n) == pytest.approx(float(cost.step_seconds(np.array([n]))[0]))
+
+
 def test_cost_model_without_calibration_starts_from_the_first_step():
     cost = StepCostModel(max_tokens=16)
     cost.observe(2, 0.010)

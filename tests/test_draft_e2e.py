@@ -263,3 +263,67 @@ def test_a_failing_draft_step_costs_its_drafts_not_the_requests():
         drafts = drafter.propose(num_speculative_tokens=8, target_token_ids=None)
         assert drafts.shape == (2, 1) and drafter.last_lengths == [0, 0]
     assert drafter.stats()["proposer_failures"] == {"draft": 2}
+
+
+def _bare_drafter(num_reqs: int, scheduled: list[int]):
+    """A PluginDraftProposer with only what its step's decision reads (no vLLM config)."""
+    from types import SimpleNamespace
+
+    import logging
+
+    from specplugin.adaptive.cost import StepTimer
+    from specplugin.metrics import FailureCounter, ProposerStats
+    from specplugin.proposers.draft import AcceptanceCalibration, OutcomeTracker
+    from specplugin.vllm_layer.draft_proposer import PluginDraftProposer
+
+    drafter = object.__new__(PluginDraftProposer)
+    drafter.failures = FailureCounter("draft", logging.getLogger("test"))
+    drafter.device, drafter.union, drafter.arbiter = "cpu", None, None
+    context = SimpleNamespace(num_scheduled_drafts=scheduled)
+    drafter.plugin_runner = SimpleNamespace(
+        input_batch=SimpleNamespace(req_ids=[f"r{i}" for i in range(num_reqs)],
+                                    num_reqs=num_reqs, vocab_size=100),
+        step_context=lambda: context)
+    drafter.outcomes = OutcomeTracker(AcceptanceCalibration())
+    drafter.proposer_stats = ProposerStats()
+    drafter.timer = StepTimer()
+    drafter._decided = None
+    return drafter, context
+
+
+def test_the_early_decision_reads_next_tokens_and_rejections_as_vllm_counts_them():
+    """Before vLLM prepares the draft model's inputs, the drafter reads from the step's
+    sampled tokens ([rows, 1 + drafts], -1 past the accepted ones) what vLLM's preparation
+    gives: each row's last valid token, and drafts verified + 1 - tokens emitted."""
+    import torch
+
+    drafter, context = _bare_drafter(3, [2, 0, 2])
+    seen = []
+    drafter._decide = lambda *args: seen.append(args) or [[4], [], [9, 9]]
+    sampled = torch.tensor([[5, 6, -1], [7, -1, -1], [8, 1, 2]])
+    assert drafter.propose_before_vllm_inputs(sampled, "meta") == [[4], [], [9, 9]]
+    ctx, num_reqs, rejected, next_tokens, meta = seen[0]
+    assert (ctx, num_reqs, meta) == (context, 3, "meta")
+    assert next_tokens == [6, 7, 2] and rejected == [1, 0, 0]
+    assert drafter.proposer_stats.steps_without_draft_model == 1
+    context.num_scheduled_drafts = [0, 0, 0]  # no row had drafts: no rejection counts
+    drafter.propose_before_vllm_inputs(sampled[:, :1], "meta")
+    assert seen[1][2] is None and seen[1][3] == [5, 7, 8]
+    drafter._decide = lambda *args: ("batch", "caps", "rule", "sampled", "finish")
+    assert drafter.propose_before_vllm_inputs(sampled, "meta") is None  # the draft runs:
+    assert drafter._decided == ("batch", "caps", "rule", "sampled", "finish")  # for propose
+
+
+def test_a_failing_early_decision_costs_its_drafts_not_the_requests():
+    import torch
+
+    drafter, _ = _bare_drafter(2, [0, 0])
+
+    def broken(*args):
+        raise RuntimeError("union exploded")
+
+    drafter._decide = broken
+    drafter._decided = ("stale",)
+    assert drafter.propose_before_vllm_inputs(torch.tensor([[3], [4]]), None) == [[], []]
+    assert drafter.last_lengths == [0, 0] and drafter._decided is None
+    assert drafter.stats()["proposer_failures"] == {"draft": 1}

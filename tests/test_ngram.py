@@ -107,3 +107,47 @@ def test_alternatives_are_earlier_matches_that_go_on_differently():
     assert [a.token_ids.tolist() for a in cand.alternatives] == [[4, 9, 1]]  # not "3" again
     [plain] = NgramProposer(min_n=2, max_n=2).propose(_batch([context], k=3))
     assert plain.token_ids.tolist() == [3, 8, 1] and plain.alternatives == ()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ctx=st.lists(st.integers(0, 3), max_size=60),
+    min_n=st.integers(1, 4),
+    extra=st.integers(0, 4),
+    cuts=st.lists(st.integers(1, 60), max_size=6),
+)
+def test_the_incremental_index_finds_what_the_vectorised_search_finds(ctx, min_n, extra, cuts):
+    """The per-request index, fed a context a few tokens at a time as steps do, finds the
+    match the vectorised search finds on the whole context, after every feed."""
+    from specplugin.proposers.ngram import _ContextIndex
+
+    index = _ContextIndex(min_n)
+    for end in sorted(set(cuts) | {len(ctx)}):
+        index.extend(ctx[len(index.tokens):end])
+        found = index.longest_match(min_n + extra)
+        if found is not None:  # (None: too many occurrences, left to the numpy search)
+            assert found == longest_suffix_match(np.array(index.tokens, dtype=np.int32),
+                                                 min_n, min_n + extra)
+
+
+def test_the_proposer_keeps_each_requests_index_and_rebuilds_a_changed_context():
+    proposer = NgramProposer(2, 4)
+    first = proposer.propose(_batch([[1, 2, 3, 9, 1, 2]], k=3))
+    assert first[0].token_ids.tolist() == [3, 9, 1]
+    # the same request, two tokens on: fed only those
+    grown = proposer.propose(_batch([[1, 2, 3, 9, 1, 2, 3, 9]], k=3))
+    assert grown[0].token_ids.tolist() == [1, 2, 3] and len(proposer._indexes["r0"].tokens) == 8
+    # a context that is not the indexed one plus new tokens is indexed afresh
+    other = proposer.propose(_batch([[5, 6, 7, 5, 6, 8, 8, 5, 6]], k=2))
+    assert other[0].token_ids.tolist() == [8, 8]
+    proposer.finish_requests(["r0"])
+    assert "r0" not in proposer._indexes
+
+
+def test_the_index_prefers_an_older_longer_match_to_a_newer_shorter_one():
+    from specplugin.proposers.ngram import _ContextIndex
+
+    index = _ContextIndex(2)
+    index.extend([1, 2, 3, 0, 2, 3, 9, 1, 2, 3])  # "2 3" ends at 2 and 5; "1 2 3" at 2 only
+    assert index.longest_match(3) == (3, 2) == longest_suffix_match(
+        np.array(index.tokens), 2, 3)

@@ -72,6 +72,10 @@ def test_drafts_are_verified_and_accepted(request, union):
     # copy, every draft may rightly be K long: seen once in 4 suite runs, 28 of 28.)
     if union == "token_union":
         assert run.num_draft_tokens < K * run.num_drafts
+        # the draft model is not theirs: every step that drafted was decided before vLLM
+        # prepared the draft model's inputs, and none of its machinery ran
+        steps = run.plugin_steps
+        assert steps["steps_without_draft_model"] >= steps["steps"] - steps["steps_without_drafts"] > 0, steps
     assert run.num_draft_tokens <= K * run.num_drafts
 
 

@@ -55,17 +55,20 @@ class StepCostModel:
     def __init__(self, max_tokens: int = 512, smoothing: float = 0.05, warmup: int = 8):
         self.knots = default_knots(max_tokens)
         self._knot_list = self.knots.tolist()
-        self.forward_s = np.full(self.knots.shape, np.nan)  # [num_knots] F at each knot
+        # F at each knot, as floats (NaN: not known yet): read and nudged every step, where
+        # numpy's per-call and per-element costs would be most of the work
+        self._f: list[float] = [float("nan")] * len(self._knot_list)
         self.overhead_s = 0.0
         self.smoothing = smoothing
         self.warmup = warmup
         self.draft_forward_s: float | None = None
         self.num_observed = 0
+        self.calibrated = False  # F known at every knot (calibrate, or a first observation)
         self._residual = {False: 0.0, True: 0.0}  # plain / speculative steps (EMA, from 0)
         self._residual_weight = {False: 0.0, True: 0.0}  # the weight the EMA holds so far
         self._counts = {False: 0, True: 0}
         self._plain_sums = StepSums()  # plain steps not learned yet (observe_plain)
-        self._times: list[float] = []  # T(0), T(1), ... until the model changes (step_times)
+        self._forward_table: list[float] = []  # F(0), F(1), ... until a knot moves (step_times)
 
     @property
     def _machinery_known(self) -> bool:
@@ -82,21 +85,26 @@ class StepCostModel:
         return max(0.0, spec - plain)
 
     @property
-    def calibrated(self) -> bool:
-        return not np.isnan(self.forward_s).any()
+    def forward_s(self) -> np.ndarray:  # [num_knots] F at each knot (a copy)
+        return np.array(self._f)
+
+    def _set_forward(self, values) -> None:
+        self._f = [float(v) for v in values]
+        self.calibrated = not any(v != v for v in self._f)  # no NaN
+        self._forward_table = []
 
     def forward_one(self, n: float) -> float:
         """F(n) for one n, in plain floats: :meth:`observe` runs on every plain step, where
         numpy's per-call overhead on scalars (~60 us) would be a percent of the step."""
-        knots, f = self._knot_list, self.forward_s
+        knots, f = self._knot_list, self._f
         if n >= knots[-1]:
             slope = (f[-1] - f[-2]) / (knots[-1] - knots[-2])
-            return float(f[-1] + slope * (n - knots[-1]))
+            return f[-1] + slope * (n - knots[-1])
         i = bisect_right(knots, n)
         if i == 0:
-            return float(f[0])
+            return f[0]
         lo, hi = knots[i - 1], knots[i]
-        return float(f[i - 1] + (f[i] - f[i - 1]) * (n - lo) / (hi - lo))
+        return f[i - 1] + (f[i] - f[i - 1]) * (n - lo) / (hi - lo)
 
     def calibrate(self, num_tokens: np.ndarray, seconds: np.ndarray) -> None:
         """Timed forwards (start-up): ``seconds[i]`` for ``num_tokens[i]`` query tokens.
@@ -106,21 +114,20 @@ class StepCostModel:
         order = np.argsort(n)
         n, s = n[order], s[order]
         if n.size == 1:
-            self.forward_s = s[0] * self.knots / n[0]
-            self._times = []
+            self._set_forward(s[0] * self.knots / n[0])
             return
         slope = max(0.0, (s[-1] - s[-2]) / (n[-1] - n[-2]))
         inside = np.interp(self.knots, n, s)
         beyond = s[-1] + slope * (self.knots - n[-1])
-        self.forward_s = np.where(self.knots > n[-1], beyond, inside)
-        self._times = []
+        self._set_forward(np.where(self.knots > n[-1], beyond, inside))
 
     def forward_seconds(self, num_tokens) -> np.ndarray:
         """F(n); linear beyond the last knot."""
         n = np.asarray(num_tokens, dtype=float)
-        f = np.interp(n, self.knots, self.forward_s)
-        slope = (self.forward_s[-1] - self.forward_s[-2]) / (self.knots[-1] - self.knots[-2])
-        return np.where(n > self.knots[-1], self.forward_s[-1] + slope * (n - self.knots[-1]), f)
+        f_knots = self.forward_s
+        f = np.interp(n, self.knots, f_knots)
+        slope = (f_knots[-1] - f_knots[-2]) / (self.knots[-1] - self.knots[-2])
+        return np.where(n > self.knots[-1], f_knots[-1] + slope * (n - self.knots[-1]), f)
 
     def step_seconds(self, num_tokens) -> np.ndarray:
         return self.overhead_s + self.forward_seconds(num_tokens)
@@ -128,20 +135,20 @@ class StepCostModel:
     def step_one(self, num_tokens: int) -> float:
         """T(n) for one n, as a float (what :meth:`step_seconds` gives, without numpy's
         per-call cost: asked several times every step)."""
-        if num_tokens < len(self._times):
-            return self._times[num_tokens]
+        if num_tokens < len(self._forward_table):
+            return self.overhead_s + self._forward_table[num_tokens]
         return self.overhead_s + self.forward_one(num_tokens)
 
     def step_times(self, first: int, count: int) -> list[float]:
-        """``[T(first), ..., T(first + count - 1)]`` as floats, read from a table of T(n)
-        kept until the model changes (:meth:`calibrate`, :meth:`observe`): the controller
-        asks for a range of T several times a step, and numpy's per-call cost on arrays
-        this small would be most of that work."""
+        """``[T(first), ..., T(first + count - 1)]`` as floats, read from a table of F(n)
+        kept until a knot moves (:meth:`calibrate`, :meth:`observe`) plus the fixed part:
+        the controller asks for a range of T several times a step."""
         end = first + count
-        if end > len(self._times):
-            size = max(end, 2 * len(self._times), 64)
-            self._times = self.step_seconds(np.arange(size)).tolist()
-        return self._times[first:end]
+        if end > len(self._forward_table):
+            size = max(end, 2 * len(self._forward_table), 64)
+            self._forward_table = [self.forward_one(n) for n in range(size)]
+        overhead = self.overhead_s
+        return [overhead + f for f in self._forward_table[first:end]]
 
     def marginal_seconds(self, num_tokens: int, extra) -> np.ndarray:
         return self.forward_seconds(num_tokens + np.asarray(extra)) - self.forward_seconds(num_tokens)
@@ -169,7 +176,7 @@ class StepCostModel:
         if num_tokens <= 0 or seconds <= 0 or count < 1:
             return
         if not self.num_observed and not self.calibrated:  # first sight: a line through 0
-            self.forward_s = seconds * self.knots / num_tokens
+            self._set_forward(seconds * self.knots / num_tokens)
         forward = self.forward_one(num_tokens)
         predicted = self.overhead_s + forward
         if self.num_observed and seconds > 20 * predicted:
@@ -197,16 +204,30 @@ class StepCostModel:
         # the fixed part takes the residual's average; the knots take what varies with n
         self.overhead_s = max(0.0, self.overhead_s + weight * residual)
         self._nudge_knots(num_tokens, 0.5 * weight * residual)
-        self._times = []
 
     def _nudge_knots(self, num_tokens: int, delta: float) -> None:
         knots = self._knot_list
         i = min(max(bisect_left(knots, num_tokens), 1), len(knots) - 1)
         lo, hi = knots[i - 1], knots[i]
         w = min(max((num_tokens - lo) / (hi - lo), 0.0), 1.0)
-        f = self.forward_s
-        f[i - 1] = max(1e-6, float(f[i - 1]) + (1 - w) * delta)
-        f[i] = max(float(f[i - 1]), float(f[i]) + w * delta)
+        f = self._f
+        f[i - 1] = max(1e-6, f[i - 1] + (1 - w) * delta)
+        f[i] = max(f[i - 1], f[i] + w * delta)
+        # F moved between the knots around these two: those entries of the table again,
+        # segment by segment (F is linear between two knots)
+        table = self._forward_table
+        if not table:
+            return
+        if i < 2:  # below the first knot F is the first knot's
+            table[:min(knots[0], len(table))] = [f[0]] * min(knots[0], len(table))
+        for j in range(max(i - 1, 1), min(i + 2, len(knots))):  # segments [knots[j-1], knots[j]]
+            lo, hi = knots[j - 1], knots[j]
+            f_lo, slope = f[j - 1], (f[j] - f[j - 1]) / (hi - lo)
+            for n in range(lo, min(hi + 1, len(table))):
+                table[n] = f_lo + slope * (n - lo)
+        if i >= len(knots) - 2:  # past the last knot F follows the last two: it moved
+            for n in range(knots[-1], len(table)):
+                table[n] = self.forward_one(n)
 
     def observe_draft_forward(self, seconds: float) -> None:
         old = self.draft_forward_s

@@ -123,7 +123,8 @@ class AcceptanceEstimator:
         """The counts changed: every kept estimate and draw is stale."""
         self._means: dict[int, float] = {}
         self._drawn: dict[int, float] = {}
-        self._pooled_lists: dict[tuple[int, bool], list] = {}
+        self._pooled_means: dict[int, float] = {}  # the same, per signal-pooled cell
+        self._pooled_drawn: dict[int, float] = {}
 
     def step(self, num_steps: int = 1) -> None:
         """Once per engine step (or for ``num_steps`` steps at once): old evidence fades."""
@@ -290,26 +291,34 @@ class AcceptanceEstimator:
         return np.array([drawn[c] if c in drawn else drawn.setdefault(c, self._draw(a, b))
                          for c, (a, b) in zip(flat, params)], dtype=float)
 
+    def pooled_cells(self, proposer: int, sampled: bool, history: int, num_tokens: int,
+                     draw: bool = False) -> list[float]:  # [num_tokens]
+        """Acceptance of positions 0 .. num_tokens - 1 of a candidate not drafted yet (the
+        draft model before it runs): its cells pooled over signal buckets, per position
+        group; posterior means, or (``draw``) one posterior draw per cell, shared by every
+        row and position that reads the cell and kept until the counts change, as
+        :meth:`estimate_cells`'s (a decision that holds for many rows at once, such as
+        running the draft model, must weigh one guess at what its tokens are worth, not
+        many independent ones whose average is the mean again)."""
+        _, modes, groups, _, histories = self.shape
+        base = (proposer * modes + int(sampled)) * groups
+        return [self._pooled_value((base + g) * histories + history, draw)
+                for g in position_groups(num_tokens)]
+
+    def _pooled_value(self, q: int, draw: bool) -> float:
+        kept = self._pooled_drawn if draw else self._pooled_means
+        x = kept.get(q)
+        if x is None:
+            alpha, beta, mean = self._posterior(q, pooled=True)
+            x = kept[q] = self._draw(alpha, beta) if draw else mean
+        return x
+
     def pooled(self, proposer: int, draw: bool = False) -> list:  # [2][positions][histories]
-        """One proposer's acceptance per (greedy / sampled, position group, history bucket),
-        pooled over signal buckets (a token not drafted yet): posterior means, or
-        (``draw``) one posterior draw per cell, as :meth:`sample` shared would give its
-        tokens. As nested lists: a caller reads a few cells per row
-        (:func:`position_groups`). Kept until the counts change, draws included, as
-        :meth:`estimate_cells`'s."""
-        key = (proposer, draw)
-        table = self._pooled_lists.get(key)
-        if table is None:
-            _, modes, groups, _, histories = self.shape
-            first = proposer * modes * groups * histories
-            values = []
-            for q in range(first, first + modes * groups * histories):
-                alpha, beta, mean = self._posterior(q, pooled=True)
-                values.append(self._draw(alpha, beta) if draw else mean)
-            table = self._pooled_lists[key] = [
-                [values[(m * groups + g) * histories:(m * groups + g + 1) * histories]
-                 for g in range(groups)] for m in range(modes)]
-        return table
+        """:meth:`pooled_cells` of every (greedy / sampled, position group, history
+        bucket) of one proposer, as nested lists."""
+        _, modes, groups, _, histories = self.shape
+        return [[[self._pooled_value(((proposer * modes + m) * groups + g) * histories + h, draw)
+                  for h in range(histories)] for g in range(groups)] for m in range(modes)]
 
 
 def position_groups(num_tokens: int) -> list[int]:

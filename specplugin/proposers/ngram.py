@@ -10,8 +10,15 @@ repeats its last turn).
 A match close to the end (a loop) would leave only a few tokens to copy; the
 draft then continues the copy periodically (see :func:`continuation`).
 
-The search is vectorised over positions with numpy: ``max_n`` passes of one
-element-wise comparison over the context, no per-token Python loop.
+Each request keeps an index of its own context (:class:`_ContextIndex`): the end
+positions of every ``min_n``-gram, fed only the tokens that are new since the last step;
+a proposal looks up where the context's last ``min_n`` tokens occurred before and extends
+each occurrence to the left, at most ``max_n`` tokens, newest first (a few dict and list
+operations: this runs every step right after the target's forward, where each numpy call
+costs several microseconds of cold caches). Where the ``min_n``-gram occurred very often
+(a run of one repeated token), and for the scorer's alternatives, the search is the
+vectorised one, :func:`suffix_match_ends`: ``max_n`` passes of one element-wise
+comparison over the context. Both find the same match.
 
 Signal (for the difficulty estimator): ``match_len / max_n`` for every token of the
 draft, lowered to ``0.5 * match_len / max_n`` for tokens copied past the end of the
@@ -84,6 +91,54 @@ def continuation(
     return np.resize(context[start:], limit)
 
 
+# Occurrences of the last min_n tokens past which a proposal searches with numpy.
+MAX_SCANNED_OCCURRENCES = 128
+
+
+class _ContextIndex:
+    """One request's context as a list, and the end positions of each ``min_n``-gram."""
+
+    def __init__(self, min_n: int):
+        self.min_n = min_n
+        self.tokens: list[int] = []
+        self.ends: dict[tuple[int, ...], list[int]] = {}  # min_n-gram -> ends, ascending
+
+    def extend(self, new_tokens: list[int]) -> None:
+        tokens, ends, n = self.tokens, self.ends, self.min_n
+        first = len(tokens)
+        tokens += new_tokens
+        for e in range(max(first, n - 1), len(tokens)):
+            key = tuple(tokens[e - n + 1:e + 1])
+            at = ends.get(key)
+            if at is None:
+                ends[key] = [e]
+            else:
+                at.append(e)
+
+    def longest_match(self, max_n: int) -> tuple[int, int] | None:
+        """:func:`longest_suffix_match` of the context, or None where the search is
+        better left to numpy (more than :data:`MAX_SCANNED_OCCURRENCES` occurrences)."""
+        tokens, n = self.tokens, self.min_n
+        last = len(tokens) - 1
+        if last < n:
+            return 0, -1
+        at = self.ends.get(tuple(tokens[last - n + 1:]))
+        if at is None or len(at) < 2:  # only the context's own tail
+            return 0, -1
+        if len(at) > MAX_SCANNED_OCCURRENCES:
+            return None
+        best_len, best_end = 0, -1
+        for e in reversed(at[:-1]):  # newest first: a tie keeps the later end
+            length = n
+            while length < max_n and e - length >= 0 and tokens[e - length] == tokens[last - length]:
+                length += 1
+            if length > best_len:
+                best_len, best_end = length, e
+                if length == max_n:
+                    break
+        return best_len, best_end
+
+
 class NgramProposer:
     """Drafts by prompt lookup over each request's own prompt and output."""
 
@@ -98,6 +153,7 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
         self.num_alternatives = num_alternatives
+        self._indexes: dict[str, _ContextIndex] = {}  # req id -> its context's index
 
     def propose(self, batch: StepBatch) -> list[Candidate | None]:
         candidates: list[Candidate | None] = [None] * batch.num_reqs
@@ -106,6 +162,14 @@ class NgramProposer:
             if limit <= 0:
                 continue
             context = batch.context(row)
+            if not self.num_alternatives:
+                found = self._index(batch.req_ids[row], context).longest_match(self.max_n)
+                if found is not None:
+                    match_len, end = found
+                    if match_len:
+                        candidates[row] = self._candidate_from_list(
+                            self._indexes[batch.req_ids[row]].tokens, end, match_len, limit)
+                    continue
             match_len, ends = suffix_match_ends(context, self.min_n, self.max_n)
             if not match_len:
                 continue
@@ -128,5 +192,29 @@ class NgramProposer:
         signal[len(context) - end - 1:] *= 0.5  # copied from the draft itself
         return Candidate(token_ids, signal)
 
+    def _index(self, req_id: str, context: np.ndarray) -> _ContextIndex:
+        """The request's index, fed the context's new tokens (rebuilt if the context is
+        not the one it indexed plus new tokens: shorter, or a different last token)."""
+        index = self._indexes.get(req_id)
+        fed = 0 if index is None else len(index.tokens)
+        if index is None or fed > len(context) or (fed and index.tokens[-1] != context[fed - 1]):
+            index = self._indexes[req_id] = _ContextIndex(self.min_n)
+            fed = 0
+        if len(context) > fed:
+            index.extend(context[fed:].tolist())
+        return index
+
+    def _candidate_from_list(self, tokens: list[int], end: int, match_len: int,
+                             limit: int) -> Candidate:
+        """:meth:`_candidate` on the index's token list."""
+        copied = tokens[end + 1:]
+        token_ids = (copied * (limit // len(copied) + 1))[:limit]  # periodic past the end
+        score = match_len / self.max_n
+        own = len(copied)  # tokens from the context; the rest copy the draft itself
+        signal = [score] * min(own, limit) + [0.5 * score] * max(0, limit - own)
+        return Candidate(np.array(token_ids, dtype=np.int64), np.array(signal))
+
     def finish_requests(self, req_ids: Iterable[str]) -> None:
-        """Stateless: everything it reads is in the batch."""
+        """Drop the requests' context indexes."""
+        for req_id in req_ids:
+            self._indexes.pop(req_id, None)

@@ -553,7 +553,8 @@ class ArcticSuffixIndex:
         self._cache.start_request(req_id, np.ascontiguousarray(prompt_token_ids, np.int32))
 
     def add_tokens(self, req_id: Hashable, token_ids: np.ndarray) -> None:
-        self._cache.add_active_response(req_id, np.ascontiguousarray(token_ids, np.int32))
+        # a step's few new tokens as a list (the array path validates the array in Python)
+        self._cache.add_active_response(req_id, np.asarray(token_ids).tolist())
 
     def stop_request(self, req_id: Hashable) -> None:
         if req_id in self._cache.active_requests:

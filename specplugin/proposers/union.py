@@ -32,7 +32,7 @@ from specplugin.adaptive.controller import (NO_CANDIDATE, Choice, cumulative, di
                                            expand, plan, planned)
 from specplugin.adaptive.cost import StepCostModel
 from specplugin.adaptive.estimator import (AcceptanceEstimator, RequestHistory,
-                                           history_bucket, position_groups)
+                                           history_bucket)
 from specplugin.metrics import FailureCounter, ProposerStats
 from specplugin.proposers import MODEL_PROPOSERS
 from specplugin.proposers.base import Candidate, Proposer, StepBatch
@@ -450,18 +450,16 @@ class Union:
         trial = self.draft_always or (
             self._draft_trials > 0
             and self.estimator.judged_tokens(draft_index) < DRAFT_TRIAL_EVIDENCE)
-        # the draft's tokens before it runs: one cell per (mode, position, history), read
-        # per row in Python (a few rows of a few tokens: cheaper than numpy's calls)
-        table = None if trial else self.estimator.pooled(draft_index, draw=self.explore)
-        sampled = _as_list(batch.sampled)
+        # the draft's tokens before it runs: one cell per (mode, position, history)
+        sampled, pooled_cells = batch.sampled, self.estimator.pooled_cells
         for r, n in enumerate(lengths_list):
             if not n:
                 continue
-            if table is None:  # untried: as if every token were accepted (see the docstring)
+            if trial:  # untried: as if every token were accepted (see the docstring)
                 acceptance[r].append([1.0 - 1e-6] * n)
             else:  # one draw per cell, shared by the rows (see the docstring)
-                cells, h = table[bool(sampled[r])], histories[r]
-                acceptance[r].append([cells[g][h] for g in position_groups(n)])
+                acceptance[r].append(pooled_cells(draft_index, sampled[r], histories[r], n,
+                                                  draw=self.explore))
         with_draft = plan(acceptance, self.cost, spec_overhead=spec_overhead)
         k = [c.num_tokens if n and c.candidate == len(acceptance[r]) - 1 else 0
              for r, (c, n) in enumerate(zip(with_draft, lengths_list))]  # [num_reqs]

@@ -97,6 +97,9 @@ class PluginDraftProposer(DraftModelProposer):
         # [num_reqs] draft tokens kept per row of the last propose(); the runner cuts
         # the rows of the returned [num_reqs, positions] tensor to these lengths.
         self.last_lengths: list[int] | None = None
+        # this step's decision for the draft run, made before vLLM prepared its inputs
+        # (propose_before_vllm_inputs), for propose to carry out
+        self._decided: tuple | None = None
         # With token-level proposers too, the union picks per request among their
         # candidates and the draft's (see _finish_union).
         self.union: Union | None = None
@@ -203,14 +206,56 @@ class PluginDraftProposer(DraftModelProposer):
         try:
             return self._propose(num_speculative_tokens, *args, **kwargs)
         except Exception:
-            self.failures.record()
             num_reqs = len(self.plugin_runner.input_batch.req_ids)
-            self.last_lengths = [0] * num_reqs
-            self._last_draft_probs = None
-            self._last_draft_seconds = 0.0
-            self.forget_pending()
-            self.timer.reset()
+            self._failed(num_reqs)
             return torch.zeros((num_reqs, 1), dtype=torch.int64, device=self.device)
+
+    def _failed(self, num_reqs: int) -> None:
+        """This step drafts nothing after a failure (counted): nothing pending, no timing."""
+        self.failures.record()
+        self.last_lengths = [0] * num_reqs
+        self._last_draft_probs = None
+        self._last_draft_seconds = 0.0
+        self._decided = None
+        self.forget_pending()
+        self.timer.reset()
+
+    def propose_before_vllm_inputs(self, sampled_token_ids: torch.Tensor,
+                                   sampling_metadata) -> list[list[int]] | None:
+        """The runner's call before vLLM prepares the draft model's inputs (its
+        ``propose_draft_token_ids``): this step's whole decision (learning, the arbiter,
+        the token-level proposers, the draft's gate) from the step's sampled tokens
+        (``sampled_token_ids`` [num_reqs, 1 + drafts], -1 past a row's accepted ones).
+        Returns the drafts, one list per row, when the draft model runs for no row: then
+        vLLM's preparation of the draft model's inputs (next tokens, rejection counts,
+        the draft's attention metadata) is skipped too (measured 0.10-0.13 ms a step at
+        batch 1 on this project's machine, 2-3% of the step). None when the draft model
+        runs: vLLM prepares its inputs and calls :meth:`propose`, which drafts from the
+        decision made here."""
+        runner = self.plugin_runner
+        num_reqs = runner.input_batch.num_reqs
+        try:
+            vocab_size = runner.input_batch.vocab_size
+            sampled = sampled_token_ids[:num_reqs].tolist()  # [num_reqs][1 + drafts]
+            valid = [sum(1 for t in row if 0 <= t < vocab_size) for row in sampled]
+            # (rows in chunked prefill have no valid token: they draft nothing, see _caps)
+            next_tokens = [row[v - 1] if v else 0 for row, v in zip(sampled, valid)]
+            context = runner.step_context()
+            scheduled = context.num_scheduled_drafts[:num_reqs]
+            # as vLLM counts them: drafts verified + 1 - tokens emitted (None: no drafts)
+            rejected = ([s + 1 - v for s, v in zip(scheduled, valid)] if any(scheduled)
+                        else None)
+            decided = self._decide(context, num_reqs, rejected, next_tokens, sampling_metadata)
+        except Exception:
+            self._failed(num_reqs)
+            return [[] for _ in range(num_reqs)]
+        if decided is None:
+            return [[] for _ in range(num_reqs)]
+        if isinstance(decided, list):
+            self.proposer_stats.steps_without_draft_model += 1
+            return decided
+        self._decided = decided
+        return None
 
     def forget_learned(self) -> None:
         """See :meth:`Union.forget_learned <specplugin.proposers.union.Union.forget_learned>`
@@ -255,39 +300,18 @@ class PluginDraftProposer(DraftModelProposer):
         slot_mappings=None,
     ) -> torch.Tensor:  # [num_reqs, num_positions]; rows valid up to last_lengths
         self.num_speculative_tokens = num_speculative_tokens
-        self._last_draft_probs = None
-        self.last_lengths = None
-        num_reqs = common_attn_metadata.batch_size()
-        context = self.plugin_runner.step_context()
-        # Per-row values as Python lists on the no-draft path: after the target's forward
-        # each numpy or torch call costs several microseconds of cold caches, a list of a
-        # few rows far less (see docs/benchmarks.md, "cold caches").
-        # [num_reqs] rejected drafts of the step just verified, on the host once (None: no drafts)
-        rejected = (None if num_rejected_tokens_gpu is None
-                    else num_rejected_tokens_gpu[:num_reqs].tolist())
-        # [num_reqs] draft tokens each row had verified in that step, and accepted
-        scheduled = list(context.num_scheduled_drafts[:num_reqs])
-        num_accepted = _num_accepted(scheduled, rejected)
-        rule = self._rule_for_this_step(context, num_accepted, rejected)
-        sampled = _sampled_rows(sampling_metadata, num_reqs)
-        # rows still in chunked prefill have no token to draft from yet
-        caps = _caps(context.remaining_tokens[:num_reqs], context.max_k[:num_reqs],
-                     self.plugin_runner.discard_request_mask.np[:num_reqs].tolist())
-        if not self._speculating(context, scheduled, num_accepted, sampled):
-            return self._plain_step(num_reqs)
-        batch = _step_batch(self.plugin_runner.input_batch, context, sampled, caps,
-                            num_accepted, next_token_ids[:num_reqs])
-        if batch.allowed is not None:  # requests whose specplugin_proposers leave out the draft
-            caps = [c if a is None or DraftCandidates.name in a else 0
-                    for c, a in zip(caps, batch.allowed)]
-        finish = self._finish
-        if self.union is not None:  # token-level candidates first: they may spare drafting
-            offers, caps = self._union_offers(batch, caps)
-            if not any(caps):  # no draft-model machinery at all
-                self._last_draft_seconds = 0.0
-                return self._finish_without_draft(batch, offers)
-            finish = functools.partial(self._finish_union, offers=offers)
-        caps = np.asarray(caps, dtype=np.int64)
+        decided, self._decided = self._decided, None
+        if decided is None:  # (not decided before vLLM's preparation: decided now)
+            num_reqs = common_attn_metadata.batch_size()
+            rejected = (None if num_rejected_tokens_gpu is None
+                        else num_rejected_tokens_gpu[:num_reqs].tolist())
+            decided = self._decide(self.plugin_runner.step_context(), num_reqs, rejected,
+                                   next_token_ids[:num_reqs].tolist(), sampling_metadata)
+            if decided is None:  # a plain step
+                return torch.zeros((num_reqs, 1), dtype=torch.int64, device=self.input_ids.device)
+            if isinstance(decided, list):
+                return _as_tensor(decided, self.input_ids.device)
+        batch, caps, rule, sampled, finish = decided
         rows = np.flatnonzero(caps > 0)  # [num_drafting] the rows the draft model drafts for
         starts = self.cursor.starts([batch.req_ids[r] for r in rows], batch.num_tokens[rows],
                                     self.max_num_tokens)
@@ -301,6 +325,44 @@ class PluginDraftProposer(DraftModelProposer):
                         sampling_metadata.temperature)
             self._last_draft_seconds = time.perf_counter() - start
         return finish(run, rows, batch)
+
+    def _decide(self, context, num_reqs: int, rejected: list[int] | None,
+                next_tokens: list[int], sampling_metadata):
+        """Learn from the step just verified, then decide this one: None for a plain step;
+        the drafts (one list per row) when the draft model runs for no row (the union
+        chose among token-level candidates); else (batch, caps [num_reqs] array, stop rule,
+        sampled rows, the finishing call) for the draft run. ``rejected``: [num_reqs]
+        drafts each row had rejected (None: no row had drafts); ``next_tokens``: [num_reqs]
+        the token each row sampled last.
+
+        Per-row values are Python lists: after the target's forward each numpy or torch
+        call costs several microseconds of cold caches, a list of a few rows far less."""
+        self._last_draft_probs = None
+        self.last_lengths = None
+        # [num_reqs] draft tokens each row had verified in that step, and accepted
+        scheduled = list(context.num_scheduled_drafts[:num_reqs])
+        num_accepted = _num_accepted(scheduled, rejected)
+        rule = self._rule_for_this_step(context, num_accepted, rejected)
+        sampled = _sampled_rows(sampling_metadata, num_reqs)
+        # rows still in chunked prefill have no token to draft from yet
+        caps = _caps(context.remaining_tokens[:num_reqs], context.max_k[:num_reqs],
+                     self.plugin_runner.discard_request_mask.np[:num_reqs].tolist())
+        if not self._speculating(context, scheduled, num_accepted, sampled):
+            self._plain_step(num_reqs)
+            return None
+        batch = _step_batch(self.plugin_runner.input_batch, context, sampled, caps,
+                            num_accepted, next_tokens)
+        if batch.allowed is not None:  # requests whose specplugin_proposers leave out the draft
+            caps = [c if a is None or DraftCandidates.name in a else 0
+                    for c, a in zip(caps, batch.allowed)]
+        finish = self._finish
+        if self.union is not None:  # token-level candidates first: they may spare drafting
+            offers, caps = self._union_offers(batch, caps)
+            if not any(caps):  # no draft-model machinery at all
+                self._last_draft_seconds = 0.0
+                return self._finish_without_draft(batch, offers)
+            finish = functools.partial(self._finish_union, offers=offers)
+        return batch, np.asarray(caps, dtype=np.int64), rule, sampled, finish
 
     def _draft(self, run: DraftRun, batch: StepBatch, rows: np.ndarray, starts: np.ndarray,
                cad, temperature: torch.Tensor | None) -> None:
@@ -528,7 +590,7 @@ class PluginDraftProposer(DraftModelProposer):
                             draft_seconds=self._last_draft_seconds)
         return self.union.begin(verified, num_reqs, mostly_sampled)
 
-    def _plain_step(self, num_reqs: int) -> torch.Tensor:
+    def _plain_step(self, num_reqs: int) -> None:
         """No drafts this step: nothing runs, nothing is pending verification."""
         if self.union is None:  # (the union counted its plain step itself)
             self._count_step(np.zeros(num_reqs, dtype=np.int64))
@@ -536,7 +598,6 @@ class PluginDraftProposer(DraftModelProposer):
         self.last_lengths = [0] * num_reqs
         self._last_forwards = self._last_draft_tokens = 0
         self._last_draft_seconds = 0.0
-        return torch.zeros((num_reqs, 1), dtype=torch.int64, device=self.input_ids.device)
 
     def _union_offers(self, batch: StepBatch, caps: list[int]):
         """Ask the token-level proposers, then let the union plan the draft model's part:
@@ -609,7 +670,7 @@ class PluginDraftProposer(DraftModelProposer):
         decoyed = self.union.decoy_primary & ~np.asarray(batch.sampled, dtype=bool)
         return self._mixed_output(token_ids, draft_probs, drafts, draft_rows & ~decoyed)
 
-    def _finish_without_draft(self, batch: StepBatch, offers) -> torch.Tensor:
+    def _finish_without_draft(self, batch: StepBatch, offers) -> list[list[int]]:
         """The union's step in which the draft model runs for no row: its choice among the
         token-level ``offers`` alone (what :meth:`_finish_union` gives then, without a
         draft run to lay out or record)."""
@@ -620,9 +681,7 @@ class PluginDraftProposer(DraftModelProposer):
         self._last_draft_probs = None  # deterministic guesses only: no probabilities
         # (at temperature > 0 the rejection sampler takes them as one-hot: vLLM's own
         # token-level methods hand back no draft probabilities either)
-        k_out = max(1, max(lengths))
-        return torch.tensor([d + [0] * (k_out - len(d)) for d in drafts], dtype=torch.int64,
-                            device=self.input_ids.device)  # [num_reqs, k_out]
+        return drafts
 
     def _mixed_output(self, token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                       drafts, draft_rows: np.ndarray) -> torch.Tensor:
@@ -654,8 +713,16 @@ class PluginDraftProposer(DraftModelProposer):
         return out
 
 
+def _as_tensor(drafts: list[list[int]], device) -> torch.Tensor:  # [num_reqs, k_out]
+    """Drafts of different lengths as one tensor, zero-padded (the rows' lengths are the
+    drafter's ``last_lengths``)."""
+    k_out = max(1, max((len(d) for d in drafts), default=0))
+    return torch.tensor([d + [0] * (k_out - len(d)) for d in drafts], dtype=torch.int64,
+                        device=device)
+
+
 def _step_batch(input_batch, context, sampled: list[bool], caps: list[int],
-                num_accepted: list[int], next_token_ids: torch.Tensor) -> StepBatch:
+                num_accepted: list[int], next_tokens: list[int]) -> StepBatch:
     """The batch as token-level proposers see it, before vLLM's bookkeeping: each row's
     context is its tokens so far, the drafts it just had accepted (already in the token
     buffer, where the scheduler put them) and the token this step sampled.
@@ -674,10 +741,8 @@ def _step_batch(input_batch, context, sampled: list[bool], caps: list[int],
         if n >= buffer.shape[1]:  # at max_model_len: no room for its token, nor drafts
             caps[r] = 0
     rows = tuple(r for r, c in enumerate(caps) if c > 0)
-    if rows:
-        new_tokens = next_token_ids.tolist()
-        for r in rows:
-            buffer[r, known[r]] = new_tokens[r]
+    for r in rows:
+        buffer[r, known[r]] = next_tokens[r]
     return StepBatch(tuple(context.req_ids[:num_reqs]), buffer,
                      np.array(known, dtype=np.int64) + 1,
                      np.asarray(context.num_prompt_tokens[:num_reqs]),

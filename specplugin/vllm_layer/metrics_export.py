@@ -22,7 +22,7 @@ Names (counters; ``proposer`` label where it applies):
 - ``vllm:specplugin_chosen_total{proposer}``: how often the controller sent its candidate;
 - ``vllm:specplugin_k_total{k}``: requests per step by the draft length chosen (0: none);
 - ``vllm:specplugin_steps_total``, ``vllm:specplugin_steps_without_drafts_total``,
-  ``vllm:specplugin_steps_skipped_total``;
+  ``vllm:specplugin_steps_skipped_total``, ``vllm:specplugin_steps_without_draft_model_total``;
 - ``vllm:specplugin_arbiter_blocks_total{mode}``: blocks the step arbiter ran speculating
   or plain;
 - ``vllm:specplugin_proposer_failures_total{proposer}``: failures caught (each cost its
@@ -111,6 +111,7 @@ SCORER_COUNTERS = {
 def merge(snapshots: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """The sum of several workers' snapshots (data-parallel engines each publish one)."""
     total: dict[str, Any] = {"steps": 0, "steps_without_drafts": 0, "steps_skipped": 0,
+                             "steps_without_draft_model": 0,
                              "k_histogram": Counter(),
                              "proposers": {}, "proposer_failures": Counter(),
                              "arbiter": Counter(), "scorer": Counter()}
@@ -118,6 +119,7 @@ def merge(snapshots: Iterable[dict[str, Any]]) -> dict[str, Any]:
         total["steps"] += snap.get("steps", 0)
         total["steps_without_drafts"] += snap.get("steps_without_drafts", 0)
         total["steps_skipped"] += snap.get("steps_skipped", 0)
+        total["steps_without_draft_model"] += snap.get("steps_without_draft_model", 0)
         total["k_histogram"].update(snap.get("k_histogram", {}))
         total["proposer_failures"].update(snap.get("proposer_failures", {}))
         total["arbiter"].update(snap.get("arbiter") or {})
@@ -167,6 +169,10 @@ def metric_families(total: dict[str, Any]) -> list:
     skipped = family("steps_skipped", "Of those, steps whose drafting was skipped altogether "
                      "(a plain step decoded on vLLM's non-speculative path).", [])
     skipped.add_metric([], total["steps_skipped"])
+    no_draft = family("steps_without_draft_model", "Steps in which the draft model's "
+                      "machinery did not run at all (vLLM's preparation of its inputs "
+                      "included): its drafts were not needed.", [])
+    no_draft.add_metric([], total["steps_without_draft_model"])
     blocks = family("arbiter_blocks", "Blocks of steps the step arbiter ran, by mode.", ["mode"])
     for mode, key in (("speculative", "speculative_blocks"), ("plain", "plain_blocks")):
         blocks.add_metric([mode], total["arbiter"].get(key, 0))
@@ -178,8 +184,8 @@ def metric_families(total: dict[str, Any]) -> list:
     for key, doc in SCORER_COUNTERS.items():
         scorer.append(family(f"scorer_{key}", doc, []))
         scorer[-1].add_metric([], total["scorer"].get(key, 0))
-    return [*per_proposer.values(), *per_pos.values(), k, steps, idle, blocks, failures,
-            *scorer]
+    return [*per_proposer.values(), *per_pos.values(), k, steps, idle, skipped, no_draft, blocks,
+            failures, *scorer]
 
 
 class _Collector:

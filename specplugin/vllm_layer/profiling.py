@@ -90,6 +90,7 @@ WORKER_TIMED: Timed = (
     (_PLUGIN_RUNNER, "PluginRunnerMixin", "_copy_draft_token_ids_to_cpu", "plugin: hand back"),
     (_PLUGIN_RUNNER, "PluginRunnerMixin", "_get_draft_token_ids_cpu", "plugin: hand back"),
     (_PLUGIN_RUNNER, "PluginRunnerMixin", "_skip_drafting", "plugin: plain step"),
+    (_PLUGIN_RUNNER, "PluginRunnerMixin", "propose_draft_token_ids", "plugin: other"),
     ("specplugin.vllm_layer.metrics_export", "StatsPublisher", "maybe_publish", "plugin: metrics"),
     # the token-level drafter (specplugin.Speculator)
     ("specplugin.vllm_layer.speculator", "Speculator", "propose", "plugin: other"),
@@ -97,6 +98,7 @@ WORKER_TIMED: Timed = (
     ("specplugin.vllm_layer.speculator", "Speculator", "_verified", "plugin: context"),
     # the draft-model drafter
     (_DRAFT, "PluginDraftProposer", "propose", "plugin: other"),
+    (_DRAFT, "PluginDraftProposer", "propose_before_vllm_inputs", "plugin: other"),
     (_DRAFT, "PluginDraftProposer", "_rule_for_this_step", "plugin: learn"),
     (_DRAFT, "PluginDraftProposer", "_speculating", "plugin: learn"),
     (_DRAFT, None, "_step_batch", "plugin: context"),

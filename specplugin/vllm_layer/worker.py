@@ -306,6 +306,23 @@ class PluginRunnerMixin:
         finally:
             self.speculative_config = spec
 
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
+                                *args, **kwargs):
+        """The draft-model drafter decides its step before vLLM prepares the draft model's
+        inputs (:meth:`PluginDraftProposer.propose_before_vllm_inputs
+        <specplugin.vllm_layer.draft_proposer.PluginDraftProposer.propose_before_vllm_inputs>`):
+        a step in which the draft model runs for no row hands back its drafts as lists,
+        as vLLM's own token-level methods do, and touches none of the draft model's
+        machinery."""
+        decide = getattr(self.drafter, "propose_before_vllm_inputs", None)
+        if decide is not None and torch.is_tensor(sampled_token_ids):
+            drafts = decide(sampled_token_ids, sampling_metadata)
+            if drafts is not None:
+                self._draft_probs = self._draft_prob_req_ids = None  # as vLLM's call does
+                return drafts
+        return super().propose_draft_token_ids(scheduler_output, sampled_token_ids,
+                                               sampling_metadata, *args, **kwargs)
+
     def _copy_draft_token_ids_to_cpu(self, scheduler_output, zeros_only: bool = False) -> None:
         super()._copy_draft_token_ids_to_cpu(scheduler_output, zeros_only=zeros_only)
         if zeros_only:  # the drafter did not run this step: no drafts at all
