@@ -144,6 +144,23 @@ def test_every_timed_method_exists_in_this_vllm_and_plugin():
         assert callable(getattr(p.importlib.import_module(module), "set_forward_context"))
 
 
+def test_coarse_timers_keep_vllms_rows_and_the_plugins_entry_points():
+    """Every row the coarse timers keep is in the table, every vLLM row stays (else the
+    plugin's entry points would be charged vLLM's work nested in them), and every plugin
+    row dropped is nested in a kept one (its class is entered through a kept row)."""
+    from specplugin.vllm_layer import profiling as p
+
+    rows = {(owner, attribute) for _, owner, attribute, _ in p.WORKER_TIMED}
+    assert p.COARSE_PLUGIN_ROWS <= rows
+    kept_owners = {owner for owner, _ in p.COARSE_PLUGIN_ROWS}
+    for _, owner, attribute, phase in p.WORKER_TIMED:
+        if not p._is_plugin(phase):
+            continue
+        if (owner, attribute) not in p.COARSE_PLUGIN_ROWS:  # reached from an entry point
+            assert owner in kept_owners | {"Union", "NgramProposer", "SuffixProposer",
+                                           "DraftCandidates", "StatsPublisher", None}, owner
+
+
 def test_overrides_parse_as_json_and_reach_plugin_methods_only():
     from specplugin.bench.methods import METHODS
     from specplugin.bench.profile import parse_overrides, settings_for

@@ -87,6 +87,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--py-spy", action="store_true",
                         help="also record a flame graph of each engine (py-spy must be "
                              "installed: .venv/bin/pip install py-spy)")
+    parser.add_argument("--timers", choices=("fine", "coarse"), default="fine",
+                        help="fine: every phase of the plugin's work timed apart; coarse: the "
+                             "plugin timed at its entry points only (its own work in all, "
+                             "without most of the timers' own cost, measured at +4%% of the "
+                             "step with fine timers on this project's machine)")
     add_eager_argument(parser)
 
 
@@ -196,14 +201,14 @@ def profile_method(spec, models, prompts, args, out_dir: Path,
     with its overhead check, front-end time and device note."""
     from specplugin.bench.runner import EngineJob, cell_payload, run_job
     from specplugin.profiling import Ledger, combine, summarize
-    from specplugin.vllm_layer.profiling import ENV
+    from specplugin.vllm_layer.profiling import ENV, TIMERS_ENV
 
     label = f"profile-{spec.name}" + (f"-r{round_index + 1}" if round_index else "")
     job = EngineJob(label=label, model=models.target,
                     engine_kwargs=spec.engine_kwargs(models, settings_for(spec, args.overrides)),
                     cells=(cell_payload(prompts),),
                     kind="profile", eager=args.eager, overhead_pairs=args.overhead_pairs,
-                    plain_pairs=args.plain_pairs, env={ENV: "1"})
+                    plain_pairs=args.plain_pairs, env={ENV: "1", TIMERS_ENV: args.timers})
     spy = PySpy(out_dir / f"flame-{spec.name}.svg") if args.py_spy else None
     try:
         result = run_job(job, out_dir / "logs", spy.on_event if spy else lambda e: None)
@@ -308,7 +313,7 @@ def ordered_phases(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
 def _title(meta: Mapping[str, Any]) -> str:
     return (f"specplugin profile: {meta['cell']}, {meta['num_requests']} requests x "
             f"{meta['max_tokens']} tokens, {'eager' if meta['eager'] else 'compiled'}, "
-            f"ms per engine step (share of the step)")
+            f"{meta.get('timers', 'fine')} timers, ms per engine step (share of the step)")
 
 
 def _report_saved(path: Path, args, console) -> int:
@@ -491,7 +496,7 @@ def _meta(args, models, cell, prompts) -> dict[str, Any]:
             "num_requests": len(prompts.prompts), "max_tokens": prompts.max_tokens,
             "eager": args.eager, "engine_defaults": engine_kwargs({}, args.eager),
             "overhead_pairs": args.overhead_pairs, "plain_pairs": args.plain_pairs,
-            "overrides": args.overrides}
+            "overrides": args.overrides, "timers": args.timers}
 
 
 def _check_py_spy() -> None:
