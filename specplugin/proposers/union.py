@@ -128,8 +128,10 @@ class Union:
         ``arbiter``: measures whether speculating pays at all and switches whole steps
         to plain decoding when it does not (None: every step is planned).
         ``max_peek_gap``: see :data:`MAX_PEEK_GAP` (1: peek on every plain step).
-        ``draft_always``: test only (``fault_injection.draft_always``): every step is
-        one of :meth:`plan_draft`'s optimistic trials.
+        ``draft_always``: test only (``fault_injection.draft_always``): the draft model
+        runs in every speculative step, for every row that may use it, whatever it costs
+        (priced, a new request's catch-up over its whole prompt could keep it off a short
+        test's every step).
         ``learn_every``: see :data:`LEARN_EVERY` (1: the estimator learns every step)."""
         self.explore = explore
         self.arbiter = arbiter
@@ -447,7 +449,10 @@ class Union:
         plan_without = planned(acceptance, self.cost, spec_overhead=spec_overhead)
         without, kept, kept_seconds = plan_without
         self._plan_without = (tuple(id(c) for _, _, c in offers), plan_without)
-        trial = self.draft_always or (
+        if self.draft_always:
+            self._draft_plan_seconds = forward_seconds * max(lengths_list)
+            return lengths_list
+        trial = (
             self._draft_trials > 0
             and self.estimator.judged_tokens(draft_index) < DRAFT_TRIAL_EVIDENCE)
         # the draft's tokens before it runs: one cell per (mode, position, history)
@@ -488,7 +493,7 @@ class Union:
         if not best:
             return [0] * batch.num_reqs
         self._draft_plan_seconds = forward_seconds * best
-        self._draft_trials -= trial and not self.draft_always
+        self._draft_trials -= trial
         return [min(kr, best) for kr in k]
 
     def _rate_terms(self, acceptance, choices) -> tuple[float, float]:

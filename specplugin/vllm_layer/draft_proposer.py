@@ -234,6 +234,7 @@ class PluginDraftProposer(DraftModelProposer):
         decision made here."""
         runner = self.plugin_runner
         num_reqs = runner.input_batch.num_reqs
+        self._decided = None  # (one decision per step: never an earlier step's)
         try:
             vocab_size = runner.input_batch.vocab_size
             sampled = sampled_token_ids[:num_reqs].tolist()  # [num_reqs][1 + drafts]
