@@ -8,7 +8,7 @@ predictor of what repeats next (an edit copies the span just quoted; a loop
 repeats its last turn).
 
 A match close to the end (a loop) would leave only a few tokens to copy; the
-draft then continues the copy periodically (see :func:`continuation`).
+draft then continues the copy periodically (see :meth:`NgramProposer._candidate`).
 
 Each request keeps an index of its own context (:class:`_ContextIndex`): the end
 positions of every ``min_n``-gram, fed only the tokens that are new since the last step;
@@ -75,20 +75,6 @@ def suffix_match_ends(
         # extend by one token to the left: compare context[e - d] with context[-1 - d]
         alive = alive[1:] & (context[: num_tokens - 1 - d] == context[num_tokens - 1 - d])
     return best_len, best_ends
-
-
-def continuation(
-    context: np.ndarray,  # [num_tokens]
-    start: int,
-    limit: int,
-) -> np.ndarray:  # [limit]
-    """The ``limit`` tokens that follow a match ending at ``start - 1``.
-
-    When the copy runs into the end of the context it goes on copying its own
-    output, exactly as the text would if it kept repeating: the continuation of
-    a match ``period = num_tokens - start`` tokens back is periodic with that period.
-    """
-    return np.resize(context[start:], limit)
 
 
 # Occurrences of the last min_n tokens past which a proposal searches with numpy.
@@ -163,12 +149,13 @@ class NgramProposer:
                 continue
             context = batch.context(row)
             if not self.num_alternatives:
-                found = self._index(batch.req_ids[row], context).longest_match(self.max_n)
+                index = self._index(batch.req_ids[row], context)
+                found = index.longest_match(self.max_n)
                 if found is not None:
                     match_len, end = found
                     if match_len:
-                        candidates[row] = self._candidate_from_list(
-                            self._indexes[batch.req_ids[row]].tokens, end, match_len, limit)
+                        candidates[row] = self._candidate(index.tokens[end + 1:], match_len,
+                                                          limit)
                     continue
             match_len, ends = suffix_match_ends(context, self.min_n, self.max_n)
             if not match_len:
@@ -181,16 +168,24 @@ class NgramProposer:
                     firsts.add(context[end + 1])
                 if len(chosen) > self.num_alternatives:
                     break
-            found = [self._candidate(context, end, match_len, limit) for end in chosen]
+            found = [self._candidate(context[end + 1:].tolist(), match_len, limit)
+                     for end in chosen]
             candidates[row] = (found[0] if len(found) == 1 else
                                dataclasses.replace(found[0], alternatives=tuple(found[1:])))
         return candidates
 
-    def _candidate(self, context: np.ndarray, end: int, match_len: int, limit: int) -> Candidate:
-        token_ids = continuation(context, end + 1, limit).astype(np.int64)
-        signal = np.full(limit, match_len / self.max_n)
-        signal[len(context) - end - 1:] *= 0.5  # copied from the draft itself
-        return Candidate(token_ids, signal)
+    def _candidate(self, copied: list[int], match_len: int, limit: int) -> Candidate:
+        """The ``limit`` tokens that follow a match (``copied``: the context after it).
+
+        When the copy runs into the end of the context it goes on copying its own
+        output, exactly as the text would if it kept repeating: the continuation of a
+        match ``period = len(copied)`` tokens back is periodic with that period. Those
+        tokens' signal is halved (copied from the draft itself)."""
+        token_ids = (copied * (limit // len(copied) + 1))[:limit]
+        score = match_len / self.max_n
+        own = min(len(copied), limit)
+        signal = [score] * own + [0.5 * score] * (limit - own)
+        return Candidate(np.array(token_ids, dtype=np.int64), np.array(signal))
 
     def _index(self, req_id: str, context: np.ndarray) -> _ContextIndex:
         """The request's index, fed the context's new tokens (rebuilt if the context is
@@ -203,16 +198,6 @@ class NgramProposer:
         if len(context) > fed:
             index.extend(context[fed:].tolist())
         return index
-
-    def _candidate_from_list(self, tokens: list[int], end: int, match_len: int,
-                             limit: int) -> Candidate:
-        """:meth:`_candidate` on the index's token list."""
-        copied = tokens[end + 1:]
-        token_ids = (copied * (limit // len(copied) + 1))[:limit]  # periodic past the end
-        score = match_len / self.max_n
-        own = len(copied)  # tokens from the context; the rest copy the draft itself
-        signal = [score] * min(own, limit) + [0.5 * score] * max(0, limit - own)
-        return Candidate(np.array(token_ids, dtype=np.int64), np.array(signal))
 
     def finish_requests(self, req_ids: Iterable[str]) -> None:
         """Drop the requests' context indexes."""
