@@ -7,8 +7,7 @@ from specplugin.adaptive.arbiter import StepArbiter
 from specplugin.adaptive.controller import (NO_CANDIDATE, Choice, Extra, divergence, expand, plan,
                                            planned)
 from specplugin.adaptive.cost import StepCostModel, StepSums
-from specplugin.adaptive.estimator import (AcceptanceEstimator, TokenCells, history_bucket,
-                                           position_groups)
+from specplugin.adaptive.estimator import AcceptanceEstimator, TokenCells, history_bucket
 from specplugin.proposers.base import Candidate, StepBatch
 from specplugin.proposers.union import Union, Verified
 
@@ -967,20 +966,20 @@ def test_the_cost_models_table_of_step_times_follows_every_change():
 
 
 def test_pooled_cells_are_what_the_estimator_says_of_tokens_not_drafted_yet():
-    """The draft's gate reads the pooled table in Python: the same numbers as estimating
-    its tokens with no signal, per mode, position and history."""
+    """The draft's gate reads pooled cells in Python: the same numbers as estimating its
+    tokens with no signal, per mode, position and history."""
     est = AcceptanceEstimator(("ngram", "draft"))
     rng = np.random.default_rng(3)
     n = 40
     cells = TokenCells(np.full(n, 1), rng.random(n) < 0.5, np.arange(n) % 10, rng.random(n),
                        rng.integers(0, 4, n))
     est.update(cells, rng.random(n) < 0.7)
-    table = est.pooled(1)
+    est.estimate_cells(list(range(200)))  # cells read first: kept apart from pooled ones
     for sampled in (False, True):
         for history in range(4):
             asked = TokenCells(np.full(12, 1), np.full(12, sampled), np.arange(12),
                                np.zeros(12), np.full(12, history))
-            read = [table[sampled][g][history] for g in position_groups(12)]
+            read = est.pooled_cells(1, sampled, history, 12)
             assert read == pytest.approx(est.estimate(asked, signal_known=False).tolist())
 
 
@@ -1013,9 +1012,10 @@ def test_the_estimator_learns_every_step_when_cold_then_every_learn_every_steps(
     assert batched[-1] == pytest.approx(every[-1], rel=1e-3)
 
 
-def test_flat_cells_are_the_token_cells_raveled():
-    """The union's per-step index of its candidates' cells (flat_cells) is the one the
-    TokenCells form gives: proposer, mode, position group, signal bucket, history."""
+def test_per_candidate_cells_are_the_token_cells_raveled():
+    """The union's per-step index of its candidates' cells (cells, one candidate at a time)
+    is the one the TokenCells form gives: proposer, mode, position group, signal bucket,
+    history."""
     est = AcceptanceEstimator(("ngram", "suffix", "draft"))
     rng = np.random.default_rng(5)
     lengths = [1, 3, 9, 12, 70]  # past the last position group, past the first table
@@ -1023,22 +1023,21 @@ def test_flat_cells_are_the_token_cells_raveled():
     sampled = (rng.random(len(lengths)) < 0.5).tolist()
     history = rng.integers(0, 4, len(lengths)).tolist()
     signals = [np.r_[0.0, 1.0, rng.random(k)][:k] for k in lengths]  # the edges included
-    flat = est.flat_cells(proposer, sampled, history, signals)
     cells = TokenCells(np.repeat(proposer, lengths), np.repeat(sampled, lengths),
                        np.concatenate([np.arange(k) for k in lengths]), np.concatenate(signals),
                        np.repeat(history, lengths))
-    assert flat.tolist() == est._flat(cells).tolist()
-    # the same cells in plain Python, one candidate at a time (the per-step path)
     each = [est.cells(p, m, h, x) for p, m, h, x in zip(proposer, sampled, history, signals)]
-    assert sum(each, []) == flat.tolist()
-    assert est.cells(0, False, 0, np.array([2.0, -1.0])) == est.flat_cells(
-        [0], [False], [0], [np.array([2.0, -1.0])]).tolist()  # out of [0, 1]: clipped
+    assert sum(each, []) == est._flat(cells).tolist()
+    outside = TokenCells(np.zeros(2, int), np.zeros(2, bool), np.arange(2),
+                         np.array([2.0, -1.0]), np.zeros(2, int))
+    assert est.cells(0, False, 0, np.array([2.0, -1.0])) == est._flat(
+        outside).tolist()  # out of [0, 1]: clipped
     assert est.cells(0, False, 0, [np.nan]) == est.cells(0, False, 0, [0.0])
 
 
 def test_the_per_step_estimates_are_the_estimators_and_its_draws_last_until_it_learns():
-    """estimate_cells (plain Python over tables kept until the counts change) says what
-    estimate_flat says; a draw is one per cell, the same for every token of the cell and
+    """estimate_cells (plain Python over values kept until the counts change) says what
+    estimate says; a draw is one per cell, the same for every token of the cell and
     on every call until the estimator learns or decays, then drawn again."""
     est = AcceptanceEstimator(("ngram", "draft"))
     rng = np.random.default_rng(7)
@@ -1047,7 +1046,7 @@ def test_the_per_step_estimates_are_the_estimators_and_its_draws_last_until_it_l
                        rng.random(n), rng.integers(0, 4, n))
     est.update(cells, rng.random(n) < 0.6)
     flat = est._flat(cells).tolist()
-    assert est.estimate_cells(flat) == pytest.approx(est.estimate_flat(np.array(flat)).tolist())
+    assert est.estimate_cells(flat) == pytest.approx(est.estimate(cells).tolist())
     drawn = est.estimate_cells(flat + flat, draw=True)
     assert drawn[:n] == drawn[n:]  # one draw per cell
     assert est.estimate_cells(flat, draw=True) == drawn[:n]  # held

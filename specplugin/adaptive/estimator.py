@@ -24,10 +24,11 @@ and is tried again: the estimator keeps up with text that changes.
 
 **Exploration.** A point estimate learnt from two unlucky rejections would switch a
 good proposer off for thousands of steps (a cell that is never drafted learns
-nothing). :meth:`AcceptanceEstimator.sample` therefore draws each token's acceptance
-from the cell's posterior, ``Beta(s + m * parent, n - s + m * (1 - parent))``
+nothing). :meth:`AcceptanceEstimator.estimate_cells` therefore can draw a token's
+acceptance from its cell's posterior, ``Beta(s + m * parent, n - s + m * (1 - parent))``
 (Thompson sampling): a cell with little evidence is sometimes tried, one with much
-evidence behaves like its mean. Draws are seeded, so runs repeat. (The union
+evidence behaves like its mean. One draw per cell, kept until the counts change; draws
+are seeded, so runs repeat. (The union
 explores through one request per step; see :class:`~specplugin.proposers.union.Union`.)
 
 The request's recent acceptance is an exponential average of its own judged
@@ -86,13 +87,11 @@ class AcceptanceEstimator:
         self.decay = 1.0 - 1.0 / memory
         self.shape = (len(proposers), 2, len(POSITION_EDGES) + 1, num_signal_buckets,
                       len(HISTORY_EDGES) + 2)
-        self.rng = np.random.default_rng(seed)  # TokenCells draws (sample)
-        self.random = random.Random(seed)  # the per-step draws (seeded: runs repeat)
+        self.random = random.Random(seed)  # the draws (seeded: runs repeat)
         _, modes, groups, buckets, histories = self.shape
         self._strides = (modes * groups * buckets * histories, groups * buckets * histories,
                          buckets * histories, histories)
         self._position_list = [g * buckets * histories for g in position_groups(64)]
-        self._position_terms = np.zeros(0, dtype=np.intp)  # [positions] (see flat_cells)
         self.set_counts(0.0, 0.0)
 
     # -- the counts -------------------------------------------------------------------
@@ -121,10 +120,9 @@ class AcceptanceEstimator:
 
     def _changed(self) -> None:
         """The counts changed: every kept estimate and draw is stale."""
-        self._means: dict[int, float] = {}
-        self._drawn: dict[int, float] = {}
-        self._pooled_means: dict[int, float] = {}  # the same, per signal-pooled cell
-        self._pooled_drawn: dict[int, float] = {}
+        # (pooled, draw) -> cell -> its posterior mean or draw (see _value)
+        self._kept: dict[tuple[bool, bool], dict[int, float]] = {
+            (pooled, draw): {} for pooled in (False, True) for draw in (False, True)}
 
     def step(self, num_steps: int = 1) -> None:
         """Once per engine step (or for ``num_steps`` steps at once): old evidence fades."""
@@ -159,10 +157,6 @@ class AcceptanceEstimator:
         """``accepted``: [num_tokens] bool for judged tokens only."""
         self.update_cells(self._flat(t).tolist(), np.asarray(accepted, dtype=bool).tolist())
 
-    def update_flat(self, flat: np.ndarray, accepted: np.ndarray) -> None:
-        """:meth:`update` of tokens given by their cell indices (:meth:`flat_cells`)."""
-        self.update_cells(np.asarray(flat).tolist(), np.asarray(accepted, dtype=bool).tolist())
-
     def index(self, name: str) -> int:
         return self.proposers.index(name)
 
@@ -183,26 +177,9 @@ class AcceptanceEstimator:
     def _flat(self, t: TokenCells) -> np.ndarray:  # [num_tokens] flat cell index
         return np.ravel_multi_index(np.broadcast_arrays(*self._cells(t)), self.shape)
 
-    def flat_cells(self, proposer: Sequence[int], sampled: Sequence[bool],
-                   history: Sequence[int], signals: Sequence[np.ndarray]) -> np.ndarray:
-        """Flat cell index (into the tables raveled) of every token of several candidates
-        at once, concatenated: per candidate its proposer, mode, history bucket and its
-        tokens' signals ``[k]`` (positions 0 .. k - 1). What :class:`TokenCells` says,
-        vectorised (the per-step path reads one candidate at a time: :meth:`cells`)."""
-        _, modes, groups, buckets, histories = self.shape
-        lengths = [len(x) for x in signals]
-        if max(lengths, default=0) > len(self._position_terms):
-            groups_of = np.array(position_groups(max(64, *lengths)), dtype=np.intp)
-            self._position_terms = groups_of * (buckets * histories)
-        base = [((p * modes + int(s)) * groups * buckets) * histories + h
-                for p, s, h in zip(proposer, sampled, history)]
-        bucket = np.clip((np.concatenate(signals) * buckets).astype(np.intp), 0, buckets - 1)
-        position = np.concatenate([self._position_terms[:k] for k in lengths])
-        return np.repeat(base, lengths) + position + bucket * histories
-
     def cells(self, proposer: int, sampled: bool, history: int, signal) -> list[int]:
         """Flat cell index of each token of one candidate (``signal`` [k], positions 0 ..
-        k - 1), in plain Python: what :meth:`flat_cells` gives for it."""
+        k - 1), in plain Python: what :meth:`_flat` gives for them as :class:`TokenCells`."""
         per_proposer, per_mode, _, histories = self._strides
         buckets = self.num_signal_buckets
         base = proposer * per_proposer + int(sampled) * per_mode + history
@@ -210,7 +187,7 @@ class AcceptanceEstimator:
         if len(signal) > len(terms):
             terms = self._position_list = [
                 g * buckets * histories for g in position_groups(2 * len(signal))]
-        # the signal's bucket as flat_cells' clip(int(x * buckets)): NaN -> 0, 1 -> last
+        # the signal's bucket as _cells' clip(int(x * buckets)): NaN -> 0, 1 -> last
         return [base + terms[j] + histories * (
                     int(x * buckets) if 0.0 <= x < 1.0 else (buckets - 1 if x >= 1.0 else 0))
                 for j, x in enumerate(signal.tolist() if isinstance(signal, np.ndarray)
@@ -235,32 +212,29 @@ class AcceptanceEstimator:
     def _draw(self, alpha: float, beta: float) -> float:
         return min(max(self.random.betavariate(alpha, beta), 1e-6), 1.0 - 1e-6)
 
+    def _value(self, c: int, pooled: bool, draw: bool) -> float:
+        """Cell ``c``'s posterior mean, or (``draw``) one draw from it, kept until the
+        counts change (``pooled``: see :meth:`_posterior`)."""
+        kept = self._kept[pooled, draw]
+        x = kept.get(c)
+        if x is None:
+            alpha, beta, mean = self._posterior(c, pooled)
+            x = kept[c] = self._draw(alpha, beta) if draw else mean
+        return x
+
     def estimate_cells(self, cells: Sequence[int], draw: bool = False) -> list[float]:
         """Acceptance of tokens given by their cells (:meth:`cells`): posterior means, or
         (``draw``) one posterior draw per cell, kept until the counts change (tokens of the
         same cell, within a step and across the steps until the next update, get the same
         draw: Thompson sampling with the estimator's batched updates)."""
-        kept = self._drawn if draw else self._means
-        out = []
-        for c in cells:
-            x = kept.get(c)
-            if x is None:
-                alpha, beta, mean = self._posterior(c)
-                x = kept[c] = self._draw(alpha, beta) if draw else mean
-            out.append(x)
-        return out
+        return [self._value(c, False, draw) for c in cells]
 
     def estimate(self, t: TokenCells, signal_known: bool = True,
                  draw: np.ndarray | None = None) -> np.ndarray:  # [num_tokens]
         """Posterior means; ``draw`` [num_tokens] bool: those tokens drawn from the
         posterior instead (fresh draws, one per token); ``signal_known`` False: the
         tokens' cells pooled over signal buckets (a token not drafted yet)."""
-        return self.estimate_flat(self._flat(t), signal_known, draw)
-
-    def estimate_flat(self, flat: np.ndarray, signal_known: bool = True,
-                      draw: np.ndarray | None = None) -> np.ndarray:  # [num_tokens]
-        """:meth:`estimate` of tokens given by their cell indices (:meth:`flat_cells`)."""
-        flat = np.asarray(flat).tolist()
+        flat = self._flat(t).tolist()
         drawn = [False] * len(flat) if draw is None else np.asarray(draw, dtype=bool).tolist()
         out = []
         for c, d in zip(flat, drawn):
@@ -274,23 +248,6 @@ class AcceptanceEstimator:
         per_parent, histories = self._strides[2], self._strides[3]
         return (c // per_parent) * histories + c % histories
 
-    def sample(self, t: TokenCells, signal_known: bool = True,
-               shared: bool = False) -> np.ndarray:  # [num_tokens]
-        """One draw per token from its cell's posterior (see the module docstring);
-        ``shared``: one draw per distinct cell, the same for every token in it (a
-        decision that holds for many rows at once, such as running the draft model,
-        must weigh one guess at what its tokens are worth, not many independent ones
-        whose average is the mean again)."""
-        flat = self._flat(t).tolist()
-        if not signal_known:
-            flat = [self._pool_index(c) for c in flat]
-        params = [self._posterior(c, pooled=not signal_known)[:2] for c in flat]
-        if not shared:
-            return np.array([self._draw(a, b) for a, b in params], dtype=float)
-        drawn: dict[int, float] = {}
-        return np.array([drawn[c] if c in drawn else drawn.setdefault(c, self._draw(a, b))
-                         for c, (a, b) in zip(flat, params)], dtype=float)
-
     def pooled_cells(self, proposer: int, sampled: bool, history: int, num_tokens: int,
                      draw: bool = False) -> list[float]:  # [num_tokens]
         """Acceptance of positions 0 .. num_tokens - 1 of a candidate not drafted yet (the
@@ -302,23 +259,8 @@ class AcceptanceEstimator:
         many independent ones whose average is the mean again)."""
         _, modes, groups, _, histories = self.shape
         base = (proposer * modes + int(sampled)) * groups
-        return [self._pooled_value((base + g) * histories + history, draw)
+        return [self._value((base + g) * histories + history, True, draw)
                 for g in position_groups(num_tokens)]
-
-    def _pooled_value(self, q: int, draw: bool) -> float:
-        kept = self._pooled_drawn if draw else self._pooled_means
-        x = kept.get(q)
-        if x is None:
-            alpha, beta, mean = self._posterior(q, pooled=True)
-            x = kept[q] = self._draw(alpha, beta) if draw else mean
-        return x
-
-    def pooled(self, proposer: int, draw: bool = False) -> list:  # [2][positions][histories]
-        """:meth:`pooled_cells` of every (greedy / sampled, position group, history
-        bucket) of one proposer, as nested lists."""
-        _, modes, groups, _, histories = self.shape
-        return [[[self._pooled_value(((proposer * modes + m) * groups + g) * histories + h, draw)
-                  for h in range(histories)] for g in range(groups)] for m in range(modes)]
 
 
 def position_groups(num_tokens: int) -> list[int]:

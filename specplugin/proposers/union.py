@@ -169,7 +169,7 @@ class Union:
         # id(candidate) -> its tokens' acceptance as plan_draft estimated it this step:
         # choose reuses them (one estimate, one posterior draw per step for the gate and
         # the choice), estimating only the draft model's candidates, known after it ran
-        self._estimated: dict[int, np.ndarray] = {}
+        self._estimated: dict[int, list[float]] = {}
         # plan_draft's plan over the token-level candidates alone (their ids, the plan):
         # when the draft model then runs for no row, choose has nothing else to weigh
         # (and its expected tokens and seconds, for the arbiter's prediction)
