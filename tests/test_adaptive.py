@@ -399,6 +399,12 @@ def test_the_draft_runs_where_its_priced_forwards_pay():
                             catch_up_seconds=[0.05]))[0] == 0
     assert np.asarray(union.plan_draft(one, [], 1, np.array([8]), forward_seconds=0.001,
                             catch_up_seconds=[0.0]))[0] > 0
+    # paid once, it serves the request's later steps: spread over the many a long
+    # request has left it pays, over a short one's few it does not
+    assert np.asarray(union.plan_draft(one, [], 1, np.array([8]), forward_seconds=0.001,
+                            catch_up_seconds=[0.05], remaining_tokens=[2000]))[0] > 0
+    assert np.asarray(union.plan_draft(one, [], 1, np.array([8]), forward_seconds=0.001,
+                            catch_up_seconds=[0.05], remaining_tokens=[10]))[0] == 0
     assert np.asarray(union.plan_draft(one, [], 1, np.array([0]), forward_seconds=0.0))[0] == 0
     _teach(union, 0, 0.95)
     two = StepBatch(("a", "b"), np.zeros((2, 32), dtype=np.int32), np.full(2, 10),

@@ -18,6 +18,8 @@ from specplugin.config import (
 )
 from specplugin.proposers.draft import (
     AcceptanceCalibration,
+    MAX_FORWARD_JUMP,
+    WARMUP_FORWARDS,
     CostModel,
     DraftKVCursor,
     DraftRun,
@@ -210,7 +212,8 @@ def test_the_draft_cost_model_learns_summed_plain_steps_as_that_many_steps():
     eight equal steps, counted as eight, moves it exactly as the eight steps would."""
     one, summed = CostModel(warmup=4), CostModel(warmup=4)
     for costs in (one, summed):
-        costs.observe_forward(0.001)
+        for _ in range(WARMUP_FORWARDS + 1):
+            costs.observe_forward(0.001)
         for forwards in (1, 2, 3):
             costs.observe_step(0.012 + 0.001 * forwards, 4, forwards, forwards + 1)
     for _ in range(8):
@@ -220,6 +223,27 @@ def test_the_draft_cost_model_learns_summed_plain_steps_as_that_many_steps():
     assert summed.token_s == pytest.approx(one.token_s)
     assert summed.thresholds() == pytest.approx(one.thresholds(), rel=0.15)
     assert summed._num_steps == one._num_steps
+
+
+def test_the_draft_forward_price_leaves_out_an_engines_first_forwards_and_stalls():
+    """An engine's first draft forwards pay one-time costs: not priced (None: the caller
+    models the price). Then a plain mean over the first timed ones, an exponential average
+    after; a stall counts at most MAX_FORWARD_JUMP times the running price, so that one
+    slow forward cannot price the draft out of the steps that would correct it."""
+    costs = CostModel()
+    for _ in range(WARMUP_FORWARDS):
+        costs.observe_forward(0.05)  # compiling, allocating
+    assert costs.draft_forward_s is None
+    costs.observe_forward(0.002)
+    costs.observe_forward(0.001)
+    assert costs.draft_forward_s == pytest.approx(0.0015)
+    for _ in range(200):
+        costs.observe_forward(0.001)
+    assert costs.draft_forward_s == pytest.approx(0.001, rel=1e-3)
+    price = costs.draft_forward_s
+    costs.observe_forward(1.0)  # one stall
+    assert costs.draft_forward_s == pytest.approx(
+        price + costs.smoothing * (MAX_FORWARD_JUMP - 1) * price)
 
 
 def test_truncate_rows_cuts_to_lengths():

@@ -32,8 +32,6 @@ What the controller asks: :meth:`step_seconds` (``T(n)``) and
 :meth:`marginal_seconds` (``T(n + k) - T(n)``: what verifying ``k`` more tokens
 costs). On a GPU ``F`` is flat until the batch stops being memory-bound; on a CPU it
 grows from the first token: the same rule then drafts less.
-
-``draft_forward_s``: seconds of one batched draft-model forward (for model proposers).
 """
 
 from __future__ import annotations
@@ -61,7 +59,6 @@ class StepCostModel:
         self.overhead_s = 0.0
         self.smoothing = smoothing
         self.warmup = warmup
-        self.draft_forward_s: float | None = None
         self.num_observed = 0
         self.calibrated = False  # F known at every knot (calibrate, or a first observation)
         self._residual = {False: 0.0, True: 0.0}  # plain / speculative steps (EMA, from 0)
@@ -228,10 +225,6 @@ class StepCostModel:
         if i >= len(knots) - 2:  # past the last knot F follows the last two: it moved
             for n in range(knots[-1], len(table)):
                 table[n] = self.forward_one(n)
-
-    def observe_draft_forward(self, seconds: float) -> None:
-        old = self.draft_forward_s
-        self.draft_forward_s = seconds if old is None else old + self.smoothing * (seconds - old)
 
 
 class StepSums:

@@ -51,12 +51,26 @@ import torch
 from specplugin.adaptive.cost import StepSums
 from specplugin.proposers.base import Candidate, StepBatch
 
+# An engine's first draft forwards are not timed into the price: they pay one-time costs
+# (first calls, allocations, compiled shapes). Measured on the validation pair, compiled,
+# batch 1: the forwards of the engine's first draft run averaged 0.9-1.6 ms, later ones
+# 0.42 ms; set as the price, the first made the draft look four times dearer than it is,
+# and a union that then never ran it never corrected it (no draft-model run in a fresh
+# engine's complete batch-1 temperature-1 cell).
+WARMUP_FORWARDS = 8
+# A later timed forward counts at most this many times the running price: one stall
+# (another process, a new shape compiled) must not price the draft out of the steps that
+# would correct it.
+MAX_FORWARD_JUMP = 4.0
+
 
 class CostModel:
     """What drafting costs on this engine, as moving averages of its own timings.
 
     Measured: ``draft_forward_s`` (c), seconds of one batched draft forward with
-    sampling, timed directly; and per engine step (the wall time between two drafting
+    sampling, timed directly (None until :data:`WARMUP_FORWARDS` forwards were timed: the
+    caller then prices a forward from a model of its own; a plain mean over the first
+    ones, then an exponential average); and per engine step (the wall time between two drafting
     calls) its seconds, emitted tokens, draft forwards and verified draft tokens.
     From those: ``token_s`` (t), seconds per emitted token, and ``verify_s`` (v), the
     target's extra seconds per verified draft token, fitted as the slope of
@@ -69,6 +83,7 @@ class CostModel:
                  warmup: int = 16):
         self.fallback, self.smoothing, self.warmup = fallback, smoothing, warmup
         self.draft_forward_s: float | None = None
+        self._forwards_timed = 0  # (see WARMUP_FORWARDS)
         self.token_s: float | None = None
         self._step_s: float | None = None
         self._step_tokens: float | None = None
@@ -83,7 +98,15 @@ class CostModel:
         return new if old is None else old + weight * (new - old)
 
     def observe_forward(self, seconds: float) -> None:
-        self.draft_forward_s = self._ema(self.draft_forward_s, seconds)
+        """One timed draft forward (see :data:`WARMUP_FORWARDS`, :data:`MAX_FORWARD_JUMP`)."""
+        self._forwards_timed += 1
+        measured = self._forwards_timed - WARMUP_FORWARDS
+        if measured <= 0:
+            return
+        old = self.draft_forward_s
+        if old is not None:
+            seconds = min(seconds, MAX_FORWARD_JUMP * old)
+        self.draft_forward_s = self._ema(old, seconds, max(self.smoothing, 1.0 / measured))
 
     def observe_step(self, seconds: float, num_tokens: int, num_forwards: int,
                      num_draft_tokens: int) -> None:

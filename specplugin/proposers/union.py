@@ -401,7 +401,8 @@ class Union:
 
     def plan_draft(self, batch: StepBatch, offers, draft_index: int, caps: np.ndarray,
                    forward_seconds: float,
-                   catch_up_seconds: Sequence[float] | None = None) -> list[int]:  # [num_reqs]
+                   catch_up_seconds: Sequence[float] | None = None,
+                   remaining_tokens: Sequence[int] | None = None) -> list[int]:  # [num_reqs]
         """Tokens the draft model drafts for each row this step (0: it does not run for it).
 
         The draft model's candidate is unknown until it runs, and running it costs
@@ -435,7 +436,14 @@ class Union:
         prompt, the gap since the row last drafted) read through the draft model. Counted
         for the rows the plan gives the draft (measured: unpriced, the catch-ups of the
         draft's exploratory runs held a fresh engine at batch 1, temperature 1 to 0.83x
-        of no speculation while it decoded 476 of 510 steps plainly)."""
+        of no speculation while it decoded 476 of 510 steps plainly).
+        ``remaining_tokens`` [num_reqs]: tokens each row may still emit. A catch-up is
+        paid once and serves every later step in which the row drafts, so with it each
+        row's catch-up is spread over the steps it has left, its remaining tokens over the
+        tokens a step with the draft emits for it (``1 + P_1 + ... + P_k``): charged
+        whole to one step, a new request's prompt outweighed any one step's gain and the
+        draft never ran (measured on the validation pair, fresh engine, complete batch 1
+        temperature 1: not one draft-model run in the cell's 512 steps)."""
         lengths_list = [n if n > 0 else 0 for n in _as_list(caps)]  # [num_reqs]
         if not self.speculating or not any(lengths_list):
             return [0] * batch.num_reqs
@@ -483,7 +491,12 @@ class Union:
         best, best_rate = 0, kept / kept_seconds
         overhead = spec_overhead
         if catch_up_seconds is not None:  # the first pass's catch-up, for the draft's rows
-            overhead += sum(c for c, kr in zip(catch_up_seconds, k) if kr)
+            for r, (c, kr) in enumerate(zip(catch_up_seconds, k)):
+                if kr and c > 0.0:
+                    if remaining_tokens is not None:  # spread over the row's steps left
+                        emitted = 1.0 + sum(cumulative(acceptance[r][-1][:kr]))
+                        c *= min(1.0, emitted / max(1, remaining_tokens[r]))
+                    overhead += c
         for m in range(1, len(gains) + 1):
             expected += gains[m - 1]
             num_tokens += reach[m - 1]

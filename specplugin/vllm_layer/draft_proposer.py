@@ -358,7 +358,7 @@ class PluginDraftProposer(DraftModelProposer):
                     for c, a in zip(caps, batch.allowed)]
         finish = self._finish
         if self.union is not None:  # token-level candidates first: they may spare drafting
-            offers, caps = self._union_offers(batch, caps)
+            offers, caps = self._union_offers(batch, caps, context.remaining_tokens)
             if not any(caps):  # no draft-model machinery at all
                 self._last_draft_seconds = 0.0
                 return self._finish_without_draft(batch, offers)
@@ -600,17 +600,22 @@ class PluginDraftProposer(DraftModelProposer):
         self._last_forwards = self._last_draft_tokens = 0
         self._last_draft_seconds = 0.0
 
-    def _union_offers(self, batch: StepBatch, caps: list[int]):
+    def _union_offers(self, batch: StepBatch, caps: list[int], remaining_tokens: list[int]):
         """Ask the token-level proposers, then let the union plan the draft model's part:
         which rows it drafts for and how far, its forwards priced in
         (:meth:`Union.plan_draft <specplugin.proposers.union.Union.plan_draft>`).
+        ``remaining_tokens`` [num_reqs]: what each request may still emit (before this
+        step's tokens), bounded here by the room left before ``max_model_len``.
         Returns the offers and the draft's per-row caps (0: no draft model for that row)."""
         draft_index = len(self.union.proposers) - 1
         offers = self.union.ask(batch, range(draft_index))
         rows = sum(1 for c in caps if c > 0)
         forward = self._forward_price(rows)
+        room = self.max_model_len
+        remaining = [min(left, room - n) for left, n in
+                     zip(remaining_tokens[:batch.num_reqs], batch.num_tokens.tolist())]
         caps = self.union.plan_draft(batch, offers, draft_index, caps, forward,
-                                     self._catch_up_seconds(batch, rows, forward))
+                                     self._catch_up_seconds(batch, rows, forward), remaining)
         return offers, caps
 
     def _catch_up_seconds(self, batch: StepBatch, num_rows: int, forward: float) -> list[float]:
