@@ -405,6 +405,20 @@ def test_the_draft_runs_where_its_priced_forwards_pay():
                             catch_up_seconds=[0.05], remaining_tokens=[2000]))[0] > 0
     assert np.asarray(union.plan_draft(one, [], 1, np.array([8]), forward_seconds=0.001,
                             catch_up_seconds=[0.05], remaining_tokens=[10]))[0] == 0
+    # ... but only for a row expected to keep drafting with it: one whose draft candidate
+    # the plan also takes at the posterior means, not just on this step's draw
+    explorer = _union(Fixed("ngram", [1], 0.9), Fixed("draft", [], 0.5), explore=True)
+    explorer._draft_trials = 0
+    assert explorer.begin(None, 1, sampled=False)
+    explorer.estimator.pooled_cells = (
+        lambda proposer, sampled, history, n, draw=False: [0.99 if draw else 0.05] * n)
+    assert np.asarray(explorer.plan_draft(one, [], 1, np.array([8]), forward_seconds=0.001,
+                                          catch_up_seconds=[0.0]))[0] > 0  # the draw pays
+    assert np.asarray(explorer.plan_draft(one, [], 1, np.array([8]), forward_seconds=0.001,
+                      catch_up_seconds=[0.2], remaining_tokens=[2000]))[0] == 0
+    explorer.estimator.pooled_cells = lambda proposer, sampled, history, n, draw=False: [0.99] * n
+    assert np.asarray(explorer.plan_draft(one, [], 1, np.array([8]), forward_seconds=0.001,
+                      catch_up_seconds=[0.2], remaining_tokens=[2000]))[0] > 0
     assert np.asarray(union.plan_draft(one, [], 1, np.array([0]), forward_seconds=0.0))[0] == 0
     _teach(union, 0, 0.95)
     two = StepBatch(("a", "b"), np.zeros((2, 32), dtype=np.int32), np.full(2, 10),
@@ -458,6 +472,22 @@ def test_an_untried_draft_runs_in_its_first_steps_where_it_could_pay_at_all():
     _teach(taught, 1, 0.5, num_tokens=16)
     assert taught.begin(None, 8, sampled=False)
     assert not np.asarray(taught.plan_draft(_batch(rows), [], 1, np.full(8, 8), forward_seconds=0.002)).any()
+
+
+def test_a_draft_trials_step_is_not_a_rate_the_step_arbiter_weighs():
+    """A step that ran one of the draft's optimistic trials is the price of learning its
+    worth, once per engine: its time is not in the speculative block's rate (it made a
+    fresh engine's first blocks look slower than plain decoding); the steps after are."""
+    arbiter = StepArbiter()
+    union = _union(Fixed("ngram", [], 0.5), Fixed("draft", [], 0.5))
+    union.arbiter = arbiter
+    assert union.begin(None, 1, sampled=False)
+    assert np.asarray(union.plan_draft(_batch(["a"]), [], 1, np.array([8]),
+                                       forward_seconds=0.002)).any()  # a trial
+    assert union.begin(Verified(("a",), [8], [9], 0.05, 9), 1, sampled=False)
+    assert arbiter._seconds == 0.0 and arbiter._steps == 1
+    union.begin(Verified(("a",), [0], [1], 0.01, 1), 1, sampled=False)
+    assert arbiter._seconds == pytest.approx(0.01)
 
 
 def test_draft_always_runs_the_draft_wherever_a_row_could_use_it():
@@ -665,6 +695,21 @@ def test_one_cold_block_of_a_new_request_does_not_end_speculation():
         arbiter.observe(1, 1 / 60.0)
     choices = _arbitrate(arbiter, 100, spec_rate=300.0, plain_rate=100.0, num_reqs=1)
     assert choices.mean() > 0.9
+
+
+def test_speculation_judged_slower_on_its_first_blocks_is_measured_again_soon():
+    """Speculation's rate is the text's: two slow blocks at a request's start (nothing to
+    copy yet) send the bucket to plain decoding, but speculation is tried again within
+    min_interval blocks per block it was measured on, not after the gap's long interval;
+    once it measures faster it takes over."""
+    arbiter = StepArbiter()
+    start = _arbitrate(arbiter, 24, spec_rate=250.0, plain_rate=600.0, num_reqs=1)
+    # the engine's first 2 speculative blocks (unmeasured), the bucket's warm-up 2 + 2
+    assert start[:16].all() and not start[16:].any()
+    later = _arbitrate(arbiter, 200, spec_rate=1500.0, plain_rate=600.0, num_reqs=1)
+    first_retry = int(np.argmax(later))
+    assert later.any() and first_retry <= 4 * arbiter.min_interval * 2
+    assert later[first_retry + 40:].mean() > 0.8
 
 
 def test_a_plain_rate_the_cost_model_predicts_spares_the_plain_warm_up():

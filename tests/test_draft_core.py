@@ -26,6 +26,7 @@ from specplugin.proposers.draft import (
     OutcomeTracker,
     StopRule,
     confidence_of,
+    greedy_draft_tokens,
     sample_draft_tokens,
     truncate_rows,
 )
@@ -253,6 +254,15 @@ def test_truncate_rows_cuts_to_lengths():
 def test_confidence_is_the_top_probability():
     probs = torch.tensor([[0.1, 0.7, 0.2], [0.5, 0.25, 0.25]])
     assert confidence_of(probs).tolist() == pytest.approx([0.7, 0.5])
+
+
+def test_greedy_draft_tokens_are_the_argmax_with_its_softmax_probability():
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(0)) * 4
+    logits[3, 7] = 40.0  # a confident row
+    token_ids, confidence = greedy_draft_tokens(logits)
+    assert token_ids.tolist() == logits.argmax(dim=-1).tolist()
+    assert confidence == pytest.approx(confidence_of(logits.softmax(dim=-1)), rel=1e-6)
+    assert confidence[3] == pytest.approx(1.0, abs=1e-6)
 
 
 def test_the_draft_rereads_only_what_its_kv_cache_misses():

@@ -465,6 +465,17 @@ def sample_draft_tokens(
     return token_ids, draft_probs
 
 
+def greedy_draft_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
+    """Greedy rows' draft tokens (the argmax of ``logits`` [num_reqs, vocab_size]) and
+    their confidence, the argmax's probability under ``softmax(logits)``, computed as
+    ``1 / sum(exp(logits - max))``: one pass over the vocabulary for the maximum, one
+    for the sum, where the full softmax also divides and writes every entry and a third
+    pass finds its top. Returns (token ids [num_reqs], confidence [num_reqs] float64)."""
+    top, token_ids = logits.max(dim=-1)
+    total = (logits - top.unsqueeze(1)).exp_().sum(dim=-1, dtype=torch.float64)
+    return token_ids, total.reciprocal_().cpu().numpy()
+
+
 def confidence_of(draft_probs: torch.Tensor) -> np.ndarray:  # [num_reqs] float64
     """The draft's confidence: the top probability of each row of ``draft_probs``
     ([num_reqs, vocab_size], rows summing to 1)."""

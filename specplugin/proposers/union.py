@@ -177,6 +177,9 @@ class Union:
         # (this step's batch, its rows' history buckets): see _histories
         self._step_histories: tuple[StepBatch, list[int]] | None = None
         self._draft_trials = DRAFT_TRIALS  # optimistic draft runs left (see plan_draft)
+        # this step runs one of them: its time is the draft's exploration, not a rate of
+        # speculating that the step arbiter should weigh (see _observe)
+        self._trial_step = False
         self.learn_every = learn_every
         # verdicts not yet in the estimator: (sent, tokens judged, tokens accepted), and
         # the steps of decay it has not yet applied (see flush_learning)
@@ -205,7 +208,7 @@ class Union:
             self.arbiter.forget()
         self.speculating, self._observed, self._skipped_steps = True, False, 0
         self._peek_gap, self._steps_to_peek = 1, 0
-        self._draft_trials = DRAFT_TRIALS
+        self._draft_trials, self._trial_step = DRAFT_TRIALS, False
 
     def step(self, batch: StepBatch, verified: Verified | None) -> list[list[int]]:
         """Learn from ``verified``, then one draft per row of ``batch`` (``[]``: none)."""
@@ -223,8 +226,9 @@ class Union:
         self._estimated, self._plan_without = {}, None
         self._step_histories = None
         observed, self._observed = self._observed, False
+        trial, self._trial_step = self._trial_step, False
         if verified is not None:
-            self._learn(verified, observe=not observed)
+            self._learn(verified, observe=not observed, trial=trial)
         self._undecayed_steps += 1 + self._skipped_steps
         self._skipped_steps = 0
         if self._undecayed_steps >= self.learn_every or self._learned_tokens < COLD_TOKENS:
@@ -259,8 +263,9 @@ class Union:
         proved optimistic (sampled text) must not undo the arbiter's measurements."""
         if self.arbiter is None or self._pending or self._pending_extras:
             return True
+        trial, self._trial_step = self._trial_step, False
         self._observe(seconds, num_query_tokens, num_reqs, speculative=False,
-                      draft_seconds=draft_seconds)
+                      draft_seconds=draft_seconds, trial=trial)
         self.speculating = self.arbiter.speculate(num_reqs, sampled)
         if not self.speculating and peek is not None and self._peek_due():
             if self._copy_in_sight(peek):
@@ -372,11 +377,17 @@ class Union:
         self.stats.k_histogram[0] += num_reqs
 
     def _observe(self, seconds: float | None, num_query_tokens: int, num_emitted: int,
-                 speculative: bool, draft_seconds: float = 0.0) -> None:
+                 speculative: bool, draft_seconds: float = 0.0, trial: bool = False) -> None:
         """A step's wall time, to the cost model (without ``draft_seconds``, the draft
         model's forwards: :meth:`plan_draft` prices them itself, and counted in ``T(n)``
         they would be paid twice and make plain steps look dearer) and the step arbiter
-        (all of it: what a block of such steps really emits per second)."""
+        (all of it: what a block of such steps really emits per second), except a step
+        that ran one of the draft's optimistic trials (``trial``, see :meth:`plan_draft`):
+        what it costs is the price of learning the draft's worth, paid once per engine,
+        not the rate of speculating (measured on the validation pair, edit/b1/t0, fresh
+        engine: with the trials' steps counted, the cell's first two speculative blocks
+        measured 232 and 367 tok/s against 688 for plain decoding, which then ran for 100
+        steps, while speculation later measured 1,000-2,000 tok/s)."""
         if seconds is None:
             pass
         elif speculative or draft_seconds:
@@ -385,7 +396,7 @@ class Union:
         else:  # a plain step: learned with the next ones of its size (StepSums)
             self.cost.observe_plain(num_query_tokens, seconds)
         if self.arbiter is not None:
-            self.arbiter.observe(num_emitted, seconds)
+            self.arbiter.observe(num_emitted, None if trial else seconds)
 
     def ask(self, batch: StepBatch, proposers: Sequence[int]) -> list[tuple[int, int, Candidate]]:
         if not self.speculating:
@@ -438,10 +449,11 @@ class Union:
         draft's exploratory runs held a fresh engine at batch 1, temperature 1 to 0.83x
         of no speculation while it decoded 476 of 510 steps plainly).
         ``remaining_tokens`` [num_reqs]: tokens each row may still emit. A catch-up is
-        paid once and serves every later step in which the row drafts, so with it each
-        row's catch-up is spread over the steps it has left, its remaining tokens over the
-        tokens a step with the draft emits for it (``1 + P_1 + ... + P_k``): charged
-        whole to one step, a new request's prompt outweighed any one step's gain and the
+        paid once and serves every later step in which the row drafts, so with it the
+        catch-up of a row expected to keep drafting with the draft (:meth:`_draft_kept_on`)
+        is spread over the steps it has left, its
+        remaining tokens over the tokens a step with the draft emits for it
+        (``1 + P_1 + ... + P_k``): charged whole to one step, a new request's prompt outweighed any one step's gain and the
         draft never ran (measured on the validation pair, fresh engine, complete batch 1
         temperature 1: not one draft-model run in the cell's 512 steps)."""
         lengths_list = [n if n > 0 else 0 for n in _as_list(caps)]  # [num_reqs]
@@ -491,12 +503,16 @@ class Union:
         best, best_rate = 0, kept / kept_seconds
         overhead = spec_overhead
         if catch_up_seconds is not None:  # the first pass's catch-up, for the draft's rows
-            for r, (c, kr) in enumerate(zip(catch_up_seconds, k)):
-                if kr and c > 0.0:
-                    if remaining_tokens is not None:  # spread over the row's steps left
-                        emitted = 1.0 + sum(cumulative(acceptance[r][-1][:kr]))
-                        c *= min(1.0, emitted / max(1, remaining_tokens[r]))
-                    overhead += c
+            behind = [r for r, (c, kr) in enumerate(zip(catch_up_seconds, k)) if kr and c > 0.0]
+            kept_on = (set() if remaining_tokens is None or not behind
+                       else self._draft_kept_on(acceptance, behind, draft_index, batch,
+                                                histories))
+            for r in behind:
+                c = catch_up_seconds[r]
+                if r in kept_on:  # spread over the row's steps left
+                    emitted = 1.0 + sum(cumulative(acceptance[r][-1][:k[r]]))
+                    c *= min(1.0, emitted / max(1, remaining_tokens[r]))
+                overhead += c
         for m in range(1, len(gains) + 1):
             expected += gains[m - 1]
             num_tokens += reach[m - 1]
@@ -507,7 +523,25 @@ class Union:
             return [0] * batch.num_reqs
         self._draft_plan_seconds = forward_seconds * best
         self._draft_trials -= trial
+        self._trial_step = trial
         return [min(kr, best) for kr in k]
+
+    def _draft_kept_on(self, acceptance, rows: list[int], draft_index: int, batch: StepBatch,
+                       histories: list[int]) -> set[int]:
+        """Of ``rows`` (rows the draft plans for whose draft KV is behind), those whose
+        draft candidate the step's plan also chooses at the posterior means of the
+        draft's tokens: rows expected to keep drafting with it, so that a catch-up paid
+        now serves their later steps too. A row that gets the draft only through this
+        step's posterior draw or an optimistic trial (exploration) is not expected to: its
+        catch-up is this step's alone, or greedy rows whose n-gram and suffix candidates
+        are worth more would read their whole prompts through the draft on every
+        exploratory draw."""
+        means = list(acceptance)
+        for r in rows:
+            means[r] = acceptance[r][:-1] + [self.estimator.pooled_cells(
+                draft_index, batch.sampled[r], histories[r], len(acceptance[r][-1]))]
+        chosen = plan(means, self.cost, spec_overhead=self.cost.spec_overhead_s)
+        return {r for r in rows if chosen[r].candidate == len(acceptance[r]) - 1}
 
     def _rate_terms(self, acceptance, choices) -> tuple[float, float]:
         """(expected tokens emitted, seconds) of a step that verifies ``choices``."""
@@ -699,14 +733,16 @@ class Union:
         if outcome.winner is not None and outcome.winner < len(extras):
             self.stats.won(self.proposers[extras[outcome.winner].proposer].name, emitted)
 
-    def _learn(self, verified: Verified, observe: bool = True) -> None:
+    def _learn(self, verified: Verified, observe: bool = True, trial: bool = False) -> None:
         """One estimator update for every judged token of the step just verified
-        (``observe``: its wall time too, unless :meth:`plain_step` already did)."""
+        (``observe``: its wall time too, unless :meth:`plain_step` already did; ``trial``:
+        it ran one of the draft's optimistic trials, see :meth:`_observe`)."""
         scheduled_drafts = _as_list(verified.num_scheduled_drafts)  # [num_reqs]
         num_emitted = _as_list(verified.num_emitted)  # [num_reqs]
         if observe:
             self._observe(verified.seconds, verified.num_query_tokens, sum(num_emitted),
-                          any(k > 0 for k in scheduled_drafts), verified.draft_seconds)
+                          any(k > 0 for k in scheduled_drafts), verified.draft_seconds,
+                          trial=trial)
         pending, self._pending = self._pending, {}
         pending_extras, self._pending_extras = self._pending_extras, {}
         scored = verified.scored or {}

@@ -49,6 +49,7 @@ from specplugin.proposers.draft import (
     OutcomeTracker,
     StopRule,
     confidence_of,
+    greedy_draft_tokens,
     sample_draft_tokens,
 )
 from specplugin.proposers.union import Union, Verified
@@ -516,8 +517,7 @@ class PluginDraftProposer(DraftModelProposer):
         keeps drafting."""
         logits = self._logits(hidden)  # [num_rows, vocab_size]
         if temperature is None:
-            token_ids = logits.argmax(dim=-1)
-            return run.add(token_ids, confidence_of(logits.softmax(dim=-1)))
+            return run.add(*greedy_draft_tokens(logits))
         token_ids, draft_probs = sample_draft_tokens(
             logits, temperature, temperature >= _SAMPLING_EPS,
             all_sampled=bool(run.sampled.all()))
