@@ -70,8 +70,8 @@ class CostModel:
     Measured: ``draft_forward_s`` (c), seconds of one batched draft forward with
     sampling, timed directly (None until :data:`WARMUP_FORWARDS` forwards were timed: the
     caller then prices a forward from a model of its own; a plain mean over the first
-    ones, then an exponential average); and per engine step (the wall time between two drafting
-    calls) its seconds, emitted tokens, draft forwards and verified draft tokens.
+    ones, then an exponential average); and per engine step (the wall time between two
+    drafting calls) its seconds, emitted tokens, draft forwards and verified draft tokens.
     From those: ``token_s`` (t), seconds per emitted token, and ``verify_s`` (v), the
     target's extra seconds per verified draft token, fitted as the slope of
     ``step seconds - c * forwards`` against verified draft tokens (exponentially

@@ -451,11 +451,11 @@ class Union:
         ``remaining_tokens`` [num_reqs]: tokens each row may still emit. A catch-up is
         paid once and serves every later step in which the row drafts, so with it the
         catch-up of a row expected to keep drafting with the draft (:meth:`_draft_kept_on`)
-        is spread over the steps it has left, its
-        remaining tokens over the tokens a step with the draft emits for it
-        (``1 + P_1 + ... + P_k``): charged whole to one step, a new request's prompt outweighed any one step's gain and the
-        draft never ran (measured on the validation pair, fresh engine, complete batch 1
-        temperature 1: not one draft-model run in the cell's 512 steps)."""
+        is spread over the steps it has left, its remaining tokens over the tokens a step
+        with the draft emits for it (``1 + P_1 + ... + P_k``): charged whole to one step,
+        a new request's prompt outweighed any one step's gain and the draft never ran
+        (measured on the validation pair, fresh engine, complete batch 1 temperature 1:
+        not one draft-model run in the cell's 512 steps)."""
         lengths_list = [n if n > 0 else 0 for n in _as_list(caps)]  # [num_reqs]
         if not self.speculating or not any(lengths_list):
             return [0] * batch.num_reqs
