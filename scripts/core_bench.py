@@ -30,7 +30,7 @@ from specplugin.proposers.base import StepBatch
 from specplugin.proposers.draft import DraftCandidates
 from specplugin.proposers.ngram import NgramProposer
 from specplugin.proposers.suffix import SuffixProposer
-from specplugin.proposers.union import Union, Verified
+from specplugin.adaptive.union import Union, Verified
 
 K = 8  # most draft tokens per row
 PROMPT = 200  # tokens of each row's context before its first step

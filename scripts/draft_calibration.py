@@ -6,7 +6,7 @@ Teacher-forces the zoo's target and draft over windows of the held-out files and
 of the draft's top probability, prints how often the draft's argmax equals the target's
 (greedy acceptance) and the mean of sum(min(p, q)) (acceptance at temperature 1), then the
 temperature-1 acceptance for other draft temperatures. The draft proposer's stopping rule
-leans on this relation (specplugin/proposers/draft.py), so it is worth knowing per pair.
+leans on this relation (specplugin/adaptive/draft_rule.py), so it is worth knowing per pair.
 """
 
 import sys

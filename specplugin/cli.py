@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "zoo": ("specplugin.zoo.cli", "the project's own target/draft model pair"),
+    "zoo": ("specplugin.bench.zoo_cli", "the project's own target/draft model pair"),
     "demo": ("specplugin.demo", "offline batch inference with and without the plugin"),
     "bench": ("specplugin.bench.cli", "vLLM's speculative methods and the plugin, side by side"),
     "check-lossless": ("specplugin.bench.lossless",

@@ -26,6 +26,13 @@ SPECULATOR_CLASS = "specplugin.Speculator"
 MAX_NUM_SPECULATIVE_TOKENS = 32
 # most candidates verified per request per step (the batch-expanding scorer)
 MAX_CANDIDATES = 4
+# The proposers a configuration may name. Token-level ones are built by
+# specplugin.proposers.build_proposer; model proposers run a model on vLLM's paged KV cache
+# and are built by the plugin's worker layer (specplugin.vllm_layer.worker). Named here, so
+# that checking a configuration imports no proposer (and no proposer imports this back).
+TOKEN_PROPOSERS = ("ngram", "suffix")
+MODEL_PROPOSERS = ("draft",)
+PROPOSERS = (*TOKEN_PROPOSERS, *MODEL_PROPOSERS)
 
 
 class SpecPluginConfigError(ValueError):
@@ -59,7 +66,7 @@ class NgramSettings:
 
 @dataclass(frozen=True)
 class DraftSettings:
-    """The draft proposer's stopping rule (``specplugin.proposers.draft``): each request
+    """The draft proposer's stopping rule (``specplugin.adaptive.draft_rule``): each request
     drafts while the estimated chance that all its draft tokens so far get accepted
     stays >= ``min_acceptance`` (the draft's confidence, calibrated online), up to
     ``num_speculative_tokens``; ``k`` tokens until the calibration has evidence.
@@ -87,7 +94,7 @@ class DraftSettings:
 
 @dataclass(frozen=True)
 class FaultSettings:
-    """Test-only fault injection (:mod:`specplugin.faults`): ``proposers`` maps a
+    """Test-only fault injection (:mod:`specplugin.proposers.faults`): ``proposers`` maps a
     configured proposer to N (it raises at every N-th call); ``draft_forward`` is N for
     the draft model's forward (every N-th forward raises). Each fault must cost its
     step's drafts, never a request; the failures show in the metrics."""
@@ -140,7 +147,7 @@ class SpecPluginConfig:
     # False: every step speculates (the step arbiter, specplugin.adaptive.arbiter, never
     # switches to plain decoding); for measuring acceptance, as check-lossless does
     step_arbiter: bool = True
-    # test-only: proposers and draft forwards that fail on purpose (specplugin.faults)
+    # test-only: proposers and draft forwards that fail on purpose (specplugin.proposers.faults)
     fault_injection: FaultSettings = field(default_factory=FaultSettings)
     # the batch-expanding scorer: most candidates verified per request per step (1: one
     # chain, the scorer off); from different proposers, or one proposer's alternatives
@@ -150,8 +157,6 @@ class SpecPluginConfig:
     state_dir: str | None = None
 
     def __post_init__(self):
-        from specplugin.proposers import available_proposers
-
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_NUM_SPECULATIVE_TOKENS:
             raise SpecPluginConfigError(
@@ -161,13 +166,13 @@ class SpecPluginConfig:
         if not self.proposers:
             raise SpecPluginConfigError(
                 f"{_where('proposers')} is empty; list at least one proposer, "
-                f"e.g. {list(available_proposers())[:1]}."
+                f"e.g. {list(PROPOSERS)[:1]}."
             )
         for name in self.proposers:
-            if name not in available_proposers():
+            if name not in PROPOSERS:
                 raise SpecPluginConfigError(
                     f"{_where('proposers')} names unknown proposer {name!r}; "
-                    f"available: {', '.join(sorted(available_proposers()))}."
+                    f"available: {', '.join(sorted(PROPOSERS))}."
                 )
         if len(set(self.proposers)) != len(self.proposers):
             raise SpecPluginConfigError(

@@ -9,7 +9,7 @@ from specplugin.adaptive.controller import (NO_CANDIDATE, Choice, Extra, diverge
 from specplugin.adaptive.cost import StepCostModel, StepSums
 from specplugin.adaptive.estimator import AcceptanceEstimator, TokenCells, history_bucket
 from specplugin.proposers.base import Candidate, StepBatch
-from specplugin.proposers.union import Union, Verified
+from specplugin.adaptive.union import Union, Verified
 
 
 def linear(t0: float, per_token: float):
@@ -458,7 +458,7 @@ def test_an_untried_draft_runs_in_its_first_steps_where_it_could_pay_at_all():
     optimistic estimate (every token accepted) in its first DRAFT_TRIALS gated steps,
     then on its posterior (a coin flip that does not pay at this price: off); never
     where even a perfect draft would not pay; and not once its tokens were judged."""
-    from specplugin.proposers.union import DRAFT_TRIALS
+    from specplugin.adaptive.union import DRAFT_TRIALS
 
     rows = [f"r{j}" for j in range(8)]
     union = _union(Fixed("ngram", [], 0.5), Fixed("draft", [], 0.5))
@@ -534,7 +534,7 @@ def test_a_step_the_draft_skips_is_planned_once(monkeypatch):
     """When the draft's gate plans the draft model out for every row, the choice weighs
     exactly the candidates, estimates and costs the gate's plan without it did: that plan
     is the choice, not computed a second time; with the draft's candidates in, it is."""
-    from specplugin.proposers import union as union_module
+    from specplugin.adaptive import union as union_module
 
     calls = []
     for name in ("plan", "planned"):  # (the choice alone; or with its rate's terms)
@@ -795,7 +795,7 @@ def test_peeks_that_find_nothing_come_ever_less_often_until_new_text_arrives():
     verifying, the gap to the next one doubles up to MAX_PEEK_GAP plain steps; a peek
     that finds a copy, or requests joining the batch, bring it back to every step."""
     from specplugin.proposers.ngram import NgramProposer
-    from specplugin.proposers.union import MAX_PEEK_GAP
+    from specplugin.adaptive.union import MAX_PEEK_GAP
 
     union = _union(NgramProposer(), Fixed("draft", [], 0.5))
     union.arbiter = _AlwaysPlain()
@@ -978,7 +978,7 @@ def test_alternatives_are_extra_candidates_never_the_chosen_draft():
 
 
 def test_alternatives_that_lose_do_not_teach_the_estimator():
-    from specplugin.proposers.union import Scored
+    from specplugin.adaptive.union import Scored
 
     cost = flat_cost()
     union = Union([WithAlternative("a", [1, 2, 3], 0.3)], cost=cost, explore=False,
@@ -1039,7 +1039,7 @@ def test_the_estimator_learns_every_step_when_cold_then_every_learn_every_steps(
     LEARN_EVERY steps at a time; what it holds after a flush is what learning every step
     gives (up to the order of decay and update: fresh verdicts are not decayed by the steps
     they waited, 1 / memory per step)."""
-    from specplugin.proposers.union import COLD_TOKENS, LEARN_EVERY
+    from specplugin.adaptive.union import COLD_TOKENS, LEARN_EVERY
 
     def run(learn_every, cold):
         cost = StepCostModel(max_tokens=64)  # GPU-like: verifying a token is nearly free

@@ -16,15 +16,17 @@ from specplugin.config import (
     check_shared_vocabulary,
     parse,
 )
-from specplugin.proposers.draft import (
-    AcceptanceCalibration,
+from specplugin.adaptive.draft_rule import (
     MAX_FORWARD_JUMP,
     WARMUP_FORWARDS,
+    AcceptanceCalibration,
     CostModel,
-    DraftKVCursor,
     DraftRun,
     OutcomeTracker,
     StopRule,
+)
+from specplugin.proposers.draft import (
+    DraftKVCursor,
     confidence_of,
     greedy_draft_tokens,
     sample_draft_tokens,

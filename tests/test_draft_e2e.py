@@ -243,7 +243,7 @@ def test_a_failing_draft_step_costs_its_drafts_not_the_requests():
     from specplugin.adaptive.arbiter import StepArbiter
     from specplugin.adaptive.cost import StepTimer
     from specplugin.metrics import FailureCounter, ProposerStats
-    from specplugin.proposers.draft import AcceptanceCalibration, OutcomeTracker
+    from specplugin.adaptive.draft_rule import AcceptanceCalibration, OutcomeTracker
     from specplugin.vllm_layer.draft_proposer import PluginDraftProposer
 
     drafter = object.__new__(PluginDraftProposer)  # no vLLM config needed for the guard
@@ -273,7 +273,7 @@ def _bare_drafter(num_reqs: int, scheduled: list[int]):
 
     from specplugin.adaptive.cost import StepTimer
     from specplugin.metrics import FailureCounter, ProposerStats
-    from specplugin.proposers.draft import AcceptanceCalibration, OutcomeTracker
+    from specplugin.adaptive.draft_rule import AcceptanceCalibration, OutcomeTracker
     from specplugin.vllm_layer.draft_proposer import PluginDraftProposer
 
     drafter = object.__new__(PluginDraftProposer)

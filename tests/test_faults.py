@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from specplugin.config import SpecPluginConfigError, parse
-from specplugin.faults import EveryNth, FaultyProposer, InjectedFault
+from specplugin.proposers.faults import EveryNth, FaultyProposer, InjectedFault
 from specplugin.proposers import build_proposer
 from specplugin.proposers.base import Candidate, StepBatch
-from specplugin.proposers.union import Union
+from specplugin.adaptive.union import Union
 
 
 def test_every_nth_call_fails():

@@ -9,7 +9,7 @@ from specplugin.adaptive.arbiter import PLAIN, SPECULATE, StepArbiter
 from specplugin.adaptive.cost import StepCostModel
 from specplugin.adaptive.memory import REMEASURE_BLOCKS, UnionMemory, open_memory, state_path
 from specplugin.config import SpecPluginConfigError, parse
-from specplugin.proposers.union import Union
+from specplugin.adaptive.union import Union
 from tests.test_adaptive import Fixed, _teach
 
 
@@ -160,7 +160,7 @@ def test_state_dir_must_be_a_directory_this_user_can_write(tmp_path):
 def test_verdicts_the_estimator_holds_back_are_written_too(tmp_path):
     """The union learns LEARN_EVERY steps at a time (warm): the file written between two
     flushes has every verdict judged so far."""
-    from specplugin.proposers.union import COLD_TOKENS, Verified
+    from specplugin.adaptive.union import COLD_TOKENS, Verified
     from tests.test_adaptive import _batch
 
     union = _union()

@@ -49,7 +49,7 @@ def test_speculator_counts_a_drafting_failure_and_returns_empty_drafts():
             raise ValueError("runner state went wrong")
 
     spec = object.__new__(Speculator)  # no vLLM config needed for the guard
-    spec.union = __import__("specplugin.proposers.union", fromlist=["Union"]).Union([])
+    spec.union = __import__("specplugin.adaptive.union", fromlist=["Union"]).Union([])
     spec.failures = FailureCounter("union", logging.getLogger("specplugin.test"))
     spec.runner = BrokenRunner()
     tokens = np.zeros((2, 64), dtype=np.int32)
@@ -127,7 +127,7 @@ def test_an_extra_candidate_that_won_is_credited_to_its_proposer():
     draft tokens stay ngram's (as in vLLM's counters), the emitted ones are suffix's."""
     import numpy as np
 
-    from specplugin.proposers.union import Scored, Union, Verified
+    from specplugin.adaptive.union import Scored, Union, Verified
     from tests.test_adaptive import Fixed, _batch, flat_cost
 
     union = Union([Fixed("ngram", [1, 2, 3, 4], 0.9), Fixed("suffix", [1, 7, 8, 9], 0.9)],

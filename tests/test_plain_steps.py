@@ -5,7 +5,7 @@ import pytest
 
 from specplugin.adaptive.arbiter import PLAIN, SPECULATE, StepArbiter
 from specplugin.adaptive.cost import StepTimer
-from specplugin.proposers.union import Union, Verified
+from specplugin.adaptive.union import Union, Verified
 from tests.test_adaptive import Fixed, _batch, flat_cost
 
 

@@ -42,7 +42,7 @@ from vllm.inputs import TokensPrompt
 from specplugin.adaptive.arbiter import StepArbiter
 from specplugin.proposers.ngram import NgramProposer
 from specplugin.proposers.suffix import SuffixProposer
-from specplugin.proposers.union import Union
+from specplugin.adaptive.union import Union
 from specplugin.vllm_layer.draft_proposer import PluginDraftProposer
 
 # short runs: every step speculates and the draft model runs for every row that may use

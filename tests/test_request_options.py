@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from specplugin.proposers.base import Candidate, StepBatch
-from specplugin.proposers.union import Union
+from specplugin.adaptive.union import Union
 from specplugin.request_options import (
     DEFAULT,
     MAX_K_KEY,

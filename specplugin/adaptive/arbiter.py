@@ -78,7 +78,7 @@ warm-up then measures the blocks after them.
 **Copies in sight.** Text that starts copying in the middle of a request is new text
 too. On a plain step the union asks its cheapest proposer (n-gram) on the batch as it
 stands and plans the step it would verify (:meth:`Union.plain_step
-<specplugin.proposers.union.Union.plain_step>`); the arbiter judges that plan
+<specplugin.adaptive.union.Union.plain_step>`); the arbiter judges that plan
 (:meth:`StepArbiter.pays_now`): its predicted rate times the bucket's ``correction``
 (speculative blocks' measured rate over the rate the union predicted for their steps,
 an exponential average) against the measured plain rate. If it wins, a speculative
@@ -137,7 +137,7 @@ class StepArbiter:
     def forget(self) -> None:
         """A fresh engine's measurements (also what ``__init__`` starts from): no bucket's
         rates, no block running. The block counters stay (see :meth:`Union.forget_learned
-        <specplugin.proposers.union.Union.forget_learned>`)."""
+        <specplugin.adaptive.union.Union.forget_learned>`)."""
         self._buckets: dict[tuple[int, bool], _Bucket] = {}
         self._choice = SPECULATE
         self._bucket: tuple[int, bool] | None = None  # of the running block

@@ -29,7 +29,7 @@ acceptance from its cell's posterior, ``Beta(s + m * parent, n - s + m * (1 - pa
 (Thompson sampling): a cell with little evidence is sometimes tried, one with much
 evidence behaves like its mean. One draw per cell, kept until the counts change; draws
 are seeded, so runs repeat. (The union
-explores through one request per step; see :class:`~specplugin.proposers.union.Union`.)
+explores through one request per step; see :class:`~specplugin.adaptive.union.Union`.)
 
 The request's recent acceptance is an exponential average of its own judged
 tokens (accepted = 1, rejected = 0), bucketed; a new request has its own bucket.

@@ -20,6 +20,8 @@ Modules:
 - ``lossless``: greedy token-for-token and sampled chi-square checks.
 - ``tinymodel``: the tiny-vocabulary Llama pair the sampled check draws from.
 - ``cli``: ``specplugin bench``.
+- ``zoo_cli``, ``zoo_report``: ``specplugin zoo`` (build the pair, print its folders) and
+  ``specplugin zoo report`` (the pair measured under vLLM); the pair itself is ``specplugin.zoo``.
 
 Nothing here is imported by the plugin, and importing this package does not import
 vLLM or torch (the CLI builds its parsers from it).

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from specplugin.config import MODEL_PROPOSERS, PROPOSERS, TOKEN_PROPOSERS
 from specplugin.proposers.base import Candidate, Proposer, StepBatch
 
 if TYPE_CHECKING:
@@ -30,14 +31,12 @@ def _suffix(config: "SpecPluginConfig") -> Proposer:
 
 _FACTORIES: dict[str, Callable[["SpecPluginConfig"], Proposer]] = {"ngram": _ngram,
                                                                    "suffix": _suffix}
-
-# Proposers that run a model on vLLM's paged KV cache: they need the plugin's worker
-# layer (``specplugin.vllm_layer.worker``), which builds them, not ``build_proposer``.
-MODEL_PROPOSERS = ("draft",)
+# the names a configuration may give (specplugin.config) and the ones built here agree
+assert tuple(_FACTORIES) == TOKEN_PROPOSERS, (tuple(_FACTORIES), TOKEN_PROPOSERS)
 
 
 def available_proposers() -> tuple[str, ...]:
-    return (*_FACTORIES, *MODEL_PROPOSERS)
+    return PROPOSERS
 
 
 def build_proposer(name: str, config: "SpecPluginConfig") -> Proposer:
@@ -50,7 +49,7 @@ def build_proposer(name: str, config: "SpecPluginConfig") -> Proposer:
     if name not in _FACTORIES:
         raise ValueError(f"unknown proposer {name!r}; available: "
                          f"{', '.join(sorted(available_proposers()))}.")
-    from specplugin.faults import with_faults  # test-only, off unless configured
+    from specplugin.proposers.faults import with_faults  # test-only, off unless configured
 
     return with_faults(_FACTORIES[name](config), config.fault_injection.proposers)
 

@@ -10,7 +10,7 @@ subclass keeps all of that and replaces only the drafting loop, so that
   against verification results, says the next token is unlikely to be used, and goes
   on past the default K up to ``num_speculative_tokens`` while it stays likely (the
   rule, the calibration and their bookkeeping live in the vLLM-free
-  :mod:`specplugin.proposers.draft`); the loop ends as soon as no request drafts;
+  :mod:`specplugin.adaptive.draft_rule`); the loop ends as soon as no request drafts;
 - no request drafts beyond the tokens it may still emit (``max_tokens``);
 - the draft probabilities of every position are kept at temperature > 0, so vLLM's
   rejection sampler verifies against the distribution the tokens were drawn from.
@@ -37,22 +37,14 @@ from specplugin.adaptive.arbiter import arbiter_for
 from specplugin.adaptive.cost import StepCostModel, StepTimer
 from specplugin.adaptive.memory import open_memory
 from specplugin.config import SpecPluginConfig
-from specplugin.faults import EveryNth
+from specplugin.proposers.faults import EveryNth
 from specplugin.metrics import FailureCounter, ProposerStats
 from specplugin.proposers import MODEL_PROPOSERS, StepBatch, build_proposer
-from specplugin.proposers.draft import (
-    AcceptanceCalibration,
-    CostModel,
-    DraftCandidates,
-    DraftKVCursor,
-    DraftRun,
-    OutcomeTracker,
-    StopRule,
-    confidence_of,
-    greedy_draft_tokens,
-    sample_draft_tokens,
-)
-from specplugin.proposers.union import Union, Verified
+from specplugin.adaptive.draft_rule import (AcceptanceCalibration, CostModel, DraftRun,
+                                             OutcomeTracker, StopRule)
+from specplugin.proposers.draft import (DraftCandidates, DraftKVCursor, confidence_of,
+                                        greedy_draft_tokens, sample_draft_tokens)
+from specplugin.adaptive.union import Union, Verified
 from specplugin.vllm_layer.ranks import RankZeroClock, tensor_parallel_rank
 
 logger = logging.getLogger("specplugin")
@@ -90,7 +82,7 @@ class PluginDraftProposer(DraftModelProposer):
         # draft forwards timed during a step are shared at the next step's start
         self.clock = RankZeroClock()
         self._forward_seconds: list[float] = []
-        # test-only: every N-th draft forward fails (specplugin.faults)
+        # test-only: every N-th draft forward fails (specplugin.proposers.faults)
         every = plugin_config.fault_injection.draft_forward
         self._forward_fault = None if every is None else EveryNth("draft forward", every)
         # where each request's draft KV ends: the draft runs only for rows that use it
@@ -260,7 +252,7 @@ class PluginDraftProposer(DraftModelProposer):
         return None
 
     def forget_learned(self) -> None:
-        """See :meth:`Union.forget_learned <specplugin.proposers.union.Union.forget_learned>`
+        """See :meth:`Union.forget_learned <specplugin.adaptive.union.Union.forget_learned>`
         (the draft model alone: its step arbiter's rates)."""
         self.forget_pending()
         if self.union is not None:
@@ -603,7 +595,7 @@ class PluginDraftProposer(DraftModelProposer):
     def _union_offers(self, batch: StepBatch, caps: list[int], remaining_tokens: list[int]):
         """Ask the token-level proposers, then let the union plan the draft model's part:
         which rows it drafts for and how far, its forwards priced in
-        (:meth:`Union.plan_draft <specplugin.proposers.union.Union.plan_draft>`).
+        (:meth:`Union.plan_draft <specplugin.adaptive.union.Union.plan_draft>`).
         ``remaining_tokens`` [num_reqs]: what each request may still emit (before this
         step's tokens), bounded here by the room left before ``max_model_len``.
         Returns the offers and the draft's per-row caps (0: no draft model for that row)."""

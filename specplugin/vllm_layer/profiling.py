@@ -45,7 +45,7 @@ CLOCK = PhaseClock()
 _RUNNER = "vllm.v1.worker.gpu_model_runner"
 _PLUGIN_RUNNER = "specplugin.vllm_layer.worker"
 _DRAFT = "specplugin.vllm_layer.draft_proposer"
-_UNION = "specplugin.proposers.union"
+_UNION = "specplugin.adaptive.union"
 
 # (module, class (None: a module-level function), attribute, phase). Phase names with a
 # "plugin:", "propose:", "draft:" or "scorer:" prefix are the plugin's own work.

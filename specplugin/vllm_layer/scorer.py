@@ -53,7 +53,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.sample.sampler import _SAMPLING_EPS
 
 from specplugin.adaptive.controller import MAX_EXTRA_ROWS  # the scratch pool is sized for them
-from specplugin.proposers.union import Scored
+from specplugin.adaptive.union import Scored
 from specplugin.scorers.multi_draft import longest_accepted, one_hot_multi_draft_verify
 
 logger = logging.getLogger("specplugin")

@@ -7,8 +7,8 @@ attaches itself, so that each step the Speculator sees what the hook alone does 
 give: request ids, sampling parameters, the tokens each request may still emit,
 which drafts the scheduler verified and when requests finish. It turns those into
 the vLLM-free :class:`~specplugin.proposers.base.StepBatch` and
-:class:`~specplugin.proposers.union.Verified` records and lets the
-:class:`~specplugin.proposers.union.Union` of proposers, the difficulty estimator and
+:class:`~specplugin.adaptive.union.Verified` records and lets the
+:class:`~specplugin.adaptive.union.Union` of proposers, the difficulty estimator and
 the K controller choose each request's draft. vLLM verifies the drafts with its own
 rejection sampler (one-hot drafts), so output stays exactly the target's.
 
@@ -27,7 +27,7 @@ from specplugin.adaptive.cost import StepCostModel, StepTimer
 from specplugin.adaptive.memory import open_memory
 from specplugin.metrics import FailureCounter
 from specplugin.proposers import MODEL_PROPOSERS, StepBatch, build_proposer
-from specplugin.proposers.union import Union, Verified
+from specplugin.adaptive.union import Union, Verified
 from specplugin.vllm_layer.ranks import tensor_parallel_rank
 from specplugin.vllm_layer.config_hook import plugin_config
 
@@ -97,7 +97,7 @@ class Speculator:
     def skip_drafting(self, num_reqs: int, num_query_tokens: int, mostly_sampled: bool) -> bool:
         """The runner asks before a step's drafting, when that step verified no draft:
         True if the next step decodes plainly too, so drafting is skipped altogether
-        (:meth:`Union.plain_step <specplugin.proposers.union.Union.plain_step>`: the
+        (:meth:`Union.plain_step <specplugin.adaptive.union.Union.plain_step>`: the
         step's time is observed, no proposer runs). When it says False the full path
         runs next, in the same step, and takes the time read here (:meth:`_this_step`)."""
         seconds = self._step_seconds = self.timer.lap()
@@ -158,7 +158,7 @@ class Speculator:
             self.memory.maybe_save(self.union, idle=self.union.idle)
 
     def forget_learned(self) -> None:
-        """See :meth:`Union.forget_learned <specplugin.proposers.union.Union.forget_learned>`."""
+        """See :meth:`Union.forget_learned <specplugin.adaptive.union.Union.forget_learned>`."""
         self._step_timed = False
         self.union.forget_learned()
 

@@ -140,7 +140,7 @@ class PluginRunnerMixin:
     def peek_batch(self) -> StepBatch:
         """The batch as it stands before this step's tokens are sampled, for the union's
         look at a plain step (:meth:`Union.plain_step
-        <specplugin.proposers.union.Union.plain_step>`): views of the runner's buffers,
+        <specplugin.adaptive.union.Union.plain_step>`): views of the runner's buffers,
         the decoding rows, each request's own K limit."""
         batch = self.input_batch
         req_ids = tuple(batch.req_ids)

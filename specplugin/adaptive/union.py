@@ -34,7 +34,7 @@ from specplugin.adaptive.cost import StepCostModel
 from specplugin.adaptive.estimator import (AcceptanceEstimator, RequestHistory,
                                            history_bucket)
 from specplugin.metrics import FailureCounter, ProposerStats
-from specplugin.proposers import MODEL_PROPOSERS
+from specplugin.config import MODEL_PROPOSERS
 from specplugin.proposers.base import Candidate, Proposer, StepBatch
 
 logger = logging.getLogger("specplugin")
@@ -137,16 +137,12 @@ class Union:
         self.arbiter = arbiter
         if arbiter is not None:
             arbiter.plain_rate_model = self._plain_rate
-        self.speculating = True  # this step's arbiter decision (see collect)
         self.proposers = list(proposers)
         names = tuple(p.name for p in self.proposers)
         self.estimator = estimator or AcceptanceEstimator(names)
         self.cost = cost or StepCostModel()
-        self.history = RequestHistory()
         self.failures = [FailureCounter(name, logger) for name in names]
         self.stats = ProposerStats()
-        self._pending: dict[str, _Pending] = {}
-        self._pending_extras: dict[str, list[_Pending]] = {}  # the scorer's extra candidates
         # [num_reqs] index of the proposer whose candidate each row of the last step
         # verifies (None: no draft); the vLLM layer needs it to attach draft probabilities
         self.last_sources: list[int | None] = []
@@ -155,15 +151,10 @@ class Union:
         # [num_reqs] the extra candidates (token lists) each row of the last step verifies
         self.last_alternates: list[list[list[int]]] = []
         self._alternative_offers: list[tuple[int, int, Candidate]] = []  # this step's
-        self._observed = False  # plain_step observed the last step and chose to speculate
         # the proposer plain_step's peek asks (None: the union has no n-gram proposer)
         self._peek_index = next((i for i, p in enumerate(self.proposers) if p.name == "ngram"),
                                 None)
-        self._skipped_steps = 0  # plain steps since begin() last ran (estimator decay)
-        self._shadows: dict[str, _Shadow] = {}  # req_id -> the peek's unsent candidate
         self.max_peek_gap = max_peek_gap
-        self._peek_gap = 1  # plain steps from one peek to the next (see MAX_PEEK_GAP)
-        self._steps_to_peek = 0  # plain steps until the next peek
         # seconds of draft-model forwards plan_draft let run this step (in the prediction)
         self._draft_plan_seconds = 0.0
         # id(candidate) -> its tokens' acceptance as plan_draft estimated it this step:
@@ -176,17 +167,31 @@ class Union:
         self._plan_without: tuple[tuple[int, ...], tuple[list[Choice], float, float]] | None = None
         # (this step's batch, its rows' history buckets): see _histories
         self._step_histories: tuple[StepBatch, list[int]] | None = None
+        self.learn_every = learn_every
+        self.draft_always = draft_always
+        self.history = RequestHistory()
+        self._start_learning()
+
+    def _start_learning(self) -> None:
+        """The union's own learned state as a fresh engine starts it (``__init__``,
+        :meth:`forget_learned`)."""
+        self.speculating = True  # this step's arbiter decision (see begin, plain_step)
+        self._pending: dict[str, _Pending] = {}
+        self._pending_extras: dict[str, list[_Pending]] = {}  # the scorer's extra candidates
+        self._shadows: dict[str, _Shadow] = {}  # req_id -> the peek's unsent candidate
+        self._observed = False  # plain_step observed the last step and chose to speculate
+        self._skipped_steps = 0  # plain steps since begin() last ran (estimator decay)
+        self._peek_gap = 1  # plain steps from one peek to the next (see MAX_PEEK_GAP)
+        self._steps_to_peek = 0  # plain steps until the next peek
         self._draft_trials = DRAFT_TRIALS  # optimistic draft runs left (see plan_draft)
         # this step runs one of them: its time is the draft's exploration, not a rate of
         # speculating that the step arbiter should weigh (see _observe)
         self._trial_step = False
-        self.learn_every = learn_every
         # verdicts not yet in the estimator: (sent, tokens judged, tokens accepted), and
         # the steps of decay it has not yet applied (see flush_learning)
         self._unlearned: list[tuple[_Pending, int, int]] = []
         self._undecayed_steps = 0
         self._learned_tokens = 0  # judged tokens flush_learning has taught (to COLD_TOKENS)
-        self.draft_always = draft_always
 
     def forget_learned(self) -> None:
         """Forget what verification taught (acceptance counts, request histories, the
@@ -200,15 +205,11 @@ class Union:
         batch 8: the suffix proposer's first token estimated 0.04, and 1 draft in the
         cell against 165 without the warm-up). A user's engine starts on its own text.
         Only between requests (nothing pending)."""
-        self._pending, self._pending_extras, self._shadows = {}, {}, {}
-        self._unlearned, self._undecayed_steps, self._learned_tokens = [], 0, 0
+        self._start_learning()
         self.estimator.set_counts(0.0, 0.0)
         self.history = RequestHistory(self.history.alpha)
         if self.arbiter is not None:
             self.arbiter.forget()
-        self.speculating, self._observed, self._skipped_steps = True, False, 0
-        self._peek_gap, self._steps_to_peek = 1, 0
-        self._draft_trials, self._trial_step = DRAFT_TRIALS, False
 
     def step(self, batch: StepBatch, verified: Verified | None) -> list[list[int]]:
         """Learn from ``verified``, then one draft per row of ``batch`` (``[]``: none)."""

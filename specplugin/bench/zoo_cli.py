@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from specplugin.zoo import report
+    from specplugin.bench import zoo_report as report
 
     zsub = parser.add_subparsers(dest="zoo_command", required=True)
     b = zsub.add_parser("build", help="train tokenizer, target and draft (deterministic)")
@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
         print(zoo.zoo_path(args.name, Path(args.root) if args.root else None))
         return 0
     if args.zoo_command == "report":
-        from specplugin.zoo import report
+        from specplugin.bench import zoo_report as report
 
         return report.run(args)
     built = zoo.build(Path(args.out) if args.out else None, quick=args.quick,

@@ -1,0 +1,386 @@
+"""The draft model's stop rule: which requests keep drafting, and what drafting costs.
+
+A small draft model runs autoregressively for the whole batch at once (the vLLM
+layer, ``specplugin/vllm_layer/draft_proposer.py``, runs it on the paged KV cache; its
+mechanics are :mod:`specplugin.proposers.draft`). This module decides, after every
+draft position, which requests keep drafting, and learns from verification how far
+the draft's confidence can be trusted: the draft's part of the decider, beside the
+union's (:mod:`specplugin.adaptive.union`), which decides whether it runs at all.
+
+**Signal.** ``conf`` = the largest probability of the distribution the draft drew
+its token from (its own confidence). A draft's confidence is not an acceptance
+probability: a small draft model is typically under-confident under greedy
+decoding (its argmax agrees with the target's far more often than its top
+probability says) and nearly uninformative at temperature 1 (there, acceptance
+``sum(min(p, q))`` barely moves with ``conf``). So :class:`AcceptanceCalibration`
+maps ``conf`` to an estimated acceptance probability, learned online from the
+engine's own verification results, separately for greedy and sampled requests.
+
+**Rule** (:class:`StopRule`). With ``P[r, j] = prod(a[r, :j + 1])`` (``a_i`` the
+calibrated acceptance estimate of draft position i: ``P`` is the chance that every
+draft token of request r so far is accepted, which is the chance that one more could
+be used at all), request r keeps drafting position j + 1 (0-based, up to
+``k_max`` = vLLM's ``num_speculative_tokens``) while::
+
+    P[r, j] >= row_threshold
+
+and the batch runs that position's forward only while the drafting rows together
+pay for it::
+
+    sum over drafting rows r of (P[r, j] - row_threshold) >= pass_threshold
+
+Both come from :class:`CostModel`, measured on the running engine: an extra draft
+token costs the row ``v`` seconds of target verification, an extra batched draft
+forward costs ``c`` seconds, and the engine already emits one token per ``t``
+seconds; spending time on drafts raises throughput only if the tokens they bring
+arrive faster than that, so ``row_threshold = v / t`` and ``pass_threshold = c / t``.
+Until a calibration table has seen ``warmup`` verified positions, its requests draft
+exactly the default length ``k``. Drafting thus stops early where the draft is likely
+wrong, and goes on past ``k`` while it is likely right and the hardware makes that pay.
+
+Stopping never changes the output distribution: it only shortens the draft that
+rejection sampling verifies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from specplugin.adaptive.cost import StepSums
+
+# An engine's first draft forwards are not timed into the price: they pay one-time costs
+# (first calls, allocations, compiled shapes). Measured on the validation pair, compiled,
+# batch 1: the forwards of the engine's first draft run averaged 0.9-1.6 ms, later ones
+# 0.42 ms; set as the price, the first made the draft look four times dearer than it is,
+# and a union that then never ran it never corrected it (no draft-model run in a fresh
+# engine's complete batch-1 temperature-1 cell).
+WARMUP_FORWARDS = 8
+# A later timed forward counts at most this many times the running price: one stall
+# (another process, a new shape compiled) must not price the draft out of the steps that
+# would correct it.
+MAX_FORWARD_JUMP = 4.0
+
+
+class CostModel:
+    """What drafting costs on this engine, as moving averages of its own timings.
+
+    Measured: ``draft_forward_s`` (c), seconds of one batched draft forward with
+    sampling, timed directly (None until :data:`WARMUP_FORWARDS` forwards were timed: the
+    caller then prices a forward from a model of its own; a plain mean over the first
+    ones, then an exponential average); and per engine step (the wall time between two
+    drafting calls) its seconds, emitted tokens, draft forwards and verified draft tokens.
+    From those: ``token_s`` (t), seconds per emitted token, and ``verify_s`` (v), the
+    target's extra seconds per verified draft token, fitted as the slope of
+    ``step seconds - c * forwards`` against verified draft tokens (exponentially
+    weighted least squares). :meth:`thresholds` gives ``(v / t, c / t)``; the
+    ``fallback`` pair until ``warmup`` steps were seen.
+    """
+
+    def __init__(self, fallback: tuple[float, float] = (0.2, 0.0), smoothing: float = 0.05,
+                 warmup: int = 16):
+        self.fallback, self.smoothing, self.warmup = fallback, smoothing, warmup
+        self.draft_forward_s: float | None = None
+        self._forwards_timed = 0  # (see WARMUP_FORWARDS)
+        self.token_s: float | None = None
+        self._step_s: float | None = None
+        self._step_tokens: float | None = None
+        # weighted averages of 1, x, y, xx, xy (floats: updated every step, where numpy's
+        # per-call cost on five numbers is most of the work)
+        self._moments = [0.0] * 5
+        self._num_steps = 0
+        self._plain_sums = StepSums()  # plain steps not learned yet (observe_plain_step)
+
+    def _ema(self, old: float | None, new: float, smoothing: float | None = None) -> float:
+        weight = self.smoothing if smoothing is None else smoothing
+        return new if old is None else old + weight * (new - old)
+
+    def observe_forward(self, seconds: float) -> None:
+        """One timed draft forward (see :data:`WARMUP_FORWARDS`, :data:`MAX_FORWARD_JUMP`)."""
+        self._forwards_timed += 1
+        measured = self._forwards_timed - WARMUP_FORWARDS
+        if measured <= 0:
+            return
+        old = self.draft_forward_s
+        if old is not None:
+            seconds = min(seconds, MAX_FORWARD_JUMP * old)
+        self.draft_forward_s = self._ema(old, seconds, max(self.smoothing, 1.0 / measured))
+
+    def observe_step(self, seconds: float, num_tokens: int, num_forwards: int,
+                     num_draft_tokens: int) -> None:
+        """One engine step: ``seconds`` of wall time, ``num_tokens`` emitted by the batch,
+        ``num_forwards`` draft forwards, ``num_draft_tokens`` drafts verified; learned
+        now (after the plain steps :meth:`observe_plain_step` still holds). A step over
+        20x the average time per token is an idle gap, not a step, and is ignored."""
+        self._learn_sum(self._plain_sums.flush())
+        self._observe_step(seconds, num_tokens, num_forwards, num_draft_tokens)
+
+    def observe_plain_step(self, seconds: float, num_tokens: int) -> None:
+        """A step in which the draft model neither ran nor had drafts verified: summed
+        with the next such steps of its batch size and learned 8 at a time as their mean,
+        weighted as 8 steps (:class:`~specplugin.adaptive.cost.StepSums`)."""
+        self._learn_sum(self._plain_sums.add(num_tokens, seconds))
+
+    def _learn_sum(self, summed: tuple | None) -> None:
+        if summed is not None:
+            num_tokens, seconds, count = summed
+            self._observe_step(seconds, num_tokens, 0, 0, count)
+
+    def _observe_step(self, seconds: float, num_tokens: int, num_forwards: int,
+                      num_draft_tokens: int, count: int = 1) -> None:
+        """``seconds``: the mean of ``count`` equal such steps, learned as that many."""
+        if num_tokens <= 0 or count < 1:
+            return
+        if self.token_s is not None and seconds / num_tokens > 20 * self.token_s:
+            return
+        # count equal steps move an exponential average as far as this one weight
+        smoothing = 1.0 - (1.0 - self.smoothing) ** count
+        # a ratio of averages: the average of per-step ratios would overweight slow steps
+        self._step_s = self._ema(self._step_s, seconds, smoothing)
+        self._step_tokens = self._ema(self._step_tokens, float(num_tokens), smoothing)
+        self.token_s = self._step_s / self._step_tokens
+        x = float(num_draft_tokens)
+        y = seconds - (self.draft_forward_s or 0.0) * num_forwards
+        weight = smoothing if self._num_steps else 1.0
+        self._moments = [m + weight * (v - m)
+                         for m, v in zip(self._moments, (1.0, x, y, x * x, x * y))]
+        self._num_steps += count
+
+    @property
+    def verify_s(self) -> float:
+        _, x, y, xx, xy = self._moments  # the weight moment is always 1
+        variance = xx - x * x
+        return max(0.0, (xy - x * y) / variance) if variance > 1e-9 else 0.0
+
+    def thresholds(self) -> tuple[float, float]:
+        """(row_threshold, pass_threshold) = (v / t, c / t)."""
+        if self._num_steps < self.warmup or self.draft_forward_s is None:
+            return self.fallback
+        return self.verify_s / self.token_s, self.draft_forward_s / self.token_s
+
+
+class AcceptanceCalibration:
+    """P(draft token accepted | its confidence, its position, all earlier drafts accepted),
+    learned online.
+
+    Confidence is cut into ``num_buckets`` equal bins and positions into
+    ``num_position_groups`` (the last group holds every later position: a draft that
+    runs on drifts from the target). Each cell of each table (0: greedy requests, 1:
+    sampled requests) holds accepted and seen counts, starting from one
+    pseudo-observation at the bin's middle confidence.
+    """
+
+    def __init__(self, num_buckets: int = 10, num_position_groups: int = 5, warmup: int = 64):
+        self.num_buckets, self.num_position_groups, self.warmup = (
+            num_buckets, num_position_groups, warmup)
+        mids = (np.arange(num_buckets) + 0.5) / num_buckets
+        self.accepted = np.tile(mids, (2, num_position_groups, 1))  # [2, groups, num_buckets]
+        self.seen = np.ones((2, num_position_groups, num_buckets))
+        self.num_observed = np.zeros(2, dtype=np.int64)  # [2] real observations per table
+
+    def _cell(self, confidence: np.ndarray, sampled: np.ndarray, position):
+        bucket = np.clip((confidence * self.num_buckets).astype(np.int64), 0, self.num_buckets - 1)
+        return sampled.astype(np.int64), np.minimum(position, self.num_position_groups - 1), bucket
+
+    def estimate(
+        self,
+        confidence: np.ndarray,  # [n]
+        sampled: np.ndarray,  # [n] bool: the request samples (temperature > 0)
+        position: int,  # draft position (0-based) of all n tokens
+    ) -> np.ndarray:  # [n] in (0, 1]
+        cell = self._cell(confidence, sampled, position)
+        return self.accepted[cell] / self.seen[cell]
+
+    def is_warm(self, sampled: np.ndarray) -> np.ndarray:  # [n] bool
+        return self.num_observed[sampled.astype(np.int64)] >= self.warmup
+
+    def update(
+        self,
+        confidence: np.ndarray,  # [n] of verified draft positions
+        accepted: np.ndarray,  # [n] bool
+        sampled: np.ndarray,  # [n] bool
+        position: np.ndarray,  # [n] int: draft position of each
+    ) -> None:
+        cell = self._cell(confidence, sampled, position)
+        np.add.at(self.seen, cell, 1.0)
+        np.add.at(self.accepted, cell, accepted.astype(np.float64))
+        self.num_observed += np.bincount(sampled.astype(np.int64), minlength=2)
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """When each request stops drafting; see the module docstring for the formulas."""
+
+    k: int  # default draft length (used until the calibration is warm)
+    k_max: int  # longest draft (vLLM's num_speculative_tokens)
+    row_threshold: float = 0.0  # v / t: one more draft token must be this likely used
+    pass_threshold: float = 0.0  # c / t: what one more batched draft forward must bring
+
+    def __post_init__(self):
+        assert 1 <= self.k <= self.k_max, (self.k, self.k_max)
+        assert self.row_threshold >= 0.0 and self.pass_threshold >= 0.0, self
+
+    def keeps_drafting(
+        self,
+        position: int,  # j: the position just drafted, 0-based
+        cumulative: np.ndarray,  # [num_reqs] P[:, j]
+        warm: np.ndarray,  # [num_reqs] bool: calibrated rule (else the default length k)
+    ) -> np.ndarray:  # [num_reqs] bool: draft position j + 1
+        if position + 1 >= self.k_max:
+            return np.zeros_like(warm)
+        return np.where(warm, cumulative >= self.row_threshold, position + 1 < self.k)
+
+    def batch_keeps_drafting(
+        self,
+        active: np.ndarray,  # [num_reqs] bool: rows that want another position
+        cumulative: np.ndarray,  # [num_reqs]
+        warm: np.ndarray,  # [num_reqs] bool
+    ) -> bool:
+        """Whether one more batched forward pays: the drafting rows' expected surplus
+        (a row in its default length counts as sure) must reach ``pass_threshold``."""
+        if not active.any():
+            return False
+        value = np.where(warm, cumulative, 1.0)
+        return bool(((value - self.row_threshold) * active).sum() >= self.pass_threshold)
+
+
+@dataclass
+class DraftRun:
+    """One engine step's drafting for a batch: tokens, probabilities, who is still active.
+
+    The loop in the vLLM layer calls :meth:`add` once per position with the whole
+    batch's sampled tokens; rows that already stopped still get computed (one batched
+    forward is cheaper than regrouping) but their extra tokens are cut off by
+    :meth:`lengths`.
+    """
+
+    rule: StopRule
+    calibration: AcceptanceCalibration
+    sampled: np.ndarray  # [num_reqs] bool
+    caps: np.ndarray | None = None  # [num_reqs] most draft tokens per row (default k_max)
+    token_ids: list[torch.Tensor] = field(default_factory=list)  # positions x [num_reqs]
+    draft_probs: list[torch.Tensor] = field(default_factory=list)  # positions x [num_reqs, vocab]
+    confidences: list[np.ndarray] = field(default_factory=list)  # positions x [num_reqs]
+    # Per-row bookkeeping is numpy: a few small vectors per position, where torch's
+    # per-op overhead would cost more than the math.
+    _lengths: np.ndarray | None = None  # [num_reqs] int
+    _active: np.ndarray | None = None  # [num_reqs] bool
+    _cumulative: np.ndarray | None = None  # [num_reqs] float64
+    _warm: np.ndarray | None = None  # [num_reqs] bool: calibrated (fixed for the step)
+
+    @property
+    def num_reqs(self) -> int:
+        return self.sampled.shape[0]
+
+    def add(
+        self,
+        token_ids: torch.Tensor,  # [num_reqs] drafted at this position
+        confidence: np.ndarray,  # [num_reqs] in [0, 1]
+        draft_probs: torch.Tensor | None = None,  # [num_reqs, vocab_size] they were drawn from
+    ) -> bool:
+        """Record one position; returns whether the batch drafts another one."""
+        position = len(self.token_ids)
+        if self._active is None:
+            self._start()
+        self.token_ids.append(token_ids)
+        self.confidences.append(confidence)
+        if draft_probs is not None:
+            self.draft_probs.append(draft_probs)
+        self._lengths += self._active
+        self._cumulative = self._cumulative * self.calibration.estimate(
+            confidence, self.sampled, position)
+        self._active &= self.rule.keeps_drafting(position, self._cumulative, self._warm)
+        self._active &= self._lengths < self.caps
+        return self.rule.batch_keeps_drafting(self._active, self._cumulative, self._warm)
+
+    def _start(self) -> None:
+        if self.caps is None:
+            self.caps = np.full(self.num_reqs, self.rule.k_max)
+        self._active = self.caps > 0
+        self._lengths = np.zeros(self.num_reqs, dtype=np.int64)
+        self._cumulative = np.ones(self.num_reqs)
+        # the calibration only learns between steps (OutcomeTracker.resolve)
+        self._warm = self.calibration.is_warm(self.sampled)
+
+    @property
+    def num_positions(self) -> int:
+        return len(self.token_ids)
+
+    def lengths(self) -> np.ndarray:  # [num_reqs] int: draft tokens kept per row
+        assert self._lengths is not None, "no position drafted yet"
+        return self._lengths
+
+    def stacked_token_ids(self) -> torch.Tensor:  # [num_reqs, num_positions]
+        return torch.stack(self.token_ids, dim=1)
+
+    def stacked_confidences(self) -> np.ndarray:  # [num_reqs, num_positions]
+        return np.stack(self.confidences, axis=1)
+
+    def stacked_draft_probs(self) -> torch.Tensor | None:  # [num_reqs, num_positions, vocab]
+        if not self.draft_probs:
+            return None
+        return torch.stack(self.draft_probs, dim=1).contiguous()
+
+
+class OutcomeTracker:
+    """Remembers each request's last draft until its verification result comes back.
+
+    vLLM tells the drafter, one step later, how many draft tokens of each request were
+    rejected; rows may have moved in between (finished requests leave the batch), so
+    drafts are kept by request id. Of a draft of length n with r rejected, positions
+    ``< n - r`` were accepted, position ``n - r`` (if any) was rejected, and later
+    positions were never judged: only judged positions update the calibration.
+    """
+
+    def __init__(self, calibration: AcceptanceCalibration):
+        self.calibration = calibration
+        self._pending: dict[str, tuple[np.ndarray, bool]] = {}  # req id -> (confidences [n], sampled)
+
+    def record(self, req_ids: list[str], run: DraftRun,
+               lengths: np.ndarray | None = None) -> None:
+        """``lengths``: draft tokens sent per row, when not the run's own (0: the row
+        verifies another proposer's candidate, so nothing of the draft's is judged)."""
+        confidences = run.stacked_confidences()
+        lengths = (run.lengths() if lengths is None else lengths).tolist()
+        self._pending = {
+            req_id: (confidences[i, : lengths[i]], bool(run.sampled[i]))
+            for i, req_id in enumerate(req_ids) if lengths[i] > 0
+        }
+
+    def forget(self) -> None:
+        """Drop pending drafts (their step failed: no verification result will match)."""
+        self._pending = {}
+
+    def resolve(self, req_ids: list[str], num_scheduled: list[int],
+                num_rejected: list[int] | None) -> int:
+        """Learn from the step just verified; returns its number of accepted draft tokens.
+
+        ``num_scheduled[i]``: draft tokens the scheduler verified for row i in that step
+        (it may cut a draft short of what was recorded); ``num_rejected[i]``: how many of
+        those were rejected (``None``: no request had drafts). Only the scheduled
+        positions up to the first rejection are judged. Pending drafts are consumed either
+        way: a result can only belong to the step right after the drafts were recorded
+        (when vLLM skips drafting in between, the runner calls :meth:`forget`)."""
+        pending, self._pending = self._pending, {}
+        if num_rejected is None:
+            return 0
+        confs, accepted, sampled, positions = [], [], [], []
+        total = 0
+        for req_id, scheduled, rejected in zip(req_ids, num_scheduled, num_rejected):
+            if req_id not in pending or scheduled <= 0:
+                continue
+            conf, is_sampled = pending[req_id]
+            verified = min(conf.shape[0], scheduled)
+            num_accepted = max(0, verified - rejected)
+            total += num_accepted
+            judged = min(verified, num_accepted + 1)
+            confs.append(conf[:judged])
+            positions.append(np.arange(judged))
+            accepted.append(positions[-1] < num_accepted)
+            sampled.append(np.full(judged, is_sampled))
+        if confs:
+            self.calibration.update(np.concatenate(confs), np.concatenate(accepted),
+                                    np.concatenate(sampled), np.concatenate(positions))
+        return total
