@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from specplugin.adaptive.arbiter import StepArbiter
+from specplugin.adaptive.arbiter import SPECULATE, StepArbiter
 from specplugin.adaptive.controller import (NO_CANDIDATE, Choice, Extra, divergence, expand, plan,
                                            planned)
 from specplugin.adaptive.cost import StepCostModel, StepSums
@@ -721,6 +721,31 @@ def test_a_plain_rate_the_cost_model_predicts_spares_the_plain_warm_up():
     close = StepArbiter()
     close.plain_rate_model = lambda num_reqs: 100.0 * num_reqs
     assert not _arbitrate(close, 200, spec_rate=110.0, plain_rate=100.0, num_reqs=1).all()
+
+
+def test_a_new_batch_size_starts_from_its_neighbours_verdict():
+    """Requests finish and the batch moves from 8 to 5 to 3: the new buckets start from
+    the nearest bucket measured with both choices (rates scaled by the modelled plain
+    rate), not from a warm-up that speculates first; a bucket of the other mode (sampled
+    here) learns on its own; the loser is still measured again later. Where the neighbour
+    found speculation faster, a new bucket speculates without plain warm-up blocks."""
+    arbiter = StepArbiter()
+    arbiter.plain_rate_model = lambda num_reqs: 100.0 * num_reqs
+    _arbitrate(arbiter, 200, spec_rate=600.0, plain_rate=1000.0, num_reqs=8)
+    for num_reqs in (5, 3):
+        choices = _arbitrate(arbiter, 60, spec_rate=75.0 * num_reqs,
+                             plain_rate=125.0 * num_reqs, num_reqs=num_reqs)
+        assert not choices[:arbiter.block_steps * arbiter.min_interval].any()  # plain at once
+        assert choices.any()  # speculation re-checked
+        assert arbiter.rate(num_reqs, SPECULATE) == pytest.approx(75.0 * num_reqs, rel=0.15)
+    assert arbiter.num_seeded_buckets == 2
+    sampled = arbiter.speculate(5, sampled=True)
+    assert sampled and arbiter.num_seeded_buckets == 2  # its own warm-up: speculation first
+    fast = StepArbiter()
+    fast.plain_rate_model = lambda num_reqs: 125.0 * num_reqs
+    _arbitrate(fast, 200, spec_rate=1100.0, plain_rate=1000.0, num_reqs=8)
+    choices = _arbitrate(fast, 40, spec_rate=137.5 * 6, plain_rate=125.0 * 6, num_reqs=6)
+    assert choices[:6 * fast.block_steps].all() and fast.num_seeded_buckets == 1
 
 
 def test_new_text_retries_speculation_at_most_once_per_min_interval():

@@ -48,6 +48,18 @@ learn what it already knows. The margin covers the model's error: until the cost
 model has seen both kinds of steps, it counts the speculative machinery's cost into
 every step and so underrates plain decoding by that much.
 
+**Neighbouring batch sizes.** A batch changes bucket as its requests finish (8, then
+4-7, 2-3, 1) and as its mix of greedy and sampled requests shifts, and a bucket's warm-up
+(speculative blocks first, then plain ones) costs the same whatever was measured next
+door: a run of 8 requests of 128 tokens went through five warm-ups in its ~100 steps
+(validation pair, fresh engine, server/b8/t1). A bucket seen for the first time
+therefore starts from the nearest bucket of the same mode (greedy or sampled) measured
+with both choices: its rates scaled by the cost model's plain rate here over there
+(``plain_rate_model``: how the machine's rate moves with the batch size; what speculation
+gains per step is taken to move alike), counted as the warm-up's blocks, so the new bucket
+takes the neighbour's verdict at once and measures the loser after the usual interval
+(its first measured blocks weigh in as they would in any bucket).
+
 **New text.** The plain rate is a property of the machine and the batch size; the
 speculative rate is one of the text (how much of it the proposers can guess). A rate
 measured on other requests says little about a request that just arrived: a batch
@@ -114,6 +126,7 @@ class _Bucket:
     # speculative blocks' measured rate over the rate the union's plans predicted for them
     # (exponential average; None: none measured yet)
     correction: float | None = None
+    num_reqs: int = 0  # batch size of the block measured last
 
 
 class StepArbiter:
@@ -129,6 +142,7 @@ class StepArbiter:
         self.min_interval, self.max_interval, self.gap_unit = min_interval, max_interval, gap_unit
         self.forget()
         self.num_plain_blocks = self.num_spec_blocks = 0
+        self.num_seeded_buckets = 0  # buckets that started from a neighbour's rates
         self._engine_spec_blocks = 0  # speculative blocks closed (see ENGINE_WARMUP_BLOCKS)
         # num_reqs -> tokens per second of a plain step, modelled (None: unknown); the
         # union gives its cost model's
@@ -145,6 +159,7 @@ class StepArbiter:
         self._tokens = self._seconds = 0.0  # counted part of the running block
         self._predicted: list[float] = []  # the union's predicted rate of each planned step
         self._skip_observation = False  # see new_requests
+        self._num_reqs = 0  # batch size of the running block (at its start)
 
     def stats(self) -> dict[str, int]:
         return {"speculative_blocks": self.num_spec_blocks, "plain_blocks": self.num_plain_blocks}
@@ -189,7 +204,7 @@ class StepArbiter:
             return
         # the new requests' bucket is the one of the batch they joined
         bucket = (batch_bucket(num_reqs), self._bucket[1])
-        state = self._buckets.setdefault(bucket, _Bucket())
+        state = self._state(bucket, num_reqs)
         state.new_share = min(1.0, state.new_share + num_new / num_reqs)
         if (bucket == self._bucket and self._choice == PLAIN and not self.alternate
                 and self._retries_spec(state)):
@@ -248,6 +263,7 @@ class StepArbiter:
             self._engine_spec_blocks += 1  # the engine's first: one-time costs, not a rate
             return
         state.blocks[self._choice] += 1
+        state.num_reqs = self._num_reqs
         # a plain mean over the first blocks (warm-up), then an exponential average
         weight = max(self.smoothing, 1.0 / state.blocks[self._choice])
         if self._choice == SPECULATE:  # measured on the batch's text as it is now
@@ -260,8 +276,34 @@ class StepArbiter:
         old = state.rate.get(self._choice, rate)
         state.rate[self._choice] = old + weight * (rate - old)
 
+    def _state(self, bucket: tuple[int, bool], num_reqs: int) -> _Bucket:
+        """The bucket's measurements; a bucket seen for the first time is seeded from the
+        nearest one of the same mode measured with both choices (see "Neighbouring batch
+        sizes")."""
+        state = self._buckets.get(bucket)
+        if state is not None:
+            return state
+        state = self._buckets[bucket] = _Bucket()
+        donors = [(abs(key[0] - bucket[0]), key[0], s) for key, s in self._buckets.items()
+                  if key[1] == bucket[1] and s is not state and s.num_reqs
+                  and min(s.blocks.values()) >= self.warmup_blocks]
+        model = self.plain_rate_model
+        if self.alternate or not donors or model is None:
+            return state
+        _, _, donor = min(donors, key=lambda d: d[:2])
+        here, there = model(num_reqs), model(donor.num_reqs)
+        if not here or not there:
+            return state
+        scale = here / there  # the machine's plain rate from there to here, as modelled
+        state.rate = {choice: rate * scale for choice, rate in donor.rate.items()}
+        state.blocks = {SPECULATE: self.warmup_blocks, PLAIN: self.warmup_blocks}
+        state.correction = donor.correction
+        state.num_reqs = num_reqs
+        self.num_seeded_buckets += 1
+        return state
+
     def _start(self, bucket: tuple[int, bool], num_reqs: int, choice: bool | None = None) -> None:
-        state = self._buckets.setdefault(bucket, _Bucket())
+        state = self._state(bucket, num_reqs)
         self._choice = self._next_choice(state, num_reqs) if choice is None else choice
         state.blocks_since[self._choice] = 0
         state.blocks_since[not self._choice] += 1
@@ -270,6 +312,7 @@ class StepArbiter:
         else:
             self.num_plain_blocks += 1
         self._bucket, self._steps, self._tokens, self._seconds = bucket, 0, 0.0, 0.0
+        self._num_reqs = num_reqs
         self._predicted = []
 
     def _next_choice(self, state: _Bucket, num_reqs: int) -> bool:
