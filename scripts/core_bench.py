@@ -99,7 +99,7 @@ def run(batch: int, steps: int, cold: bool, repeats: int) -> list[float]:
             if cold:
                 sweep()
             start = time.perf_counter()
-            drafts = union.choose(step_batch, offers + union.ask(step_batch, [2]))
+            drafts = union.choose(step_batch, offers + union.ask(step_batch, [2])).drafts
             spent[0] += time.perf_counter() - start
             emitted, scheduled = np.zeros(batch, dtype=int), np.zeros(batch, dtype=int)
             for r, d in enumerate(drafts):

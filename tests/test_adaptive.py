@@ -277,7 +277,7 @@ def test_exploration_tries_again_a_proposer_rejected_by_bad_luck():
         union = _union(Fixed("p", [1, 2, 3, 4], 0.5), explore=explore)
         verified, accepted = None, 0
         for step in range(200):
-            drafts = union.step(_batch([f"r{j}" for j in range(8)]), verified)
+            drafts = union.step(_batch([f"r{j}" for j in range(8)]), verified).drafts
             lucky = step >= 2  # the first two steps reject everything
             emitted = [len(d) + 1 if lucky else 1 for d in drafts]
             accepted += sum(e - 1 for e in emitted)
@@ -300,7 +300,7 @@ def test_exploration_at_large_batch_does_not_make_most_steps_speculative():
     verified, speculative = None, 0
     for _ in range(300):
         proposer.signal = rng.random(3)  # spread over the estimator's signal cells
-        drafts = union.step(_batch(req_ids), verified)
+        drafts = union.step(_batch(req_ids), verified).drafts
         speculative += any(drafts)
         verified = Verified(tuple(req_ids), np.array([len(d) for d in drafts]),
                             np.ones(16, int), 0.012, 16 + sum(map(len, drafts)))
@@ -312,7 +312,7 @@ def test_union_learns_which_proposer_to_trust():
     union = _union(bad, good)
     verified = None
     for _ in range(60):
-        drafts = union.step(_batch(["a"]), verified)
+        drafts = union.step(_batch(["a"]), verified).drafts
         # the target always continues 1, 2, 3, 4: "good" is fully accepted, "bad" never
         num_accepted = 4 if drafts[0] == [1, 2, 3, 4][: len(drafts[0])] and drafts[0] else 0
         verified = Verified(("a",), np.array([len(drafts[0])]), np.array([num_accepted + 1]),
@@ -325,7 +325,7 @@ def test_union_never_drafts_what_is_always_rejected():
     union = _union(Fixed("ngram", [7, 7, 7], 0.9))
     verified, sent = None, 0
     for step in range(300):
-        drafts = union.step(_batch(["a", "b"]), verified)
+        drafts = union.step(_batch(["a", "b"]), verified).drafts
         sent += sum(map(len, drafts)) if step >= 100 else 0
         verified = Verified(("a", "b"), np.array([len(d) for d in drafts]), np.ones(2, int),
                             0.012, 2 + sum(map(len, drafts)))
@@ -336,7 +336,7 @@ def test_union_never_drafts_what_is_always_rejected():
 def test_a_failing_proposer_costs_its_candidates_only():
     union = _union(Fixed("broken", [1], 0.9, fail=True), Fixed("ok", [5, 6], 0.99))
     for _ in range(3):
-        assert union.step(_batch(["a"]), None) == [[5, 6]]
+        assert union.step(_batch(["a"]), None).drafts == [[5, 6]]
     assert union.failures[0].count == 3
 
 
@@ -368,9 +368,9 @@ def test_two_phase_begin_ask_then_choose_matches_one_step():
     batch = _batch(["a", "b"])
     assert union.begin(None, batch.num_reqs, sampled=False)
     offers = union.ask(batch, [0])
-    drafts = union.choose(batch, offers + union.ask(batch, [1]))
-    assert union.last_sources in ([0, 0], [1, 1])
-    assert all(len(d) > 0 for d in drafts)
+    plan = union.choose(batch, offers + union.ask(batch, [1]))
+    assert plan.sources in ([0, 0], [1, 1])
+    assert all(len(d) > 0 for d in plan.drafts)
 
 
 def _teach(union, proposer, rate, num_tokens=400, sampled=False):
@@ -525,7 +525,7 @@ def test_the_choice_reuses_the_gates_estimates_of_token_level_candidates():
     assert seen == [1, 1]  # the draft's candidates only, one per row
     for (_, _, c), accepted in zip(offers, acceptance[:2]):
         assert np.array_equal(accepted, gate[id(c)])
-    assert union.choose(batch, offers + union.ask(batch, [1]))  # the whole choice runs
+    assert union.choose(batch, offers + union.ask(batch, [1])).drafts  # the whole choice runs
     union.begin(None, 2, sampled=False)  # a new step forgets them
     assert union._estimated == {}
 
@@ -547,10 +547,10 @@ def test_a_step_the_draft_skips_is_planned_once(monkeypatch):
     offers = union.ask(batch, [0])
     union.plan_draft(batch, offers, 1, np.zeros(2, dtype=int) + 8, forward_seconds=10.0)
     planned = len(calls)
-    drafts = union.choose(batch, list(offers))  # the draft did not run: nothing new
+    drafts = union.choose(batch, list(offers)).drafts  # the draft did not run: nothing new
     assert len(calls) == planned and all(drafts)
     union._plan_without = None  # planned afresh, the choice is the same
-    assert union.choose(batch, list(offers)) == drafts and len(calls) == planned + 1
+    assert union.choose(batch, list(offers)).drafts == drafts and len(calls) == planned + 1
     assert union.begin(None, 2, sampled=False)
     offers = union.ask(batch, [0])
     union.plan_draft(batch, offers, 1, np.full(2, 8), forward_seconds=10.0)
@@ -931,9 +931,9 @@ def test_union_with_an_arbiter_asks_no_proposer_in_a_plain_step():
             return False
 
     union = _union(Counting("p", [1, 2], 0.9))
-    assert union.step(_batch(["a"]), None) == [[1, 2]] and Counting.asked == 1
+    assert union.step(_batch(["a"]), None).drafts == [[1, 2]] and Counting.asked == 1
     union.arbiter = Plain()
-    assert union.step(_batch(["a"]), None) == [[]] and Counting.asked == 1
+    assert union.step(_batch(["a"]), None).drafts == [[]] and Counting.asked == 1
     assert not union.speculating and union.stats.steps_without_drafts == 1
 
 
@@ -954,29 +954,26 @@ def test_union_sends_extra_candidates_beside_the_chosen_draft():
     cost = flat_cost()
     union = Union([Fixed("a", [1, 2, 3, 4], 0.9), Fixed("b", [1, 7, 8, 9], 0.9)], cost=cost,
                   explore=False, max_candidates=2)
-    [draft] = union.step(_batch(["r"]), None)
-    [alternates] = union.last_alternates
+    plan = union.step(_batch(["r"]), None)
+    [draft], [alternates] = plan.drafts, plan.alternates
     assert draft and len(alternates) == 1 and alternates[0] != draft
     assert len(alternates[0]) <= len(draft) and union.stats.extra_candidates == 1
     # at temperature > 0 the draft model's candidates (samples) are never verified together
     with_model = Union([Fixed("draft", [1, 2, 3, 4], 0.9), Fixed("b", [1, 7, 8, 9], 0.9)],
                        cost=cost, explore=False, max_candidates=2)
-    with_model.step(_batch(["r"]), None)
-    assert with_model.last_alternates != [[]]
-    with_model.step(_batch(["r"], sampled=True), None)
-    assert with_model.last_alternates == [[]]
+    assert with_model.step(_batch(["r"]), None).alternates != [[]]
+    assert with_model.step(_batch(["r"], sampled=True), None).alternates == [[]]
     # one chain when max_candidates is 1
     single = Union([Fixed("a", [1, 2, 3, 4], 0.9), Fixed("b", [1, 7, 8, 9], 0.9)], cost=cost,
                    explore=False)
-    single.step(_batch(["r"]), None)
-    assert single.last_alternates == [[]]
+    assert single.step(_batch(["r"]), None).alternates == [[]]
 
 
 def test_decoy_primary_sends_the_real_draft_as_the_extra_candidate():
     union = _union(Fixed("a", [5, 6, 7], 0.95), Fixed("b", [5, 6, 7], 0.95))
     union.max_candidates, union.decoy_primary = 2, True
-    [draft] = union.step(_batch(["r"]), None)
-    [alternates] = union.last_alternates
+    plan = union.step(_batch(["r"]), None)
+    [draft], [alternates] = plan.drafts, plan.alternates
     assert 0 < len(draft) == len(alternates[0]) and alternates[0] == [5, 6, 7][:len(draft)]
     assert draft == [t - 1 for t in alternates[0]]  # every token changed
 
@@ -995,11 +992,13 @@ def test_alternatives_are_extra_candidates_never_the_chosen_draft():
     cost = flat_cost()
     union = Union([WithAlternative("a", [1, 2, 3], 0.3)], cost=cost, explore=False,
                   max_candidates=2)
-    [draft] = union.step(_batch(["r"]), None)
+    plan = union.step(_batch(["r"]), None)
+    [draft] = plan.drafts
     assert draft and draft[0] == 1  # the proposer's own guess, not its alternative
-    assert union.last_alternates[0] and union.last_alternates[0][0][0] == 2
+    assert plan.alternates[0] and plan.alternates[0][0][0] == 2
     plain = Union([WithAlternative("a", [1, 2, 3], 0.3)], cost=cost, explore=False)
-    assert plain.step(_batch(["r"]), None) == [draft] and plain.last_alternates == [[]]
+    alone = plain.step(_batch(["r"]), None)
+    assert alone.drafts == [draft] and alone.alternates == [[]]
 
 
 def test_alternatives_that_lose_do_not_teach_the_estimator():
@@ -1008,8 +1007,8 @@ def test_alternatives_that_lose_do_not_teach_the_estimator():
     cost = flat_cost()
     union = Union([WithAlternative("a", [1, 2, 3], 0.3)], cost=cost, explore=False,
                   max_candidates=2)
-    [draft] = union.step(_batch(["r"]), None)
-    [[alternative]] = union.last_alternates
+    plan = union.step(_batch(["r"]), None)
+    [draft], [[alternative]] = plan.drafts, plan.alternates
     before = union.estimator.estimate(_cells(3, signal=0.99)).copy()
     lost = Scored(own_accepted=len(draft), extra_accepted=(0,), extra_lengths=(len(alternative),),
                   winner=None)
@@ -1073,7 +1072,7 @@ def test_the_estimator_learns_every_step_when_cold_then_every_learn_every_steps(
         union._learned_tokens = 0 if cold else COLD_TOKENS
         held, verified = [], None
         for _ in range(2 * LEARN_EVERY):
-            drafts = union.step(_batch(["a"]), verified)
+            drafts = union.step(_batch(["a"]), verified).drafts
             held.append(union.estimator.judged.sum())
             assert drafts == [[1, 2, 3, 4]]  # all accepted: the same choice either way
             verified = Verified(("a",), np.array([4]), np.array([5]), 0.012, 5)

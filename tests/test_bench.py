@@ -242,3 +242,14 @@ def test_fresh_engine_starts_an_engine_for_every_cell_interleaving_methods(monke
     suite.run_suite(entries, MODELS, cells, 1, tmp_path)
     assert jobs == [("r1-none", ["edit/b1/t0", "complete/b8/t1"]),
                     ("r1-vllm-ngram", ["edit/b1/t0", "complete/b8/t1"])]
+
+
+def test_a_ratio_is_printed_cut_never_rounded_up():
+    """0.966x of no speculation is not 0.97x: the tables never show a ratio above what was
+    measured (tok/s keep their usual rounding)."""
+    from specplugin.bench.report import _fmt
+
+    assert _fmt(0.966, ".2f", "x") == "0.96x"
+    assert _fmt(0.29, ".2f", "x") == "0.29x" and _fmt(1.0, ".2f", "x") == "1.00x"
+    assert _fmt(2.9996, ".3f", "x") == "2.999x" and _fmt(193.78, ".1f") == "193.8"
+    assert _fmt(None, ".2f", "x") == "-"

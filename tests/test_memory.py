@@ -67,7 +67,7 @@ def test_forgetting_what_was_learned_gives_a_fresh_engines_choices():
 
     def drafts(union):
         union.begin(None, 2, sampled=False)
-        return union.choose(batch, union.ask(batch, range(len(union.proposers))))
+        return union.choose(batch, union.ask(batch, range(len(union.proposers)))).drafts
 
     assert not any(drafts(taught)), "the lesson did not take: the test tests nothing"
     taught.forget_learned()
@@ -166,7 +166,7 @@ def test_verdicts_the_estimator_holds_back_are_written_too(tmp_path):
     union = _union()
     union._learned_tokens = COLD_TOKENS  # warm: verdicts wait for the next flush
     memory = _open(union, tmp_path)
-    drafts = union.step(_batch(["a"]), None)
+    drafts = union.step(_batch(["a"]), None).drafts
     assert drafts[0]
     union.step(_batch(["a"]), Verified(("a",), np.array([len(drafts[0])]), np.array([2]),
                                        0.012, 1 + len(drafts[0])))

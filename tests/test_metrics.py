@@ -132,8 +132,8 @@ def test_an_extra_candidate_that_won_is_credited_to_its_proposer():
 
     union = Union([Fixed("ngram", [1, 2, 3, 4], 0.9), Fixed("suffix", [1, 7, 8, 9], 0.9)],
                   cost=flat_cost(), explore=False, max_candidates=2)
-    [draft] = union.step(_batch(["r"]), None)
-    [[extra]] = union.last_alternates
+    plan = union.step(_batch(["r"]), None)
+    [draft], [[extra]] = plan.drafts, plan.alternates
     k = len(draft)
     outcome = Scored(own_accepted=1, extra_accepted=(min(3, len(extra)),),
                      extra_lengths=(len(extra),), winner=0)

@@ -57,7 +57,7 @@ def test_a_plain_step_asks_no_proposer_and_counts_as_plain():
 def test_a_step_observed_by_plain_step_is_not_observed_again_by_begin():
     union, proposer = _union([SPECULATE])
     assert union.plain_step(0.01, 2, 2, False) is True
-    drafts = union.step(_batch(["r0", "r1"]), _none_verified(seconds=1e-6))
+    drafts = union.step(_batch(["r0", "r1"]), _none_verified(seconds=1e-6)).drafts
     assert union.arbiter.asked == 1 and len(union.arbiter.observed) == 1  # once, not twice
     assert proposer.calls == 1 and all(drafts)
     # the next begin observes and asks as usual again
@@ -103,7 +103,8 @@ def _context(n):
     from types import SimpleNamespace
 
     return SimpleNamespace(req_ids=[f"r{i}" for i in range(n)],
-                           num_scheduled_drafts=np.zeros(n, dtype=int), num_query_tokens=n)
+                           num_scheduled_drafts=np.zeros(n, dtype=int), num_query_tokens=n,
+                           scored=None)
 
 
 def test_the_speculator_reads_each_steps_time_once(monkeypatch):

@@ -15,6 +15,10 @@ One step of :meth:`Union.step`, in order:
    nothing pays);
 5. **remember** what was proposed, to learn from it next step.
 
+It returns one :class:`StepPlan` for the batch: each row's draft, whose candidate it is,
+and the extra candidates the batch-expanding scorer verifies beside it (nothing read back
+from the union afterwards).
+
 Everything here is vLLM-free; the vLLM layer builds the :class:`StepBatch` and the
 :class:`Verified` record from the engine's buffers.
 """
@@ -92,6 +96,23 @@ class Verified:
     draft_seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's decision for the whole batch, what :meth:`Union.step` and
+    :meth:`Union.choose` return: each row's draft, whose candidate it is, and the extra
+    candidates the batch-expanding scorer verifies beside it."""
+
+    drafts: list[list[int]]  # [num_reqs] token ids each row verifies ([]: none)
+    sources: list[int | None]  # [num_reqs] proposer index of each row's draft (None: none)
+    alternates: list[list[list[int]]]  # [num_reqs] extra candidates per row (the scorer's)
+
+    @classmethod
+    def plain(cls, num_reqs: int) -> StepPlan:
+        """No row verifies anything."""
+        return cls([[] for _ in range(num_reqs)], [None] * num_reqs,
+                   [[] for _ in range(num_reqs)])
+
+
 @dataclass
 class _Pending:
     proposer: int  # index of the proposer whose candidate was sent
@@ -143,13 +164,8 @@ class Union:
         self.cost = cost or StepCostModel()
         self.failures = [FailureCounter(name, logger) for name in names]
         self.stats = ProposerStats()
-        # [num_reqs] index of the proposer whose candidate each row of the last step
-        # verifies (None: no draft); the vLLM layer needs it to attach draft probabilities
-        self.last_sources: list[int | None] = []
         self.max_candidates = max_candidates
         self.decoy_primary = decoy_primary
-        # [num_reqs] the extra candidates (token lists) each row of the last step verifies
-        self.last_alternates: list[list[list[int]]] = []
         self._alternative_offers: list[tuple[int, int, Candidate]] = []  # this step's
         # the proposer plain_step's peek asks (None: the union has no n-gram proposer)
         self._peek_index = next((i for i, p in enumerate(self.proposers) if p.name == "ngram"),
@@ -211,10 +227,10 @@ class Union:
         if self.arbiter is not None:
             self.arbiter.forget()
 
-    def step(self, batch: StepBatch, verified: Verified | None) -> list[list[int]]:
-        """Learn from ``verified``, then one draft per row of ``batch`` (``[]``: none)."""
+    def step(self, batch: StepBatch, verified: Verified | None) -> StepPlan:
+        """Learn from ``verified``, then the step's plan for ``batch``."""
         if not self.begin(verified, batch.num_reqs, bool(np.mean(batch.sampled) > 0.5)):
-            return [[] for _ in range(batch.num_reqs)]
+            return StepPlan.plain(batch.num_reqs)
         return self.choose(batch, self.ask(batch, range(len(self.proposers))))
 
     def begin(self, verified: Verified | None, num_reqs: int, sampled: bool) -> bool:
@@ -222,7 +238,7 @@ class Union:
         ``sampled``: most requests sample). A plain step needs nothing else: no
         proposer runs, and the caller need not even build the step's batch.
         After :meth:`plain_step` said True, the step was observed and decided there."""
-        self.last_alternates, self._alternative_offers = [], []
+        self._alternative_offers = []
         self._draft_plan_seconds = 0.0
         self._estimated, self._plan_without = {}, None
         self._step_histories = None
@@ -281,7 +297,6 @@ class Union:
             self._observed = True
         else:
             self._skipped_steps += 1
-            self.last_alternates = []
             self._count_plain_step(num_reqs)
             self.stats.steps_skipped += 1
         return self.speculating
@@ -371,8 +386,6 @@ class Union:
     def _count_plain_step(self, num_reqs: int) -> None:
         if self._pending or self._pending_extras:  # (no new objects on every plain step)
             self._pending, self._pending_extras = {}, {}
-        if len(self.last_sources) != num_reqs or self.last_sources.count(None) != num_reqs:
-            self.last_sources = [None] * num_reqs
         self.stats.steps += 1
         self.stats.steps_without_drafts += 1
         self.stats.k_histogram[0] += num_reqs
@@ -554,8 +567,8 @@ class Union:
         seconds = self.cost.step_one(num_tokens)
         return expected, seconds + self.cost.spec_overhead_s * (num_tokens > len(choices))
 
-    def choose(self, batch: StepBatch, offers) -> list[list[int]]:
-        """The controller's choice among ``offers``: one draft per row."""
+    def choose(self, batch: StepBatch, offers) -> StepPlan:
+        """The controller's choice among ``offers``: the step's plan, one draft per row."""
         histories = self._histories(batch)
         acceptance: list[list[np.ndarray]] = [[] for _ in range(batch.num_reqs)]
         order = sorted(range(len(offers)), key=lambda o: offers[o][0])  # by row, stable
@@ -570,15 +583,15 @@ class Union:
                                                  spec_overhead=self.cost.spec_overhead_s)
         if self.arbiter is not None:  # the draft's forwards, if it ran, are the step's too
             self.arbiter.predicted(expected / (seconds + self._draft_plan_seconds))
-        drafts = self._remember(batch, offers, histories, choices)
-        self.last_alternates = [[] for _ in choices]
+        drafts, sources = self._remember(batch, offers, histories, choices)
+        alternates: list[list[list[int]]] = [[] for _ in choices]
         if self.max_candidates > 1:
             alternatives = sorted(self._alternative_offers, key=lambda o: o[0])
             for (r, _, _), a in zip(alternatives, self._estimate(alternatives, batch, histories)):
                 acceptance[r].append(a)
             self._alternates(batch, offers + alternatives, acceptance, choices, drafts,
-                             histories, len(offers))
-        return drafts
+                             alternates, histories, len(offers))
+        return StepPlan(drafts, sources, alternates)
 
     def _acceptance(self, offers, batch: StepBatch, histories: list[int]) -> list[np.ndarray]:
         """Each offer's acceptance: plan_draft's estimate where it made one this step (the
@@ -592,9 +605,9 @@ class Union:
         estimates = iter(self._estimate(fresh, batch, histories, explore=False))
         return [known[id(c)] if id(c) in known else next(estimates) for _, _, c in offers]
 
-    def _alternates(self, batch: StepBatch, offers, acceptance, choices, drafts, histories,
-                    num_main: int) -> None:
-        """Fill :attr:`last_alternates`: the extra candidates worth verifying too.
+    def _alternates(self, batch: StepBatch, offers, acceptance, choices, drafts, alternates,
+                    histories, num_main: int) -> None:
+        """Fill ``alternates`` ([num_reqs] lists): the extra candidates worth verifying too.
         ``offers``: the step's offers then its alternatives (the first ``num_main`` are
         offers), per row in the order of ``acceptance[row]``."""
         cands: list[list[Candidate]] = [[] for _ in choices]
@@ -619,8 +632,8 @@ class Union:
                         self.max_candidates - int(self.decoy_primary), eligible=eligible,
                         spec_overhead=self.cost.spec_overhead_s)
         for r, row_extras in enumerate(extras):
-            self.last_alternates[r] = [cands[r][e.candidate].token_ids[:e.num_tokens].tolist()
-                                       for e in row_extras]
+            alternates[r] = [cands[r][e.candidate].token_ids[:e.num_tokens].tolist()
+                             for e in row_extras]
             self.stats.extra_candidates += len(row_extras)
             if row_extras:
                 self._pending_extras[batch.req_ids[r]] = [
@@ -630,7 +643,7 @@ class Union:
         if self.decoy_primary:
             for r, draft in enumerate(drafts):
                 if draft and eligible[r]:
-                    self.last_alternates[r].insert(0, list(draft))
+                    alternates[r].insert(0, list(draft))
                     drafts[r] = [t - 1 if t > 0 else t + 1 for t in draft]
                     # what is learned is the real draft's fate (the decoy is nobody's)
                     sent = self._pending.pop(batch.req_ids[r])
@@ -650,7 +663,6 @@ class Union:
         """The engine skipped drafting for a step: the drafts proposed before it were
         verified in a step whose results never reach :meth:`step`."""
         self._pending, self._pending_extras = {}, {}
-        self.last_alternates = []
         self._observed = False  # a plain_step's decision for a step that then failed
 
     @property
@@ -693,10 +705,12 @@ class Union:
                     estimator.cells(i, sampled[r], histories[r], c.signal), draw=r == explorer)
                 for r, i, c in offers]
 
-    def _remember(self, batch: StepBatch, offers, histories, choices) -> list[list[int]]:
+    def _remember(self, batch: StepBatch, offers, histories, choices):
+        """Record what each row sends (to learn from its verdict); returns the drafts and
+        their sources ([num_reqs] each)."""
         self._pending, self._pending_extras = {}, {}
         drafts: list[list[int]] = []
-        self.last_sources = [None] * len(choices)
+        sources: list[int | None] = [None] * len(choices)
         self.stats.steps += 1
         by_row: dict[int, list] = {}
         for r, i, c in offers:
@@ -708,14 +722,14 @@ class Union:
                 continue
             index, candidate = by_row[r][choice.candidate]
             k = choice.num_tokens
-            self.last_sources[r] = index
+            sources[r] = index
             drafts.append(candidate.token_ids[:k].tolist())
             self._pending[batch.req_ids[r]] = _Pending(
                 index, bool(batch.sampled[r]), histories[r], candidate.signal[:k])
             self.stats.chosen[self.proposers[index].name] += 1
         if not any(drafts):
             self.stats.steps_without_drafts += 1
-        return drafts
+        return drafts, sources
 
     def _learn_extras(self, extras: list[_Pending], outcome: Scored, emitted: int,
                       judged_parts: list) -> None:

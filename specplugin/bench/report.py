@@ -11,6 +11,7 @@ median tok/s within one cell: against ``none`` and against the best built-in the
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -174,7 +175,15 @@ def with_speedups(rows: Sequence[Row]) -> list[Row]:
 
 
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
-    return "-" if value is None else f"{value:{spec}}{suffix}"
+    """``value`` formatted; a ratio (suffix ``x``) is cut, never rounded up, to the
+    digits shown (0.966 shows as 0.96x: a speedup is never printed above what was
+    measured)."""
+    if value is None:
+        return "-"
+    if suffix == "x" and spec.startswith(".") and spec.endswith("f"):
+        scale = 10 ** int(spec[1:-1])
+        value = math.floor(value * scale + 1e-9) / scale
+    return f"{value:{spec}}{suffix}"
 
 
 def stdout_console():

@@ -44,7 +44,7 @@ from specplugin.adaptive.draft_rule import (AcceptanceCalibration, CostModel, Dr
                                              OutcomeTracker, StopRule)
 from specplugin.proposers.draft import (DraftCandidates, DraftKVCursor, confidence_of,
                                         greedy_draft_tokens, sample_draft_tokens)
-from specplugin.adaptive.union import Union, Verified
+from specplugin.adaptive.union import StepPlan, Union, Verified
 from specplugin.vllm_layer.ranks import RankZeroClock, tensor_parallel_rank
 
 logger = logging.getLogger("specplugin")
@@ -96,6 +96,7 @@ class PluginDraftProposer(DraftModelProposer):
         # With token-level proposers too, the union picks per request among their
         # candidates and the draft's (see _finish_union).
         self.union: Union | None = None
+        self.plan: StepPlan | None = None  # the union's plan of the last step it chose
         token_level = [n for n in plugin_config.proposers if n not in MODEL_PROPOSERS]
         if token_level:
             self.draft_candidates = DraftCandidates()
@@ -118,8 +119,9 @@ class PluginDraftProposer(DraftModelProposer):
     @property
     def last_alternates(self) -> list[list[list[int]]]:
         """[num_reqs] extra candidates per row of the last ``propose`` (the union's;
-        the batch-expanding scorer verifies them, :mod:`specplugin.vllm_layer.scorer`)."""
-        return [] if self.union is None else self.union.last_alternates
+        the batch-expanding scorer verifies them, :mod:`specplugin.vllm_layer.scorer`):
+        vLLM's drafting call returns token ids only, so the runner reads them here."""
+        return [] if self.plan is None else self.plan.alternates
 
     def calibrate(self, num_tokens: np.ndarray, seconds: np.ndarray) -> None:
         """Timed target forwards from engine start (see the worker)."""
@@ -207,6 +209,7 @@ class PluginDraftProposer(DraftModelProposer):
         """This step drafts nothing after a failure (counted): nothing pending, no timing."""
         self.failures.record()
         self.last_lengths = [0] * num_reqs
+        self.plan = None
         self._last_draft_probs = None
         self._last_draft_seconds = 0.0
         self._decided = None
@@ -333,6 +336,7 @@ class PluginDraftProposer(DraftModelProposer):
         call costs several microseconds of cold caches, a list of a few rows far less."""
         self._last_draft_probs = None
         self.last_lengths = None
+        self.plan = None
         # [num_reqs] draft tokens each row had verified in that step, and accepted
         scheduled = list(context.num_scheduled_drafts[:num_reqs])
         num_accepted = _num_accepted(scheduled, rejected)
@@ -575,11 +579,9 @@ class PluginDraftProposer(DraftModelProposer):
                 return True
             self.arbiter.observe(num_reqs + sum(num_accepted), self._step_seconds)
             return self.arbiter.speculate(num_reqs, mostly_sampled)
-        expander = getattr(self.plugin_runner, "expander", None)
         verified = Verified(tuple(context.req_ids[:num_reqs]), scheduled,
                             [a + 1 for a in num_accepted], self._step_seconds,
-                            context.num_query_tokens,
-                            None if expander is None else dict(expander.outcomes),
+                            context.num_query_tokens, context.scored,
                             draft_seconds=self._last_draft_seconds)
         return self.union.begin(verified, num_reqs, mostly_sampled)
 
@@ -653,8 +655,9 @@ class PluginDraftProposer(DraftModelProposer):
             confidences[rows] = run.stacked_confidences()
         self.draft_candidates.set(token_ids.cpu().numpy(), confidences, lengths)
         draft_index = len(self.union.proposers) - 1
-        drafts = self.union.choose(batch, offers + self.union.ask(batch, [draft_index]))
-        draft_rows = np.array([source == draft_index for source in self.union.last_sources],
+        self.plan = self.union.choose(batch, offers + self.union.ask(batch, [draft_index]))
+        drafts = self.plan.drafts
+        draft_rows = np.array([source == draft_index for source in self.plan.sources],
                               dtype=bool)
         chosen = np.array([len(d) for d in drafts], dtype=np.int64)
         if rows.size:
@@ -672,7 +675,8 @@ class PluginDraftProposer(DraftModelProposer):
         """The union's step in which the draft model runs for no row: its choice among the
         token-level ``offers`` alone (what :meth:`_finish_union` gives then, without a
         draft run to lay out or record)."""
-        drafts = self.union.choose(batch, offers)
+        self.plan = self.union.choose(batch, offers)
+        drafts = self.plan.drafts
         self.outcomes.forget()
         self.last_lengths = lengths = [len(d) for d in drafts]
         self._last_forwards, self._last_draft_tokens = 0, sum(lengths)

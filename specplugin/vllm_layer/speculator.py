@@ -27,7 +27,7 @@ from specplugin.adaptive.cost import StepCostModel, StepTimer
 from specplugin.adaptive.memory import open_memory
 from specplugin.metrics import FailureCounter
 from specplugin.proposers import MODEL_PROPOSERS, StepBatch, build_proposer
-from specplugin.adaptive.union import Union, Verified
+from specplugin.adaptive.union import StepPlan, Union, Verified
 from specplugin.vllm_layer.ranks import tensor_parallel_rank
 from specplugin.vllm_layer.config_hook import plugin_config
 
@@ -53,6 +53,7 @@ class Speculator:
                                   writer=tensor_parallel_rank() == 0)
         self.failures = FailureCounter("union", logger)
         self.runner = None
+        self.plan: StepPlan | None = None  # the union's plan of the last propose
         self.timer = StepTimer()
         # skip_drafting read this step's wall time and the full path has yet to use it
         self._step_seconds: float | None = None
@@ -83,8 +84,10 @@ class Speculator:
         try:
             context = self.runner.step_context()
             batch = self._batch(context, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
-            return self.union.step(batch, self._verified(context, sampled_token_ids))
+            self.plan = self.union.step(batch, self._verified(context, sampled_token_ids))
+            return self.plan.drafts
         except Exception:  # a bug in drafting must not fail requests: decode plainly
+            self.plan = None
             self.failures.record()
             self.forget_pending()
             return [[] for _ in range(num_reqs)]
@@ -124,11 +127,9 @@ class Speculator:
 
     def _verified(self, context, sampled_token_ids) -> Verified:
         seconds = self._this_step()
-        expander = getattr(self.runner, "expander", None)
         return Verified(tuple(context.req_ids), np.asarray(context.num_scheduled_drafts),
                         np.array([len(s) for s in sampled_token_ids]), seconds,
-                        context.num_query_tokens,
-                        None if expander is None else dict(expander.outcomes))
+                        context.num_query_tokens, context.scored)
 
     def _batch(self, context, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> StepBatch:
         num_reqs = len(sampled_token_ids)
@@ -149,8 +150,9 @@ class Speculator:
     @property
     def last_alternates(self) -> list[list[list[int]]]:
         """[num_reqs] the extra candidates each row of the last ``propose`` verifies too
-        (the batch-expanding scorer, :mod:`specplugin.vllm_layer.scorer`)."""
-        return self.union.last_alternates
+        (the batch-expanding scorer, :mod:`specplugin.vllm_layer.scorer`): vLLM's drafting
+        call returns token ids only, so the runner reads them here."""
+        return [] if self.plan is None else self.plan.alternates
 
     def finish_requests(self, req_ids) -> None:
         self.union.finish_requests(list(req_ids))

@@ -73,6 +73,9 @@ class StepContext:
     # [num_reqs] the proposers each request allows (specplugin_proposers; None: all);
     # None when no request of the batch restricts them
     allowed: tuple | None
+    # req_id -> how its candidates fared in the step just verified, for requests the
+    # batch-expanding scorer verified extra candidates for (None: no scorer)
+    scored: dict | None = None
 
 
 class PluginRunnerMixin:
@@ -135,7 +138,8 @@ class PluginRunnerMixin:
         return StepContext(req_ids, params, remaining, num_scheduled,
                            batch.num_prompt_tokens[: len(req_ids)],
                            getattr(so, "total_num_scheduled_tokens", 0), max_k,
-                           None if all(a is None for a in allowed) else allowed)
+                           None if all(a is None for a in allowed) else allowed,
+                           None if self.expander is None else dict(self.expander.outcomes))
 
     def peek_batch(self) -> StepBatch:
         """The batch as it stands before this step's tokens are sampled, for the union's
