@@ -52,6 +52,20 @@ def test_a_second_engine_starts_where_the_first_one_stopped(tmp_path):
     assert cold.estimator.judged.sum() == 0
 
 
+def test_a_restored_bucket_seeds_its_neighbours(tmp_path):
+    """A warm engine whose batch shrinks to a size the first engine never ran starts that
+    bucket from the restored neighbour's verdict (plain here), not from a warm-up."""
+    first = _union()
+    memory = _open(first, tmp_path)
+    for _ in range(40 * first.arbiter.block_steps):  # batch 8: plain twice as fast
+        choice = first.arbiter.speculate(8)
+        first.arbiter.observe(8, 8 / (400.0 if choice == SPECULATE else 800.0))
+    memory.save(first)
+    second = _union()
+    _open(second, tmp_path)
+    assert second.arbiter.speculate(5) == PLAIN and second.arbiter.num_seeded_buckets == 1
+
+
 def test_forgetting_what_was_learned_gives_a_fresh_engines_choices():
     """``specplugin bench`` warms an engine up on reversed text, then has the union forget
     (Union.forget_learned): a union taught that a proposer fails and that plain decoding

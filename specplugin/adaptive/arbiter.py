@@ -169,12 +169,15 @@ class StepArbiter:
         return dict(self._buckets)
 
     def restore_bucket(self, key: tuple[int, bool], rate: dict, blocks: dict,
-                       correction: float | None) -> None:
-        """Rates an earlier engine measured (``state_dir``, :mod:`specplugin.adaptive.memory`)."""
+                       correction: float | None, num_reqs: int = 0) -> None:
+        """Rates an earlier engine measured (``state_dir``, :mod:`specplugin.adaptive.memory`);
+        ``num_reqs``: the batch size they were last measured at (0: unknown, and then the
+        bucket seeds no neighbour, see "Neighbouring batch sizes")."""
         state = self._buckets.setdefault(key, _Bucket())
         state.rate = dict(rate)
         state.blocks = {SPECULATE: 0, PLAIN: 0} | dict(blocks)
         state.correction = correction
+        state.num_reqs = int(num_reqs)
 
     def rate(self, num_reqs: int, choice: bool, sampled: bool = False) -> float | None:
         """Measured tokens per second of ``choice`` at this batch size (None: not yet)."""

@@ -10,7 +10,8 @@ hash of those: acceptance is a property of the model pair, rates of the machine)
 
 Kept: the estimator's counts per cell (judged and accepted tokens, already
 decayed, so old evidence stays old) and, per step-arbiter bucket, the measured
-speculative and plain rates and the prediction correction. The arbiter's block
+speculative and plain rates, the prediction correction and the batch size they were
+last measured at (so that a restored bucket seeds its neighbours). The arbiter's block
 counts are capped at :data:`REMEASURE_BLOCKS` on load, so that the new job's own
 blocks soon outweigh the old job's rates (another workload may run this time).
 Not kept: the cost model (timed at every engine start), per-request state.
@@ -111,10 +112,11 @@ class UnionMemory:
                       for c, n in entry["blocks"].items()}
             correction = entry.get("correction")
             buckets.append(((int(entry["bucket"]), bool(entry["sampled"])), rate, blocks,
-                            None if correction is None else float(correction)))
+                            None if correction is None else float(correction),
+                            int(entry.get("num_reqs", 0))))  # (absent in older files)
         estimator.set_counts(judged, accepted)
-        for key, rate, blocks, correction in buckets:
-            arbiter.restore_bucket(key, rate, blocks, correction)
+        for key, rate, blocks, correction, num_reqs in buckets:
+            arbiter.restore_bucket(key, rate, blocks, correction, num_reqs)
 
     def snapshot(self, union) -> dict:
         union.flush_learning()  # verdicts the estimator has not learned yet count too
@@ -123,7 +125,7 @@ class UnionMemory:
             {"bucket": key[0], "sampled": key[1],
              "rate": {str(int(c)): r for c, r in state.rate.items()},
              "blocks": {str(int(c)): n for c, n in state.blocks.items()},
-             "correction": state.correction}
+             "correction": state.correction, "num_reqs": state.num_reqs}
             for key, state in union.arbiter.buckets().items() if state.rate]
         return {"version": VERSION, "proposers": list(estimator.proposers),
                 "judged": estimator.judged.tolist(), "accepted": estimator.accepted.tolist(),
