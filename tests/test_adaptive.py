@@ -399,6 +399,9 @@ def test_the_draft_runs_where_its_priced_forwards_pay():
                             catch_up_seconds=[0.05]))[0] == 0
     assert np.asarray(union.plan_draft(one, [], 1, np.array([8]), forward_seconds=0.001,
                             catch_up_seconds=[0.0]))[0] > 0
+    # ... or behind a first pass whose fixed part (timed: a cold draft) costs as much
+    assert np.asarray(union.plan_draft(one, [], 1, np.array([8]), forward_seconds=0.001,
+                                       catch_up_seconds=[0.0], run_seconds=0.05))[0] == 0
     # paid once, it serves the request's later steps: spread over the many a long
     # request has left it pays, over a short one's few it does not
     assert np.asarray(union.plan_draft(one, [], 1, np.array([8]), forward_seconds=0.001,

@@ -359,9 +359,11 @@ def test_shared_vocabulary_passes_for_equal_tokenizers_and_names_a_mismatch(tmp_
 
 
 def test_the_draft_runs_catch_up_is_priced_by_the_rows_it_reads():
-    """``_catch_up_seconds``: what each row's first pass adds beyond one forward, in
-    proportion to the tokens it reads, at the target's forward curve scaled by what one
-    draft forward costs against the target's for as many rows."""
+    """``_first_pass_prices``: before any first pass was timed, nothing fixed, and each
+    row's catch-up in proportion to the tokens it reads, at the target's forward curve
+    scaled by what one draft forward costs against the target's for as many rows. Once
+    timed, the measured price: a cold pass's fixed part and price per token, or a warm
+    one's (the draft ran in the step before)."""
     from types import SimpleNamespace
 
     from specplugin.adaptive.cost import StepCostModel
@@ -370,11 +372,45 @@ def test_the_draft_runs_catch_up_is_priced_by_the_rows_it_reads():
 
     cost = StepCostModel(max_tokens=64)
     cost.calibrate(np.array([1, 64]), np.array([0.005, 0.068]))  # 1 ms per extra token
-    drafter = SimpleNamespace(cursor=DraftKVCursor(), union=SimpleNamespace(cost=cost))
+    drafter = SimpleNamespace(cursor=DraftKVCursor(), union=SimpleNamespace(cost=cost),
+                              costs=CostModel(), _steps_since_run=5)
     drafter.cursor.advance(["a"], np.array([8]))
     batch = StepBatch(("a", "b"), np.zeros((2, 32), dtype=np.int32), np.array([10, 21]),
                       np.full(2, 5), np.full(2, 8), np.zeros(2, bool), (0, 1))
     # rows read 1 and 20 tokens beyond their newest; the draft costs half the target
-    seconds = PluginDraftProposer._catch_up_seconds(drafter, batch, 2, 0.5 * cost.forward_one(2))
-    assert seconds == pytest.approx([0.0005, 0.010])
-    assert PluginDraftProposer._catch_up_seconds(drafter, batch, 2, 0.0) == [0.0, 0.0]
+    prices = PluginDraftProposer._first_pass_prices
+    forward = 0.5 * cost.forward_one(2)
+    fixed, seconds = prices(drafter, batch, 2, forward)
+    assert fixed == 0.0 and seconds == pytest.approx([0.0005, 0.010])
+    assert prices(drafter, batch, 2, 0.0) == (0.0, [0.0, 0.0])
+    # timed cold passes: 2.3 ms + 10 us per catch-up token; warm ones: 0.7 ms (after the
+    # engine's first forwards, which pay one-time costs)
+    drafter.costs.observe_first_pass(0.05, 200, warm=False)
+    assert drafter.costs.first_pass_price(False, 0.0) is None
+    for _ in range(WARMUP_FORWARDS + 1):
+        drafter.costs.observe_forward(0.0005)
+    for tokens in (4, 40, 210, 20):
+        drafter.costs.observe_first_pass(0.0023 + 1e-5 * tokens, tokens, warm=False)
+    drafter.costs.observe_first_pass(0.0007, 2, warm=True)
+    fixed, seconds = prices(drafter, batch, 2, 0.0005)
+    assert fixed == pytest.approx(0.0018) and seconds == pytest.approx([1e-5, 2e-4])
+    drafter._steps_since_run = 1  # the draft ran in the step before
+    fixed, seconds = prices(drafter, batch, 2, 0.0005)
+    assert fixed == pytest.approx(0.0002) and seconds == pytest.approx([1e-5, 2e-4])
+
+
+def test_first_passes_of_alike_sizes_are_priced_through_their_mean():
+    """Timed cold first passes that all read about as many tokens give no slope: the
+    price per token is the prior's, and the fixed part what the mean leaves over."""
+    costs = CostModel()
+    for _ in range(WARMUP_FORWARDS + 1):
+        costs.observe_forward(0.0005)
+    assert costs.first_pass_price(False, 1e-4) is None
+    assert costs.first_pass_price(True, 1e-4) is None
+    for _ in range(5):
+        costs.observe_first_pass(0.003, 10, warm=False)
+    assert costs.first_pass_price(False, 1e-4) == pytest.approx((0.002, 1e-4))
+    assert costs.first_pass_price(False, 1e-3) == pytest.approx((0.0, 1e-3))  # never below 0
+    assert costs.first_pass_price(True, 1e-4) is None  # warm passes learned apart
+    costs.observe_first_pass(1.0, 10, warm=False)  # a stall counts 4x the running price
+    assert costs.first_pass_price(False, 0.0)[0] == pytest.approx(0.003 + 0.009 / 6)

@@ -48,7 +48,7 @@ from specplugin.vllm_layer.draft_proposer import PluginDraftProposer
 # short runs: every step speculates and the draft model runs for every row that may use
 # it (the arbiter and the union's plan for the draft are tested on their own)
 StepArbiter.speculate = lambda self, num_reqs, sampled=False: True
-Union.plan_draft = lambda self, batch, offers, draft_index, caps, *priced: caps
+Union.plan_draft = lambda self, batch, offers, draft_index, caps, *priced, **kw: caps
 asked = {"ngram": [], "suffix": [], "draft": []}  # first tokens of each row asked about
 
 def recording(name, original):

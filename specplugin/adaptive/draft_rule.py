@@ -62,6 +62,9 @@ WARMUP_FORWARDS = 8
 # (another process, a new shape compiled) must not price the draft out of the steps that
 # would correct it.
 MAX_FORWARD_JUMP = 4.0
+# Weight of a new timing in the first passes' averages (CostModel.observe_first_pass):
+# a run has one first pass, so they come at most once a step.
+FIRST_PASS_SMOOTHING = 0.1
 
 
 class CostModel:
@@ -77,6 +80,18 @@ class CostModel:
     ``step seconds - c * forwards`` against verified draft tokens (exponentially
     weighted least squares). :meth:`thresholds` gives ``(v / t, c / t)``; the
     ``fallback`` pair until ``warmup`` steps were seen.
+
+    And the draft run's first pass, timed whole (its inputs, the forward, the first
+    draw), which costs what a forward costs only while the draft runs step after step:
+    measured on the validation pair at batch 1 (compiled), a forward with its draw
+    0.9-1.0 ms and a first pass 0.6-0.7 ms in a run of consecutive draft steps
+    (complete/b1/t1), but 2.2-2.5 ms for a first pass reading 2-37 tokens after steps
+    without the draft, 2.9-5.0 ms for a new prompt's 211-248 (edit/b1/t0, where the draft
+    runs now and then: its weights and code went cold in between). A price of "one
+    forward plus the catch-up tokens at the target's price per token" made such runs
+    look 2-3 ms cheaper than they were. So first passes are learned apart: after a step
+    in which the draft ran (``warm``), an average; otherwise a line in the catch-up
+    tokens (:meth:`first_pass_price`).
     """
 
     def __init__(self, fallback: tuple[float, float] = (0.2, 0.0), smoothing: float = 0.05,
@@ -92,6 +107,12 @@ class CostModel:
         self._moments = [0.0] * 5
         self._num_steps = 0
         self._plain_sums = StepSums()  # plain steps not learned yet (observe_plain_step)
+        self._warm_first_s: float | None = None  # first passes right after a draft step
+        self._warm_passes = 0
+        # weighted averages of 1, x, y, xx, xy over the other first passes: x their
+        # catch-up tokens, y their seconds
+        self._cold_moments = [0.0] * 5
+        self._cold_passes = 0
 
     def _ema(self, old: float | None, new: float, smoothing: float | None = None) -> float:
         weight = self.smoothing if smoothing is None else smoothing
@@ -107,6 +128,48 @@ class CostModel:
         if old is not None:
             seconds = min(seconds, MAX_FORWARD_JUMP * old)
         self.draft_forward_s = self._ema(old, seconds, max(self.smoothing, 1.0 / measured))
+
+    def observe_first_pass(self, seconds: float, catch_up_tokens: int, warm: bool) -> None:
+        """One draft run's first pass, timed whole; ``catch_up_tokens``: what its rows
+        read beyond their newest tokens; ``warm``: the draft ran in the step before. A
+        plain mean over the first ones of each kind, then an exponential average; none
+        counts before :data:`WARMUP_FORWARDS` forwards were timed, and a later one at
+        most :data:`MAX_FORWARD_JUMP` times its running price."""
+        if seconds <= 0 or self._forwards_timed <= WARMUP_FORWARDS:
+            return  # the engine's first draft runs pay one-time costs (see WARMUP_FORWARDS)
+        if warm:
+            self._warm_passes += 1
+            old = self._warm_first_s
+            if old is not None:
+                seconds = min(seconds, MAX_FORWARD_JUMP * old)
+            self._warm_first_s = self._ema(old, seconds,
+                                           max(FIRST_PASS_SMOOTHING, 1.0 / self._warm_passes))
+            return
+        x = float(catch_up_tokens)
+        price = self.first_pass_price(False, 0.0)
+        if price is not None:  # one stall must not price the draft out (MAX_FORWARD_JUMP)
+            seconds = min(seconds, MAX_FORWARD_JUMP * (price[0] + price[1] * x))
+        self._cold_passes += 1
+        weight = max(FIRST_PASS_SMOOTHING, 1.0 / self._cold_passes)
+        self._cold_moments = [m + weight * (v - m) for m, v in
+                              zip(self._cold_moments, (1.0, x, seconds, x * x, x * seconds))]
+
+    def first_pass_price(self, warm: bool, per_token_prior: float) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per catch-up token) of a first pass, as timed: the
+        price per token is the slope of the line through the cold passes
+        (``per_token_prior`` while their catch-ups are too alike in size to give one,
+        the line then going through their mean); the fixed part is the warm passes'
+        average if ``warm``, else the line's intercept. None before a pass of that kind
+        was timed."""
+        _, x, y, xx, xy = self._cold_moments
+        slope = per_token_prior
+        if self._cold_passes:
+            variance = xx - x * x
+            if variance > (0.25 * x) ** 2:
+                slope = max(0.0, (xy - x * y) / variance)
+        if warm:
+            return None if self._warm_first_s is None else (self._warm_first_s, slope)
+        return None if not self._cold_passes else (max(0.0, y - slope * x), slope)
 
     def observe_step(self, seconds: float, num_tokens: int, num_forwards: int,
                      num_draft_tokens: int) -> None:

@@ -427,7 +427,8 @@ class Union:
     def plan_draft(self, batch: StepBatch, offers, draft_index: int, caps: np.ndarray,
                    forward_seconds: float,
                    catch_up_seconds: Sequence[float] | None = None,
-                   remaining_tokens: Sequence[int] | None = None) -> list[int]:  # [num_reqs]
+                   remaining_tokens: Sequence[int] | None = None,
+                   run_seconds: float = 0.0) -> list[int]:  # [num_reqs]
         """Tokens the draft model drafts for each row this step (0: it does not run for it).
 
         The draft model's candidate is unknown until it runs, and running it costs
@@ -445,7 +446,7 @@ class Union:
         maximises the step's tokens per second with its forwards counted, if that beats
         the first plan's::
 
-            max_m E_with(m) / (T(n_with(m)) + forward_seconds * m)  >  E_without / T(n_without)
+            max_m E_with(m) / (T(n_with(m)) + run_seconds + forward_seconds * m)  >  E_without / T(n_without)
 
         At a cold start the draft's tokens are coin flips (the estimator's prior, Beta
         around 0.5), so the draft runs in the steps whose draw is high enough to pay;
@@ -456,8 +457,10 @@ class Union:
         learnt only by running it, and a few forwards are cheap next to a run that never
         learns it (its own stop rule still ends each run where its confidence falls).
 
+        ``run_seconds``: what a draft run costs beyond its forwards whatever it drafts
+        (its first pass's inputs and draw over a forward's, timed by the caller).
         ``catch_up_seconds`` [num_reqs]: what the draft's first pass adds for row r beyond
-        one forward, if it drafts for it: the tokens its draft KV lacks (a new request's
+        one that reads its newest token only, if it drafts for it: the tokens its draft KV lacks (a new request's
         prompt, the gap since the row last drafted) read through the draft model. Counted
         for the rows the plan gives the draft (measured: unpriced, the catch-ups of the
         draft's exploratory runs held a fresh engine at batch 1, temperature 1 to 0.83x
@@ -484,7 +487,7 @@ class Union:
         without, kept, kept_seconds = plan_without
         self._plan_without = (tuple(id(c) for _, _, c in offers), plan_without)
         if self.draft_always:
-            self._draft_plan_seconds = forward_seconds * max(lengths_list)
+            self._draft_plan_seconds = forward_seconds * max(lengths_list) + run_seconds
             return lengths_list
         trial = (
             self._draft_trials > 0
@@ -515,7 +518,7 @@ class Union:
                 gains[j] += p
                 reach[j] += 1
         best, best_rate = 0, kept / kept_seconds
-        overhead = spec_overhead
+        overhead = spec_overhead + run_seconds
         if catch_up_seconds is not None:  # the first pass's catch-up, for the draft's rows
             behind = [r for r, (c, kr) in enumerate(zip(catch_up_seconds, k)) if kr and c > 0.0]
             kept_on = (set() if remaining_tokens is None or not behind
@@ -535,7 +538,7 @@ class Union:
                 best, best_rate = m, rate
         if not best:
             return [0] * batch.num_reqs
-        self._draft_plan_seconds = forward_seconds * best
+        self._draft_plan_seconds = forward_seconds * best + run_seconds
         self._draft_trials -= trial
         self._trial_step = trial
         return [min(kr, best) for kr in k]

@@ -82,6 +82,9 @@ class PluginDraftProposer(DraftModelProposer):
         # draft forwards timed during a step are shared at the next step's start
         self.clock = RankZeroClock()
         self._forward_seconds: list[float] = []
+        # (seconds, catch-up tokens, warm) of this step's first pass (see _agree_on_timings)
+        self._first_pass: tuple[float, int, bool] | None = None
+        self._steps_since_run = 2  # engine steps since the draft last ran (_first_pass_prices)
         # test-only: every N-th draft forward fails (specplugin.proposers.faults)
         every = plugin_config.fault_injection.draft_forward
         self._forward_fault = None if every is None else EveryNth("draft forward", every)
@@ -111,8 +114,9 @@ class PluginDraftProposer(DraftModelProposer):
         self.memory = None if self.union is None else open_memory(
             self.union, plugin_config.state_dir, vllm_config.model_config.model,
             plugin_config.draft_model, k_max, writer=tensor_parallel_rank() == 0)
-        # the draft model alone: whether speculating pays at all, measured (the union has its own)
-        self.arbiter = arbiter_for(plugin_config)
+        # the draft model alone: whether speculating pays at all, measured (a union
+        # has its own, and then the drafter none)
+        self.arbiter = arbiter_for(plugin_config) if self.union is None else None
         # drafts and acceptances per proposer (the union keeps them itself)
         self.proposer_stats = ProposerStats() if self.union is None else self.union.stats
 
@@ -185,6 +189,7 @@ class PluginDraftProposer(DraftModelProposer):
             self.failures.record()
             plain = False
         if plain:
+            self._steps_since_run += 1
             self.outcomes.forget()
             self.last_lengths = [0] * num_reqs
             if self.union is None:
@@ -337,6 +342,7 @@ class PluginDraftProposer(DraftModelProposer):
         self._last_draft_probs = None
         self.last_lengths = None
         self.plan = None
+        self._steps_since_run += 1
         # [num_reqs] draft tokens each row had verified in that step, and accepted
         scheduled = list(context.num_scheduled_drafts[:num_reqs])
         num_accepted = _num_accepted(scheduled, rejected)
@@ -368,12 +374,15 @@ class PluginDraftProposer(DraftModelProposer):
         from ``starts`` (where its draft KV ends) to its newest token, whose output is
         draft position 0; then one batched forward per position while the rule says so."""
         num_rows = rows.size
+        start = time.perf_counter()
         cad, num_tokens, last = self._first_pass_inputs(batch, rows, starts, cad)
         hidden = self._forward(cad, num_tokens, draft_index=0)
         self.cursor.advance([batch.req_ids[r] for r in rows], batch.num_tokens[rows])
         positions = self.positions[last]
         temperature = None if temperature is None else temperature[torch.from_numpy(rows)]
-        if not self._sample_into(run, hidden[last], temperature):
+        more = self._sample_into(run, hidden[last], temperature)
+        self._observe_first_pass(time.perf_counter() - start, num_tokens - num_rows)
+        if not more:
             return
         self._switch_to_decode(cad, num_rows)
         # One padded size for every decode pass (CUDA graphs run a captured batch size):
@@ -457,16 +466,28 @@ class PluginDraftProposer(DraftModelProposer):
         else:
             self.costs.observe_forward(seconds)
 
+    def _observe_first_pass(self, seconds: float, catch_up_tokens: int) -> None:
+        warm = self._steps_since_run <= 1  # the draft ran in the step before
+        self._steps_since_run = 0
+        if self.clock.shared:  # shared at the next step (_agree_on_timings)
+            self._first_pass = (seconds, catch_up_tokens, warm)
+        else:
+            self.costs.observe_first_pass(seconds, catch_up_tokens, warm)
+
     def _agree_on_timings(self, step_seconds: float | None,
                           draft_seconds: float) -> tuple[float | None, float]:
         """Tensor parallelism: rank 0's step time, draft run time and draft forward times
         replace this rank's (every rank then takes the same decisions; see ranks.py)."""
         forwards = self._forward_seconds
-        step_seconds, draft_seconds, total, count = self.clock.agree(
-            [step_seconds, draft_seconds, sum(forwards), len(forwards)])
-        self._forward_seconds = []
+        first_seconds, first_tokens, warm = self._first_pass or (None, None, None)
+        step_seconds, draft_seconds, total, count, first_seconds, first_tokens, warm = (
+            self.clock.agree([step_seconds, draft_seconds, sum(forwards), len(forwards),
+                              first_seconds, first_tokens, warm]))
+        self._forward_seconds, self._first_pass = [], None
         for _ in range(int(count or 0)):
             self.costs.observe_forward(total / count)
+        if first_seconds is not None:
+            self.costs.observe_first_pass(first_seconds, int(first_tokens), bool(warm))
         return step_seconds, draft_seconds or 0.0
 
     def _forward(self, cad, num_tokens: int, draft_index: int,
@@ -608,24 +629,35 @@ class PluginDraftProposer(DraftModelProposer):
         room = self.max_model_len
         remaining = [min(left, room - n) for left, n in
                      zip(remaining_tokens[:batch.num_reqs], batch.num_tokens.tolist())]
-        caps = self.union.plan_draft(batch, offers, draft_index, caps, forward,
-                                     self._catch_up_seconds(batch, rows, forward), remaining)
+        run_seconds, catch_up = self._first_pass_prices(batch, rows, forward)
+        caps = self.union.plan_draft(batch, offers, draft_index, caps, forward, catch_up,
+                                     remaining, run_seconds=run_seconds)
         return offers, caps
 
-    def _catch_up_seconds(self, batch: StepBatch, num_rows: int, forward: float) -> list[float]:
-        """[num_reqs] seconds the draft's first pass adds for each row beyond one forward:
-        its catch-up tokens (:meth:`DraftKVCursor.behind`) at the draft's price per token,
-        the target's forward curve (timed at engine start) scaled by what one draft
-        forward measured against the target's for as many rows."""
+    def _first_pass_prices(self, batch: StepBatch, num_rows: int,
+                           forward: float) -> tuple[float, list[float]]:
+        """What the draft's first pass costs beyond one forward: (seconds whatever the
+        rows read, [num_reqs] seconds each row adds by its catch-up tokens,
+        :meth:`DraftKVCursor.behind`). As timed (:meth:`CostModel.first_pass_price
+        <specplugin.adaptive.draft_rule.CostModel.first_pass_price>`, warm if the draft
+        ran in the step before); until then nothing fixed, and the catch-up tokens at the
+        target's forward curve (timed at engine start) scaled by what one draft forward
+        measured against the target's for as many rows, which also stands in for the
+        price per token while the timed catch-ups are too alike in size to give one."""
         behind = self.cursor.behind(batch.req_ids, batch.num_tokens)
         total = sum(behind)
         cost = self.union.cost
-        if not total or not cost.calibrated or forward <= 0.0:
-            return [0.0] * len(behind)
-        base = max(1, num_rows)
-        target = cost.forward_one(base)  # F(rows)
-        per_token = forward / max(target, 1e-9) * (cost.forward_one(base + total) - target) / total
-        return [per_token * b for b in behind]
+        per_token = 0.0
+        if total and cost.calibrated and forward > 0.0:
+            base = max(1, num_rows)
+            target = cost.forward_one(base)  # F(rows)
+            per_token = (forward / max(target, 1e-9)
+                         * (cost.forward_one(base + total) - target) / total)
+        fixed = 0.0
+        price = self.costs.first_pass_price(self._steps_since_run <= 1, per_token)
+        if price is not None:
+            fixed, per_token = max(0.0, price[0] - forward), price[1]
+        return fixed, [per_token * b for b in behind]
 
     def _forward_price(self, num_rows: int) -> float:
         """Seconds of one draft forward: measured once the draft has run; before that, the
