@@ -373,7 +373,7 @@ def test_the_draft_runs_catch_up_is_priced_by_the_rows_it_reads():
     cost = StepCostModel(max_tokens=64)
     cost.calibrate(np.array([1, 64]), np.array([0.005, 0.068]))  # 1 ms per extra token
     drafter = SimpleNamespace(cursor=DraftKVCursor(), union=SimpleNamespace(cost=cost),
-                              costs=CostModel(), _steps_since_run=5)
+                              costs=CostModel(), _draft_ran_last_step=False)
     drafter.cursor.advance(["a"], np.array([8]))
     batch = StepBatch(("a", "b"), np.zeros((2, 32), dtype=np.int32), np.array([10, 21]),
                       np.full(2, 5), np.full(2, 8), np.zeros(2, bool), (0, 1))
@@ -394,7 +394,7 @@ def test_the_draft_runs_catch_up_is_priced_by_the_rows_it_reads():
     drafter.costs.observe_first_pass(0.0007, 2, warm=True)
     fixed, seconds = prices(drafter, batch, 2, 0.0005)
     assert fixed == pytest.approx(0.0018) and seconds == pytest.approx([1e-5, 2e-4])
-    drafter._steps_since_run = 1  # the draft ran in the step before
+    drafter._draft_ran_last_step = True
     fixed, seconds = prices(drafter, batch, 2, 0.0005)
     assert fixed == pytest.approx(0.0002) and seconds == pytest.approx([1e-5, 2e-4])
 

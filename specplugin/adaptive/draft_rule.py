@@ -124,10 +124,17 @@ class CostModel:
         measured = self._forwards_timed - WARMUP_FORWARDS
         if measured <= 0:
             return
-        old = self.draft_forward_s
+        self.draft_forward_s = self._timed_price(self.draft_forward_s, seconds, measured,
+                                                 self.smoothing)
+
+    def _timed_price(self, old: float | None, seconds: float, count: int,
+                     smoothing: float) -> float:
+        """A running price after its ``count``-th timing ``seconds``: a plain mean over the
+        first ones, then an exponential average; a timing counts at most
+        :data:`MAX_FORWARD_JUMP` times the price so far."""
         if old is not None:
             seconds = min(seconds, MAX_FORWARD_JUMP * old)
-        self.draft_forward_s = self._ema(old, seconds, max(self.smoothing, 1.0 / measured))
+        return self._ema(old, seconds, max(smoothing, 1.0 / count))
 
     def observe_first_pass(self, seconds: float, catch_up_tokens: int, warm: bool) -> None:
         """One draft run's first pass, timed whole; ``catch_up_tokens``: what its rows
@@ -139,11 +146,8 @@ class CostModel:
             return  # the engine's first draft runs pay one-time costs (see WARMUP_FORWARDS)
         if warm:
             self._warm_passes += 1
-            old = self._warm_first_s
-            if old is not None:
-                seconds = min(seconds, MAX_FORWARD_JUMP * old)
-            self._warm_first_s = self._ema(old, seconds,
-                                           max(FIRST_PASS_SMOOTHING, 1.0 / self._warm_passes))
+            self._warm_first_s = self._timed_price(self._warm_first_s, seconds,
+                                                   self._warm_passes, FIRST_PASS_SMOOTHING)
             return
         x = float(catch_up_tokens)
         price = self.first_pass_price(False, 0.0)

@@ -460,8 +460,9 @@ class Union:
         ``run_seconds``: what a draft run costs beyond its forwards whatever it drafts
         (its first pass's inputs and draw over a forward's, timed by the caller).
         ``catch_up_seconds`` [num_reqs]: what the draft's first pass adds for row r beyond
-        one that reads its newest token only, if it drafts for it: the tokens its draft KV lacks (a new request's
-        prompt, the gap since the row last drafted) read through the draft model. Counted
+        one that reads its newest token only, if it drafts for it: the tokens its draft KV
+        lacks (a new request's prompt, the gap since the row last drafted) read through the
+        draft model. Counted
         for the rows the plan gives the draft (measured: unpriced, the catch-ups of the
         draft's exploratory runs held a fresh engine at batch 1, temperature 1 to 0.83x
         of no speculation while it decoded 476 of 510 steps plainly).

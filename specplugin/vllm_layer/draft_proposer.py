@@ -84,7 +84,7 @@ class PluginDraftProposer(DraftModelProposer):
         self._forward_seconds: list[float] = []
         # (seconds, catch-up tokens, warm) of this step's first pass (see _agree_on_timings)
         self._first_pass: tuple[float, int, bool] | None = None
-        self._steps_since_run = 2  # engine steps since the draft last ran (_first_pass_prices)
+        self._steps_since_run = 2  # engine steps since the draft last ran (_draft_ran_last_step)
         # test-only: every N-th draft forward fails (specplugin.proposers.faults)
         every = plugin_config.fault_injection.draft_forward
         self._forward_fault = None if every is None else EveryNth("draft forward", every)
@@ -467,7 +467,7 @@ class PluginDraftProposer(DraftModelProposer):
             self.costs.observe_forward(seconds)
 
     def _observe_first_pass(self, seconds: float, catch_up_tokens: int) -> None:
-        warm = self._steps_since_run <= 1  # the draft ran in the step before
+        warm = self._draft_ran_last_step
         self._steps_since_run = 0
         if self.clock.shared:  # shared at the next step (_agree_on_timings)
             self._first_pass = (seconds, catch_up_tokens, warm)
@@ -634,6 +634,13 @@ class PluginDraftProposer(DraftModelProposer):
                                      remaining, run_seconds=run_seconds)
         return offers, caps
 
+    @property
+    def _draft_ran_last_step(self) -> bool:
+        """Whether the draft ran in the step before this one (its first pass is then
+        warm, see :meth:`CostModel.first_pass_price
+        <specplugin.adaptive.draft_rule.CostModel.first_pass_price>`)."""
+        return self._steps_since_run <= 1
+
     def _first_pass_prices(self, batch: StepBatch, num_rows: int,
                            forward: float) -> tuple[float, list[float]]:
         """What the draft's first pass costs beyond one forward: (seconds whatever the
@@ -654,7 +661,7 @@ class PluginDraftProposer(DraftModelProposer):
             per_token = (forward / max(target, 1e-9)
                          * (cost.forward_one(base + total) - target) / total)
         fixed = 0.0
-        price = self.costs.first_pass_price(self._steps_since_run <= 1, per_token)
+        price = self.costs.first_pass_price(self._draft_ran_last_step, per_token)
         if price is not None:
             fixed, per_token = max(0.0, price[0] - forward), price[1]
         return fixed, [per_token * b for b in behind]
