@@ -75,6 +75,10 @@ def register() -> None:
     from specplugin.vllm_layer import draft_handoff
 
     draft_handoff.install()
+    # the rejection sampler's acceptance probabilities, for the plugin's learners
+    from specplugin.vllm_layer import verification
+
+    verification.install()
     # `specplugin profile`'s engines only: its timers are reached through collective_rpc
     from specplugin.vllm_layer import profiling
 

@@ -321,6 +321,26 @@ def test_union_learns_which_proposer_to_trust():
     assert union.stats.accepted_tokens["good"] > 0 and union.stats.accepted_tokens["bad"] == 0
 
 
+def test_sampled_rows_learn_acceptance_probabilities_greedy_rows_their_verdicts():
+    """Where the verifier tells each sampled token's acceptance probability, the union
+    learns it instead of the verdict (the same average, less noise): a sampled row whose
+    first token was rejected teaches 0.7, a greedy row's rejection teaches 0."""
+    learned = {}
+    for sampled in (True, False):
+        union = _union(Fixed("p", [1, 2, 3], 0.9))
+        drafts = union.step(_batch(["a"], sampled=sampled), None).drafts
+        assert drafts[0], "the union sent no draft to learn from"
+        k = len(drafts[0])
+        verified = Verified(("a",), np.array([k]), np.array([1]), 0.012, 1 + k,
+                            expected=[[0.7] * k])
+        union.step(_batch(["a"], sampled=sampled), verified)
+        union.flush_learning()
+        est = union.estimator
+        learned[sampled] = (float(est.accepted.sum()), float(est.judged.sum()))
+    assert learned[True] == pytest.approx((0.7, 1.0), rel=1e-3)  # one judged token, 0.7
+    assert learned[False] == pytest.approx((0.0, 1.0), rel=1e-3)
+
+
 def test_union_never_drafts_what_is_always_rejected():
     union = _union(Fixed("ngram", [7, 7, 7], 0.9))
     verified, sent = None, 0

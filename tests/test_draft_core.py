@@ -36,13 +36,17 @@ from specplugin.stats import chi_square_gof
 
 
 class Identity(AcceptanceCalibration):
-    """A calibration that believes the draft: estimate = confidence, always warm."""
+    """A calibration that believes the draft: estimate = confidence, always warm, and a
+    position not drawn yet sure to be accepted (so a row's gain is P itself)."""
 
     def __init__(self):
         super().__init__(warmup=0)
 
     def estimate(self, confidence, sampled, position):
         return np.asarray(confidence, dtype=np.float64)
+
+    def position_means(self):
+        return np.ones_like(super().position_means())
 
 
 def run_rows(rule: StopRule, confidences: list[list[float]], caps=None,
@@ -121,6 +125,26 @@ def test_lengths_match_the_formula_row_by_row(k, extra, tau, confs):
     assert run.num_positions == max(run.lengths().tolist())
 
 
+def test_one_more_token_is_worth_the_chance_all_so_far_are_accepted_times_its_own():
+    """A row whose drafts so far are surely accepted (P = 1) still stops where the next
+    position is accepted less often than the row threshold: a rejected last token brings
+    nothing. Sampled rows here accept 40% of position 1, greedy rows 90%."""
+    cal = AcceptanceCalibration(num_buckets=2, num_position_groups=4, warmup=0)
+    for sampled, rate in ((False, 0.9), (True, 0.4)):
+        accepted = np.arange(1000) < rate * 1000
+        cal.update(np.full(1000, 0.99), np.ones(1000, dtype=bool), np.full(1000, sampled),
+                   np.zeros(1000, dtype=np.int64))  # position 0: always accepted
+        cal.update(np.full(1000, 0.99), accepted, np.full(1000, sampled),
+                   np.ones(1000, dtype=np.int64))
+    rule = StopRule(k=1, k_max=4, row_threshold=0.5)
+    run = DraftRun(rule, cal, np.array([False, True]))
+    assert run.add(torch.tensor([1, 1]), np.array([0.99, 0.99]))  # P = 1 for both rows
+    assert run.lengths().tolist() == [1, 1]
+    assert run._active.tolist() == [True, False]  # 1 x 0.9 >= 0.5 > 1 x 0.4
+    means = cal.position_means()
+    assert means[0, 1] == pytest.approx(0.9, abs=0.01) and means[1, 1] == pytest.approx(0.4, abs=0.01)
+
+
 def test_stacked_outputs_have_one_column_per_position():
     run = DraftRun(StopRule(k=2, k_max=3), Identity(), np.zeros(2, dtype=bool))
     probs = torch.softmax(torch.randn(2, 5), dim=-1)
@@ -168,6 +192,24 @@ def _tracker_with_pending(num_drafts: int = 4):
         run.add(torch.tensor([1]), np.array([0.9]))
     tracker.record(["a"], run)
     return tracker, cal
+
+
+def test_sampled_drafts_teach_the_calibration_their_acceptance_probabilities():
+    """Given the verifier's per-token acceptance probabilities, a sampled row's judged
+    positions teach those (the rejected one too); a greedy row's still teach verdicts."""
+    cal = AcceptanceCalibration(num_buckets=2, num_position_groups=8, warmup=0)
+    tracker = OutcomeTracker(cal)
+    run = DraftRun(StopRule(k=3, k_max=3), Identity(), np.array([True, False]))
+    for _ in range(3):
+        run.add(torch.tensor([1, 1]), np.array([0.9, 0.9]))
+    tracker.record(["s", "g"], run)
+    before = cal.accepted.copy()
+    # both rows: 3 verified, 2 rejected (position 0 accepted, position 1 rejected)
+    tracker.resolve(["s", "g"], [3, 3], [2, 2], expected=[[0.8, 0.3, 0.5], [0.8, 0.3, 0.5]])
+    gained = cal.accepted - before  # [table, position, bucket]
+    assert gained[1, 0].sum() == pytest.approx(0.8) and gained[1, 1].sum() == pytest.approx(0.3)
+    assert gained[0, 0].sum() == pytest.approx(1.0) and gained[0, 1].sum() == pytest.approx(0.0)
+    assert gained[:, 2:].sum() == 0.0  # never judged
 
 
 def test_outcomes_of_a_step_the_drafter_skipped_are_forgotten_not_counted_as_accepted():

@@ -52,8 +52,9 @@ def test_register_is_idempotent_and_refuses_double_patching():
         from vllm.platforms import current_platform
         register(); register(); register()
         cls = type(current_platform)
-        # config check, request check, scratch blocks, draft handoff (2), CPU expand kernel
-        assert len(patches._APPLIED) == 6, patches._APPLIED
+        # config check, request check, scratch blocks, draft handoff (2), CPU expand kernel,
+        # the rejection sampler's acceptance probabilities
+        assert len(patches._APPLIED) == 7, patches._APPLIED
         try:
             patches.patch_classmethod(cls, "check_and_update_config", lambda cfg: None)
         except patches.DoublePatchError as e:

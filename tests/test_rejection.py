@@ -445,3 +445,30 @@ def test_one_hot_serving_path_winner_holds_the_emitted_prefix():
     probs = [target, target, target[:2]]
     result = multi_draft.one_hot_multi_draft_verify(ids, probs, torch.Generator().manual_seed(0))
     assert result.token_ids.tolist() == [1, 2, 3, 4] and result.winner == 1
+
+
+# ---------------------------------------------------------------- expected acceptance
+
+
+def test_expected_acceptance_is_the_acceptance_rate_of_a_drawn_draft_token():
+    """sum(min(p, q)) is how often rejection sampling keeps a token drawn from q (and p[x]
+    how often it keeps a fixed guess x): checked against the reference verifier's
+    verdicts, 20,000 draws each, and on the cases the formula must get exactly."""
+    p = torch.tensor([0.5, 0.2, 0.2, 0.1, 0.0])
+    q = torch.tensor([0.1, 0.6, 0.1, 0.1, 0.1])
+    generator = torch.Generator().manual_seed(0)
+    accepted = 0
+    for _ in range(NUM_DRAWS):
+        token = torch.multinomial(q, 1, generator=generator)
+        emitted = reference_verify(token, q[None], torch.stack([p, p]), generator)
+        accepted += int(emitted.shape[0] == 2)
+    expected = rejection.expected_acceptance(torch.tensor([0]), q[None], p[None])
+    assert expected.tolist() == pytest.approx([0.1 + 0.2 + 0.1 + 0.1 + 0.0])
+    # binomial standard error at 20,000 draws and a ~0.5 rate: 0.0035
+    assert abs(accepted / NUM_DRAWS - expected.item()) < 0.015
+    fixed = rejection.expected_acceptance(torch.tensor([1, 3]), None, torch.stack([p, p]))
+    assert fixed.tolist() == pytest.approx([0.2, 0.1])
+    one_hot = torch.nn.functional.one_hot(torch.tensor([1, 3]), VOCAB_SIZE).float()
+    assert rejection.expected_acceptance(torch.tensor([1, 3]), one_hot,
+                                         torch.stack([p, p])).tolist() == pytest.approx([0.2, 0.1])
+    assert rejection.expected_acceptance(torch.tensor([0]), p[None], p[None]).item() == pytest.approx(1.0)

@@ -82,6 +82,22 @@ for name, extra in job["refused"].items():
     except Exception as e:
         refused[name] = {"type": type(e).__name__, "value_error": isinstance(e, ValueError),
                          "message": str(e)}
+# sampled requests: what the union learns from their verification (the rejection
+# sampler's acceptance probabilities, specplugin/vllm_layer/verification.py)
+heard = {"greedy": [], "sampled": []}
+learn = Union._learn
+
+def recording_learn(self, verified, *args, **kwargs):
+    rows = [[None if verified.expected is None else list(verified.expected[r]), int(k)]
+            for r, k in enumerate(verified.num_scheduled_drafts) if k > 0]
+    heard[job_mode].extend(rows)
+    return learn(self, verified, *args, **kwargs)
+
+Union._learn = recording_learn
+for job_mode, temperature in (("greedy", 0.0), ("sampled", 1.0)):
+    llm.generate(prompts[:2], SamplingParams(temperature=temperature, max_tokens=32, seed=0,
+                                             ignore_eos=True), use_tqdm=False)
+Union._learn = learn
 plain = llm.generate(prompts, params({"specplugin_max_k": 0}), use_tqdm=False)
 for record in asked.values():
     record.clear()
@@ -111,7 +127,7 @@ print("RESULT " + json.dumps({
     "plain": [list(o.outputs[0].token_ids) for o in plain],
     "mixed": [list(o.outputs[0].token_ids) for o in mixed],
     "metrics": [metrics(o) for o in mixed], "asked": asked, "exact": exact,
-    "vllm_counters": vllm_counters, "published": ours}))
+    "vllm_counters": vllm_counters, "published": ours, "heard": heard}))
 """
 
 
@@ -153,6 +169,22 @@ def test_draft_forwards_that_fail_mid_run_cost_drafts_never_requests(probe):
     failures are counted."""
     assert probe["exact"]["proposer_failures"].get("draft", 0) > 0, probe["exact"]
     assert len(probe["mixed"]) == len(PROMPTS) and all(len(t) == 48 for t in probe["mixed"])
+
+
+def test_sampled_verification_reports_each_draft_tokens_acceptance_probability(probe):
+    """At temperature 1 the union learns, per verified draft token, the probability the
+    rejection sampler accepted it with (one per token the scheduler verified, in [0, 1],
+    not all verdicts); greedy steps report none (vLLM's greedy path has no target
+    distribution) and learn verdicts."""
+    heard = probe["heard"]
+    assert heard["sampled"] and heard["greedy"], heard
+    assert all(expected is None for expected, _ in heard["greedy"])
+    values = []
+    for expected, scheduled in heard["sampled"]:
+        assert expected is not None and len(expected) == scheduled
+        values += expected
+    assert all(0.0 <= v <= 1.0 + 1e-5 for v in values)
+    assert any(0.01 < v < 0.99 for v in values), values  # probabilities, not verdicts
 
 
 def test_max_k_zero_switches_speculation_off_for_that_request_only(probe):

@@ -18,16 +18,20 @@ engine's own verification results, separately for greedy and sampled requests.
 
 **Rule** (:class:`StopRule`). With ``P[r, j] = prod(a[r, :j + 1])`` (``a_i`` the
 calibrated acceptance estimate of draft position i: ``P`` is the chance that every
-draft token of request r so far is accepted, which is the chance that one more could
-be used at all), request r keeps drafting position j + 1 (0-based, up to
-``k_max`` = vLLM's ``num_speculative_tokens``) while::
+draft token of request r so far is accepted, the chance that one more could be used
+at all) and ``m[r, j + 1]`` the mean acceptance of position j + 1 in r's table over
+every confidence (its token is not drawn yet), one more draft token brings request r
+``G[r, j] = P[r, j] * m[r, j + 1]`` expected tokens: it is used only if it is accepted
+too (a rejected last draft token costs its verification and brings nothing: the
+target's own token comes either way). Request r keeps drafting position j + 1
+(0-based, up to ``k_max`` = vLLM's ``num_speculative_tokens``) while::
 
-    P[r, j] >= row_threshold
+    G[r, j] >= row_threshold
 
 and the batch runs that position's forward only while the drafting rows together
 pay for it::
 
-    sum over drafting rows r of (P[r, j] - row_threshold) >= pass_threshold
+    sum over drafting rows r of (G[r, j] - row_threshold) >= pass_threshold
 
 Both come from :class:`CostModel`, measured on the running engine: an extra draft
 token costs the row ``v`` seconds of target verification, an extra batched draft
@@ -260,16 +264,22 @@ class AcceptanceCalibration:
         cell = self._cell(confidence, sampled, position)
         return self.accepted[cell] / self.seen[cell]
 
+    def position_means(self) -> np.ndarray:  # [2, num_position_groups]
+        """P(accepted | position, all earlier accepted) per table over every confidence:
+        what a position whose token is not drawn yet is expected to bring."""
+        return self.accepted.sum(axis=-1) / self.seen.sum(axis=-1)
+
     def is_warm(self, sampled: np.ndarray) -> np.ndarray:  # [n] bool
         return self.num_observed[sampled.astype(np.int64)] >= self.warmup
 
     def update(
         self,
         confidence: np.ndarray,  # [n] of verified draft positions
-        accepted: np.ndarray,  # [n] bool
+        accepted: np.ndarray,  # [n] bool, or float: acceptance probabilities
         sampled: np.ndarray,  # [n] bool
         position: np.ndarray,  # [n] int: draft position of each
     ) -> None:
+        """``accepted``: [n] bool, or each token's acceptance probability (float)."""
         cell = self._cell(confidence, sampled, position)
         np.add.at(self.seen, cell, 1.0)
         np.add.at(self.accepted, cell, accepted.astype(np.float64))
@@ -292,24 +302,24 @@ class StopRule:
     def keeps_drafting(
         self,
         position: int,  # j: the position just drafted, 0-based
-        cumulative: np.ndarray,  # [num_reqs] P[:, j]
+        gain: np.ndarray,  # [num_reqs] G[:, j]: expected tokens position j + 1 brings
         warm: np.ndarray,  # [num_reqs] bool: calibrated rule (else the default length k)
     ) -> np.ndarray:  # [num_reqs] bool: draft position j + 1
         if position + 1 >= self.k_max:
             return np.zeros_like(warm)
-        return np.where(warm, cumulative >= self.row_threshold, position + 1 < self.k)
+        return np.where(warm, gain >= self.row_threshold, position + 1 < self.k)
 
     def batch_keeps_drafting(
         self,
         active: np.ndarray,  # [num_reqs] bool: rows that want another position
-        cumulative: np.ndarray,  # [num_reqs]
+        gain: np.ndarray,  # [num_reqs] G[:, j]
         warm: np.ndarray,  # [num_reqs] bool
     ) -> bool:
         """Whether one more batched forward pays: the drafting rows' expected surplus
         (a row in its default length counts as sure) must reach ``pass_threshold``."""
         if not active.any():
             return False
-        value = np.where(warm, cumulative, 1.0)
+        value = np.where(warm, gain, 1.0)
         return bool(((value - self.row_threshold) * active).sum() >= self.pass_threshold)
 
 
@@ -336,6 +346,7 @@ class DraftRun:
     _active: np.ndarray | None = None  # [num_reqs] bool
     _cumulative: np.ndarray | None = None  # [num_reqs] float64
     _warm: np.ndarray | None = None  # [num_reqs] bool: calibrated (fixed for the step)
+    _means: np.ndarray | None = None  # [num_reqs, position groups] m (fixed for the step)
 
     @property
     def num_reqs(self) -> int:
@@ -358,9 +369,10 @@ class DraftRun:
         self._lengths += self._active
         self._cumulative = self._cumulative * self.calibration.estimate(
             confidence, self.sampled, position)
-        self._active &= self.rule.keeps_drafting(position, self._cumulative, self._warm)
+        gain = self._cumulative * self._means[:, min(position + 1, self._means.shape[1] - 1)]
+        self._active &= self.rule.keeps_drafting(position, gain, self._warm)
         self._active &= self._lengths < self.caps
-        return self.rule.batch_keeps_drafting(self._active, self._cumulative, self._warm)
+        return self.rule.batch_keeps_drafting(self._active, gain, self._warm)
 
     def _start(self) -> None:
         if self.caps is None:
@@ -370,6 +382,7 @@ class DraftRun:
         self._cumulative = np.ones(self.num_reqs)
         # the calibration only learns between steps (OutcomeTracker.resolve)
         self._warm = self.calibration.is_warm(self.sampled)
+        self._means = self.calibration.position_means()[self.sampled.astype(np.int64)]
 
     @property
     def num_positions(self) -> int:
@@ -421,13 +434,17 @@ class OutcomeTracker:
         self._pending = {}
 
     def resolve(self, req_ids: list[str], num_scheduled: list[int],
-                num_rejected: list[int] | None) -> int:
+                num_rejected: list[int] | None,
+                expected: list[list[float]] | None = None) -> int:
         """Learn from the step just verified; returns its number of accepted draft tokens.
 
         ``num_scheduled[i]``: draft tokens the scheduler verified for row i in that step
         (it may cut a draft short of what was recorded); ``num_rejected[i]``: how many of
         those were rejected (``None``: no request had drafts). Only the scheduled
-        positions up to the first rejection are judged. Pending drafts are consumed either
+        positions up to the first rejection are judged; a sampled request's judged tokens
+        teach their acceptance probabilities where the verifier computed them
+        (``expected[i]``, one per verified draft token of row i: the same average as the
+        verdicts, without their noise). Pending drafts are consumed either
         way: a result can only belong to the step right after the drafts were recorded
         (when vLLM skips drafting in between, the runner calls :meth:`forget`)."""
         pending, self._pending = self._pending, {}
@@ -435,7 +452,9 @@ class OutcomeTracker:
             return 0
         confs, accepted, sampled, positions = [], [], [], []
         total = 0
-        for req_id, scheduled, rejected in zip(req_ids, num_scheduled, num_rejected):
+        expected = expected or ()
+        for row, (req_id, scheduled, rejected) in enumerate(
+                zip(req_ids, num_scheduled, num_rejected)):
             if req_id not in pending or scheduled <= 0:
                 continue
             conf, is_sampled = pending[req_id]
@@ -445,7 +464,11 @@ class OutcomeTracker:
             judged = min(verified, num_accepted + 1)
             confs.append(conf[:judged])
             positions.append(np.arange(judged))
-            accepted.append(positions[-1] < num_accepted)
+            probs = expected[row] if is_sampled and row < len(expected) else None
+            if probs is not None and len(probs) >= judged:
+                accepted.append(np.asarray(probs[:judged], dtype=np.float64))
+            else:
+                accepted.append(positions[-1] < num_accepted)
             sampled.append(np.full(judged, is_sampled))
         if confs:
             self.calibration.update(np.concatenate(confs), np.concatenate(accepted),

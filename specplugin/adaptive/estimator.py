@@ -135,8 +135,10 @@ class AcceptanceEstimator:
             self._scale = 1.0
         self._changed()
 
-    def update_cells(self, cells: Sequence[int], accepted: Sequence[bool]) -> None:
-        """One judged token per entry: its cell (:meth:`cells`) and whether it was accepted."""
+    def update_cells(self, cells: Sequence[int], accepted: Sequence[bool | float]) -> None:
+        """One judged token per entry: its cell (:meth:`cells`) and whether it was accepted,
+        or the probability that it would be (a sampled token's, as the verifier computed
+        it: the same average with less noise)."""
         inc = 1.0 / self._scale
         per_parent, histories = self._strides[2], self._strides[3]
         n, s, pn, ps, qn, qs = (self._n, self._s, self._parent_n, self._parent_s,
@@ -148,9 +150,9 @@ class AcceptanceEstimator:
             pn[p] += inc
             qn[q] += inc
             if a:
-                s[c] += inc
-                ps[p] += inc
-                qs[q] += inc
+                s[c] += inc * a
+                ps[p] += inc * a
+                qs[q] += inc * a
         self._changed()
 
     def update(self, t: TokenCells, accepted: np.ndarray) -> None:

@@ -94,6 +94,10 @@ class Verified:
     scored: dict[str, Scored] | None = None  # req_id -> outcome, for requests with extras
     # seconds of ``seconds`` the draft model's forwards took (priced apart: plan_draft)
     draft_seconds: float = 0.0
+    # [num_reqs] each verified draft token's acceptance probability, where the verifier
+    # knew it (None: it did not); sampled rows learn these instead of the verdicts (see
+    # _learn)
+    expected: Sequence[Sequence[float]] | None = None
 
 
 @dataclass(frozen=True)
@@ -765,8 +769,11 @@ class Union:
         pending, self._pending = self._pending, {}
         pending_extras, self._pending_extras = self._pending_extras, {}
         scored = verified.scored or {}
-        judged_parts: list[tuple[_Pending, int, int]] = []  # (sent, judged, accepted)
-        for req_id, scheduled, emitted in zip(verified.req_ids, scheduled_drafts, num_emitted):
+        expected = verified.expected or ()
+        # (sent, judged, accepted: a count, or each judged token's acceptance probability)
+        judged_parts: list[tuple[_Pending, int, int | Sequence[float]]] = []
+        for row, (req_id, scheduled, emitted) in enumerate(
+                zip(verified.req_ids, scheduled_drafts, num_emitted)):
             if scheduled <= 0:
                 continue
             emitted = max(emitted - 1, 0)  # accepted tokens emitted
@@ -780,14 +787,20 @@ class Union:
                 self.stats.verified(self.proposers[sent.proposer].name, k,
                                     0 if won else min(emitted, k))
                 if own is not None:
-                    judged_parts.append((sent, min(k, own + 1), min(own, k)))
+                    judged = min(k, own + 1)
+                    # a sampled row's tokens as their acceptance probabilities: the same
+                    # average as the verdicts, without their noise (vllm_layer/verification)
+                    probs = expected[row] if sent.sampled and row < len(expected) else None
+                    accepted = (probs[:judged] if outcome is None and probs is not None
+                                and len(probs) >= judged else min(own, k))
+                    judged_parts.append((sent, judged, accepted))
             if outcome is not None:
                 self._learn_extras(pending_extras.get(req_id, []), outcome, emitted, judged_parts)
         self._teach(judged_parts)
 
-    def _teach(self, judged_parts: list[tuple[_Pending, int, int]]) -> None:
-        """(sent, tokens judged, tokens accepted) per candidate: for the estimator's next
-        update (:meth:`flush_learning`)."""
+    def _teach(self, judged_parts: list[tuple[_Pending, int, int | Sequence[float]]]) -> None:
+        """(sent, tokens judged, tokens accepted or each judged token's acceptance
+        probability) per candidate: for the estimator's next update (:meth:`flush_learning`)."""
         self._unlearned += judged_parts
 
     def flush_learning(self) -> None:
@@ -803,6 +816,9 @@ class Union:
             for sent, judged, num_accepted in judged_parts:
                 cells += estimator.cells(sent.proposer, sent.sampled, sent.history,
                                          sent.signal[:judged])
-                accepted += [j < num_accepted for j in range(judged)]
+                if isinstance(num_accepted, int):
+                    accepted += [j < num_accepted for j in range(judged)]
+                else:
+                    accepted += num_accepted
             estimator.update_cells(cells, accepted)
             self._learned_tokens += len(cells)

@@ -292,3 +292,18 @@ def _assemble(draft_token_ids, num_accepted, final_ids, layout: _Layout) -> Veri
     output[layout.req_ids[keep], layout.positions[keep]] = draft_token_ids[keep]
     output[torch.arange(num_reqs, device=final_ids.device), num_accepted] = final_ids
     return VerifyOutput(output, num_accepted + 1)
+
+
+def expected_acceptance(
+    draft_token_ids: torch.Tensor,  # [num_tokens]
+    draft_probs: torch.Tensor | None,  # [num_tokens, vocab_size]; None: every draft one-hot
+    target_probs: torch.Tensor,  # [num_tokens, vocab_size]
+) -> torch.Tensor:  # [num_tokens] float32
+    """The probability that each sampled draft token is accepted, given its position's
+    distributions: ``sum(min(p, q))`` for a token drawn from ``q``, ``p[x]`` for a
+    deterministic guess ``x`` (``q`` one-hot). The verdict itself is one Bernoulli draw
+    of this: learning acceptance from these (:mod:`specplugin.vllm_layer.verification`)
+    averages the same quantity with far less noise."""
+    if draft_probs is None:
+        return target_probs.gather(1, draft_token_ids.long().unsqueeze(1)).squeeze(1)
+    return torch.minimum(target_probs, draft_probs).sum(dim=-1)

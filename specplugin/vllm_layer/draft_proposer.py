@@ -435,7 +435,8 @@ class PluginDraftProposer(DraftModelProposer):
         each row had accepted, whichever proposer drafted them), then set this step's
         threshold."""
         num_reqs = len(num_accepted)
-        self.outcomes.resolve(context.req_ids, context.num_scheduled_drafts[:num_reqs], rejected)
+        self.outcomes.resolve(context.req_ids, context.num_scheduled_drafts[:num_reqs], rejected,
+                              context.expected_acceptance)
         if self._observed:  # skip_drafting timed this step already
             return self._rule_with_thresholds()
         # wall time of the step just run (None: first step, or the last one failed)
@@ -603,7 +604,8 @@ class PluginDraftProposer(DraftModelProposer):
         verified = Verified(tuple(context.req_ids[:num_reqs]), scheduled,
                             [a + 1 for a in num_accepted], self._step_seconds,
                             context.num_query_tokens, context.scored,
-                            draft_seconds=self._last_draft_seconds)
+                            draft_seconds=self._last_draft_seconds,
+                            expected=context.expected_acceptance)
         return self.union.begin(verified, num_reqs, mostly_sampled)
 
     def _plain_step(self, num_reqs: int) -> None:

@@ -1,6 +1,6 @@
 """Every change the plugin makes to vLLM's classes lives here, in one registry.
 
-Five lasting patches today, the profiler's (its engines only), and a scoped replacement:
+Six lasting patches today, the profiler's (its engines only), and a scoped replacement:
 
 - a wrapper around the current platform's ``check_and_update_config``, which
   ``VllmConfig.__post_init__`` calls in the front-end process. vLLM offers no hook
@@ -22,6 +22,11 @@ Five lasting patches today, the profiler's (its engines only), and a scoped repl
   the workers keep every block, so the last ones are the scorer's alone. vLLM has no
   setting that reserves blocks per worker (``tests/test_scorer_e2e.py`` checks the
   scheduler's pool shrank);
+- around the rejection sampler's ``sample_recovered_tokens`` (worker), which receives the
+  step's target distribution on the random path: while the plugin's runner samples, each
+  draft token's acceptance probability is computed there for the learners
+  (:mod:`specplugin.vllm_layer.verification`; ``tests/test_request_control_e2e.py`` fails
+  loudly if vLLM stops calling it);
 - around ``MultiprocExecutor.sample_tokens`` and ``take_draft_token_ids`` (engine-core
   process): the step's drafts, which the plugin's runner attaches to the step's output,
   are handed to the scheduler without a second round trip to the worker

@@ -129,7 +129,8 @@ class Speculator:
         seconds = self._this_step()
         return Verified(tuple(context.req_ids), np.asarray(context.num_scheduled_drafts),
                         np.array([len(s) for s in sampled_token_ids]), seconds,
-                        context.num_query_tokens, context.scored)
+                        context.num_query_tokens, context.scored,
+                        expected=context.expected_acceptance)
 
     def _batch(self, context, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> StepBatch:
         num_reqs = len(sampled_token_ids)

@@ -44,7 +44,7 @@ from specplugin.proposers.draft import truncate_rows
 from specplugin.request_options import RequestOptionsCache
 from specplugin.vllm_layer.metrics_export import StatsPublisher
 from specplugin.vllm_layer.ranks import RankZeroClock, agree_array, tensor_parallel_rank
-from specplugin.vllm_layer import draft_handoff, patches
+from specplugin.vllm_layer import draft_handoff, patches, verification
 from specplugin.vllm_layer.config_hook import plugin_config
 
 _NO_LIMIT = 1 << 30
@@ -76,6 +76,10 @@ class StepContext:
     # req_id -> how its candidates fared in the step just verified, for requests the
     # batch-expanding scorer verified extra candidates for (None: no scorer)
     scored: dict | None = None
+    # [num_reqs] the acceptance probability of each draft token verified in this step, as
+    # the rejection sampler computed it (:mod:`specplugin.vllm_layer.verification`; the
+    # learners read sampled rows' only); None: no row sampled, or the scorer ran
+    expected_acceptance: list[list[float]] | None = None
 
 
 class PluginRunnerMixin:
@@ -107,6 +111,8 @@ class PluginRunnerMixin:
         # the step being run: which drafts the scheduler verified in it (step_context,
         # the scorer)
         self.step_scheduler_output = None
+        # what the step's rejection sampler reported (see _sample)
+        self._heard = None
         # the batch-expanding scorer (max_candidates > 1), built with the KV cache
         self.expander = None
         if "draft" in config.proposers:
@@ -139,7 +145,8 @@ class PluginRunnerMixin:
                            batch.num_prompt_tokens[: len(req_ids)],
                            getattr(so, "total_num_scheduled_tokens", 0), max_k,
                            None if all(a is None for a in allowed) else allowed,
-                           None if self.expander is None else dict(self.expander.outcomes))
+                           None if self.expander is None else dict(self.expander.outcomes),
+                           None if self._heard is None else self._heard.per_row())
 
     def peek_batch(self) -> StepBatch:
         """The batch as it stands before this step's tokens are sampled, for the union's
@@ -270,10 +277,12 @@ class PluginRunnerMixin:
     def _sample(self, logits, spec_decode_metadata):
         if self.expander is not None:
             self.expander.keep_target_logits(logits, spec_decode_metadata)
-        sampler_output = super()._sample(logits, spec_decode_metadata)
-        if self.expander is not None:
+            self._heard = None  # (its extra rows are not the batch's: verdicts only)
+            sampler_output = super()._sample(logits, spec_decode_metadata)
             self.expander.resolve(self, sampler_output)
-        return sampler_output
+            return sampler_output
+        with verification.listening() as self._heard:
+            return super()._sample(logits, spec_decode_metadata)
 
     def _update_states(self, scheduler_output):
         self.step_scheduler_output = scheduler_output

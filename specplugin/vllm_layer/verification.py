@@ -1,0 +1,104 @@
+"""What each sampled draft token was worth, read where vLLM's rejection sampler has it.
+
+A sampled request accepts a draft token drawn from ``q`` with probability
+``sum(min(p, q))`` (``p``: the target's distribution at that position), a deterministic
+guess ``x`` with probability ``p(x)``
+(:func:`~specplugin.scorers.rejection.expected_acceptance`). Learned from instead of the
+accept/reject verdicts those probabilities decide, the estimates of acceptance average
+the same quantity with far less noise (the verdict's own coin flip, variance
+``a(1 - a)``, is gone): two unlucky rejections of a draft that matches the target 70% of
+the time teach 0.7 twice, not 0 twice. That matters most where little has been judged:
+a fresh engine's first steps, where the union decides whether the draft model is worth
+running at all (measured on the validation pair, complete batch 1 temperature 1: one
+fresh engine in three decoded plainly in most of its steps, one after its first ten
+speculative steps, two draft runs among them, accepted nothing).
+
+vLLM computes ``p`` inside ``rejection_sample`` and keeps nothing of it, so the
+module's ``sample_recovered_tokens`` (called by name on the random path with ``p``) is
+wrapped: while a runner listens (:func:`listening`, around its ``_sample``), the wrapper
+computes the expectations for the step's draft tokens before vLLM's code goes on.
+Outside a listener it only calls vLLM's function. Greedy rows get values too (the
+kernel's inputs cover every row); the learners use them for sampled requests only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Iterator
+
+import torch
+
+from specplugin.scorers.rejection import expected_acceptance
+from specplugin.vllm_layer import patches
+
+logger = logging.getLogger("specplugin")
+
+
+class Heard:
+    """What the rejection sampler told one listener: per-token expectations and the
+    rows' cumulative draft counts, as tensors (read as lists only if asked)."""
+
+    def __init__(self):
+        self.values: torch.Tensor | None = None  # [num_tokens]
+        self.cu_num_draft_tokens: torch.Tensor | None = None  # [num_reqs]
+
+    def per_row(self) -> list[list[float]] | None:
+        """[num_reqs] each row's expected acceptance per draft token; None when no row
+        sampled (vLLM's greedy path computes no target distribution)."""
+        if self.values is None:
+            return None
+        values, ends = self.values.tolist(), self.cu_num_draft_tokens.tolist()
+        starts = [0] + ends[:-1]
+        return [values[a:b] for a, b in zip(starts, ends)]
+
+
+_listener: Heard | None = None
+
+
+@contextlib.contextmanager
+def listening() -> Iterator[Heard]:
+    """While inside, the step's rejection sampler reports to the returned :class:`Heard`."""
+    global _listener
+    heard = _listener = Heard()
+    try:
+        yield heard
+    finally:
+        _listener = None
+
+
+def _listened(original):
+    """vLLM's ``sample_recovered_tokens`` (a plain function that the random path of
+    ``rejection_sample`` calls by name, with the step's final target distribution, right
+    before the random-sampling kernel) with the listener in front."""
+
+    @functools.wraps(original)
+    def sample_recovered_tokens(max_spec_len, num_draft_tokens, cu_num_draft_tokens,
+                                draft_token_ids, draft_probs, target_probs, *args, **kwargs):
+        heard = _listener
+        if heard is not None:
+            try:
+                heard.values = expected_acceptance(draft_token_ids, draft_probs, target_probs)
+                heard.cu_num_draft_tokens = cu_num_draft_tokens
+            except Exception:  # the learners fall back to the verdicts; never the request
+                heard.values = heard.cu_num_draft_tokens = None
+        return original(max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids,
+                        draft_probs, target_probs, *args, **kwargs)
+
+    return sample_recovered_tokens
+
+
+def install() -> None:
+    """Wrap vLLM's ``sample_recovered_tokens`` (once per process). Not the random-sampling
+    kernel's launcher beside it: vLLM's CPU platform rebinds the kernel inside that
+    launcher object after plugins load, and finds it only where it left it."""
+    from vllm.v1.sample import rejection_sampler
+
+    if not hasattr(rejection_sampler, "sample_recovered_tokens"):  # (tests/test_request_control_e2e.py)
+        logger.warning("specplugin: vLLM's rejection sampler has no sample_recovered_tokens; "
+                       "sampled requests' acceptance is learned from verdicts only")
+        return
+    if not patches.is_patched(rejection_sampler, "sample_recovered_tokens"):
+        patches.replace_attribute(rejection_sampler, "sample_recovered_tokens",
+                                  _listened(rejection_sampler.sample_recovered_tokens))
