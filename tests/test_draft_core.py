@@ -36,17 +36,13 @@ from specplugin.stats import chi_square_gof
 
 
 class Identity(AcceptanceCalibration):
-    """A calibration that believes the draft: estimate = confidence, always warm, and a
-    position not drawn yet sure to be accepted (so a row's gain is P itself)."""
+    """A calibration that believes the draft: estimate = confidence, always warm."""
 
     def __init__(self):
         super().__init__(warmup=0)
 
-    def estimate(self, confidence, sampled, position):
-        return np.asarray(confidence, dtype=np.float64)
-
-    def position_means(self):
-        return np.ones_like(super().position_means())
+    def estimate_rows(self, confidence, sampled, position):
+        return list(confidence)
 
 
 def run_rows(rule: StopRule, confidences: list[list[float]], caps=None,
@@ -125,26 +121,6 @@ def test_lengths_match_the_formula_row_by_row(k, extra, tau, confs):
     assert run.num_positions == max(run.lengths().tolist())
 
 
-def test_one_more_token_is_worth_the_chance_all_so_far_are_accepted_times_its_own():
-    """A row whose drafts so far are surely accepted (P = 1) still stops where the next
-    position is accepted less often than the row threshold: a rejected last token brings
-    nothing. Sampled rows here accept 40% of position 1, greedy rows 90%."""
-    cal = AcceptanceCalibration(num_buckets=2, num_position_groups=4, warmup=0)
-    for sampled, rate in ((False, 0.9), (True, 0.4)):
-        accepted = np.arange(1000) < rate * 1000
-        cal.update(np.full(1000, 0.99), np.ones(1000, dtype=bool), np.full(1000, sampled),
-                   np.zeros(1000, dtype=np.int64))  # position 0: always accepted
-        cal.update(np.full(1000, 0.99), accepted, np.full(1000, sampled),
-                   np.ones(1000, dtype=np.int64))
-    rule = StopRule(k=1, k_max=4, row_threshold=0.5)
-    run = DraftRun(rule, cal, np.array([False, True]))
-    assert run.add(torch.tensor([1, 1]), np.array([0.99, 0.99]))  # P = 1 for both rows
-    assert run.lengths().tolist() == [1, 1]
-    assert run._active.tolist() == [True, False]  # 1 x 0.9 >= 0.5 > 1 x 0.4
-    means = cal.position_means()
-    assert means[0, 1] == pytest.approx(0.9, abs=0.01) and means[1, 1] == pytest.approx(0.4, abs=0.01)
-
-
 def test_stacked_outputs_have_one_column_per_position():
     run = DraftRun(StopRule(k=2, k_max=3), Identity(), np.zeros(2, dtype=bool))
     probs = torch.softmax(torch.randn(2, 5), dim=-1)
@@ -161,10 +137,10 @@ def test_calibration_learns_acceptance_per_table_and_position():
     conf = np.full(200, 0.05)  # a draft that says 5% ...
     cal.update(conf, np.arange(200) % 10 < 9, greedy, np.zeros(200, dtype=int))  # ... is right 90%
     cal.update(conf, np.arange(200) % 10 < 3, sampled, np.zeros(200, dtype=int))  # ... or 30%
-    assert cal.estimate(np.array([0.05]), np.array([False]), 0)[0] == pytest.approx(0.9, abs=0.01)
-    assert cal.estimate(np.array([0.05]), np.array([True]), 0)[0] == pytest.approx(0.3, abs=0.01)
+    assert cal.estimate_rows([0.05], [0], 0)[0] == pytest.approx(0.9, abs=0.01)
+    assert cal.estimate_rows([0.05], [1], 0)[0] == pytest.approx(0.3, abs=0.01)
     # an unseen position starts from the prior: the bucket's own confidence
-    assert cal.estimate(np.array([0.05]), np.array([False]), 3)[0] == pytest.approx(0.05)
+    assert cal.estimate_rows([0.05], [0], 3)[0] == pytest.approx(0.05)
     assert cal.is_warm(np.array([False, True])).tolist() == [True, True]
 
 
@@ -297,7 +273,7 @@ def test_truncate_rows_cuts_to_lengths():
 
 def test_confidence_is_the_top_probability():
     probs = torch.tensor([[0.1, 0.7, 0.2], [0.5, 0.25, 0.25]])
-    assert confidence_of(probs).tolist() == pytest.approx([0.7, 0.5])
+    assert confidence_of(probs) == pytest.approx([0.7, 0.5])
 
 
 def test_greedy_draft_tokens_are_the_argmax_with_its_softmax_probability():
@@ -331,11 +307,13 @@ def test_draft_tokens_follow_the_draft_probabilities_they_return():
     chi-square over 40,000 draws, at two temperatures, with a token of probability 0."""
     generator = torch.Generator().manual_seed(0)
     logits = torch.tensor([2.0, 1.0, 0.5, -float("inf"), 0.0, -1.0, 3.0, -3.0])
-    for temp, all_sampled in ((1.0, False), (0.7, False), (0.7, True)):
+    for temp, all_sampled, unit in ((1.0, False, False), (0.7, False, False),
+                                    (0.7, True, False), (1.0, True, True)):
         num_rows = 40_000
         token_ids, draft_probs = sample_draft_tokens(
             logits.expand(num_rows, -1), torch.full((num_rows,), temp),
-            torch.ones(num_rows, dtype=torch.bool), generator, all_sampled=all_sampled)
+            torch.ones(num_rows, dtype=torch.bool), generator, all_sampled=all_sampled,
+            unit_temperature=unit)
         expected = (logits / temp).softmax(-1)
         torch.testing.assert_close(draft_probs[0], expected)
         counts = torch.bincount(token_ids, minlength=logits.numel())

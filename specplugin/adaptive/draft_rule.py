@@ -18,20 +18,16 @@ engine's own verification results, separately for greedy and sampled requests.
 
 **Rule** (:class:`StopRule`). With ``P[r, j] = prod(a[r, :j + 1])`` (``a_i`` the
 calibrated acceptance estimate of draft position i: ``P`` is the chance that every
-draft token of request r so far is accepted, the chance that one more could be used
-at all) and ``m[r, j + 1]`` the mean acceptance of position j + 1 in r's table over
-every confidence (its token is not drawn yet), one more draft token brings request r
-``G[r, j] = P[r, j] * m[r, j + 1]`` expected tokens: it is used only if it is accepted
-too (a rejected last draft token costs its verification and brings nothing: the
-target's own token comes either way). Request r keeps drafting position j + 1
-(0-based, up to ``k_max`` = vLLM's ``num_speculative_tokens``) while::
+draft token of request r so far is accepted, which is the chance that one more could
+be used at all), request r keeps drafting position j + 1 (0-based, up to
+``k_max`` = vLLM's ``num_speculative_tokens``) while::
 
-    G[r, j] >= row_threshold
+    P[r, j] >= row_threshold
 
 and the batch runs that position's forward only while the drafting rows together
 pay for it::
 
-    sum over drafting rows r of (G[r, j] - row_threshold) >= pass_threshold
+    sum over drafting rows r of (P[r, j] - row_threshold) >= pass_threshold
 
 Both come from :class:`CostModel`, measured on the running engine: an extra draft
 token costs the row ``v`` seconds of target verification, an extra batched draft
@@ -250,24 +246,30 @@ class AcceptanceCalibration:
         self.accepted = np.tile(mids, (2, num_position_groups, 1))  # [2, groups, num_buckets]
         self.seen = np.ones((2, num_position_groups, num_buckets))
         self.num_observed = np.zeros(2, dtype=np.int64)  # [2] real observations per table
+        # accepted / seen, [2][groups][num_buckets], as Python lists, built once after each
+        # update: the draft loop looks up a few rows per position, where each numpy call
+        # costs several microseconds of cold caches
+        self._rates: list | None = None
 
     def _cell(self, confidence: np.ndarray, sampled: np.ndarray, position):
         bucket = np.clip((confidence * self.num_buckets).astype(np.int64), 0, self.num_buckets - 1)
         return sampled.astype(np.int64), np.minimum(position, self.num_position_groups - 1), bucket
 
-    def estimate(
-        self,
-        confidence: np.ndarray,  # [n]
-        sampled: np.ndarray,  # [n] bool: the request samples (temperature > 0)
-        position: int,  # draft position (0-based) of all n tokens
-    ) -> np.ndarray:  # [n] in (0, 1]
-        cell = self._cell(confidence, sampled, position)
-        return self.accepted[cell] / self.seen[cell]
 
-    def position_means(self) -> np.ndarray:  # [2, num_position_groups]
-        """P(accepted | position, all earlier accepted) per table over every confidence:
-        what a position whose token is not drawn yet is expected to bring."""
-        return self.accepted.sum(axis=-1) / self.seen.sum(axis=-1)
+    def estimate_rows(
+        self,
+        confidence: list[float],  # [n] in [0, 1]
+        sampled: list[int],  # [n] 1: the request samples (temperature > 0), 0: greedy
+        position: int,  # draft position (0-based) of all n tokens
+    ) -> list[float]:  # [n] in (0, 1]
+        """Each token's cell's accepted / seen."""
+        if self._rates is None:
+            self._rates = (self.accepted / self.seen).tolist()
+        rates = self._rates
+        group = min(position, self.num_position_groups - 1)
+        n, top = self.num_buckets, self.num_buckets - 1
+        return [rates[s][group][min(max(int(c * n), 0), top)]
+                for c, s in zip(confidence, sampled)]
 
     def is_warm(self, sampled: np.ndarray) -> np.ndarray:  # [n] bool
         return self.num_observed[sampled.astype(np.int64)] >= self.warmup
@@ -283,6 +285,7 @@ class AcceptanceCalibration:
         cell = self._cell(confidence, sampled, position)
         np.add.at(self.seen, cell, 1.0)
         np.add.at(self.accepted, cell, accepted.astype(np.float64))
+        self._rates = None
         self.num_observed += np.bincount(sampled.astype(np.int64), minlength=2)
 
 
@@ -299,28 +302,18 @@ class StopRule:
         assert 1 <= self.k <= self.k_max, (self.k, self.k_max)
         assert self.row_threshold >= 0.0 and self.pass_threshold >= 0.0, self
 
-    def keeps_drafting(
-        self,
-        position: int,  # j: the position just drafted, 0-based
-        gain: np.ndarray,  # [num_reqs] G[:, j]: expected tokens position j + 1 brings
-        warm: np.ndarray,  # [num_reqs] bool: calibrated rule (else the default length k)
-    ) -> np.ndarray:  # [num_reqs] bool: draft position j + 1
+    def keeps_drafting(self, position: int, cumulative: float, warm: bool) -> bool:
+        """Whether a row drafts position j + 1 (``position`` j, 0-based, just drafted;
+        ``cumulative`` P[r, j]; ``warm``: the calibrated rule, else the default length k)."""
         if position + 1 >= self.k_max:
-            return np.zeros_like(warm)
-        return np.where(warm, gain >= self.row_threshold, position + 1 < self.k)
-
-    def batch_keeps_drafting(
-        self,
-        active: np.ndarray,  # [num_reqs] bool: rows that want another position
-        gain: np.ndarray,  # [num_reqs] G[:, j]
-        warm: np.ndarray,  # [num_reqs] bool
-    ) -> bool:
-        """Whether one more batched forward pays: the drafting rows' expected surplus
-        (a row in its default length counts as sure) must reach ``pass_threshold``."""
-        if not active.any():
             return False
-        value = np.where(warm, gain, 1.0)
-        return bool(((value - self.row_threshold) * active).sum() >= self.pass_threshold)
+        return cumulative >= self.row_threshold if warm else position + 1 < self.k
+
+    def surplus(self, cumulative: float, warm: bool) -> float:
+        """What a drafting row brings to one more batched forward beyond its own
+        verification (a row in its default length counts as sure): the batch runs the
+        forward while the drafting rows' surpluses reach ``pass_threshold``."""
+        return (cumulative if warm else 1.0) - self.row_threshold
 
 
 @dataclass
@@ -339,14 +332,17 @@ class DraftRun:
     caps: np.ndarray | None = None  # [num_reqs] most draft tokens per row (default k_max)
     token_ids: list[torch.Tensor] = field(default_factory=list)  # positions x [num_reqs]
     draft_probs: list[torch.Tensor] = field(default_factory=list)  # positions x [num_reqs, vocab]
-    confidences: list[np.ndarray] = field(default_factory=list)  # positions x [num_reqs]
-    # Per-row bookkeeping is numpy: a few small vectors per position, where torch's
-    # per-op overhead would cost more than the math.
-    _lengths: np.ndarray | None = None  # [num_reqs] int
-    _active: np.ndarray | None = None  # [num_reqs] bool
-    _cumulative: np.ndarray | None = None  # [num_reqs] float64
-    _warm: np.ndarray | None = None  # [num_reqs] bool: calibrated (fixed for the step)
-    _means: np.ndarray | None = None  # [num_reqs, position groups] m (fixed for the step)
+    confidences: list[list[float]] = field(default_factory=list)  # positions x [num_reqs]
+    # Per-row bookkeeping is Python lists: it runs after every draft forward, for a few
+    # rows, where each numpy call (let alone torch's) costs several microseconds of cold
+    # caches (measured, batch 1, caches flushed between calls: 85 us for this
+    # bookkeeping in numpy).
+    _lengths: list[int] | None = None  # [num_reqs]
+    _active: list[bool] | None = None  # [num_reqs]
+    _cumulative: list[float] | None = None  # [num_reqs] P[:, j]
+    _warm: list[bool] | None = None  # [num_reqs] calibrated (fixed for the step)
+    _modes: list[int] | None = None  # [num_reqs] calibration table: 0 greedy, 1 sampled
+    _caps: list[int] | None = None  # [num_reqs]
 
     @property
     def num_reqs(self) -> int:
@@ -355,34 +351,45 @@ class DraftRun:
     def add(
         self,
         token_ids: torch.Tensor,  # [num_reqs] drafted at this position
-        confidence: np.ndarray,  # [num_reqs] in [0, 1]
+        confidence: list[float] | np.ndarray,  # [num_reqs] in [0, 1]
         draft_probs: torch.Tensor | None = None,  # [num_reqs, vocab_size] they were drawn from
     ) -> bool:
         """Record one position; returns whether the batch drafts another one."""
         position = len(self.token_ids)
         if self._active is None:
             self._start()
+        confidence = confidence if isinstance(confidence, list) else confidence.tolist()
         self.token_ids.append(token_ids)
         self.confidences.append(confidence)
         if draft_probs is not None:
             self.draft_probs.append(draft_probs)
-        self._lengths += self._active
-        self._cumulative = self._cumulative * self.calibration.estimate(
-            confidence, self.sampled, position)
-        gain = self._cumulative * self._means[:, min(position + 1, self._means.shape[1] - 1)]
-        self._active &= self.rule.keeps_drafting(position, gain, self._warm)
-        self._active &= self._lengths < self.caps
-        return self.rule.batch_keeps_drafting(self._active, gain, self._warm)
+        calibration, rule = self.calibration, self.rule
+        estimate = calibration.estimate_rows(confidence, self._modes, position)
+        lengths, active, cumulative, warm = (self._lengths, self._active, self._cumulative,
+                                             self._warm)
+        surplus, any_active = 0.0, False
+        for r, cap in enumerate(self._caps):
+            cumulative[r] *= estimate[r]
+            if not active[r]:
+                continue
+            lengths[r] += 1
+            if rule.keeps_drafting(position, cumulative[r], warm[r]) and lengths[r] < cap:
+                surplus += rule.surplus(cumulative[r], warm[r])
+                any_active = True
+            else:
+                active[r] = False
+        return any_active and surplus >= rule.pass_threshold
 
     def _start(self) -> None:
         if self.caps is None:
             self.caps = np.full(self.num_reqs, self.rule.k_max)
-        self._active = self.caps > 0
-        self._lengths = np.zeros(self.num_reqs, dtype=np.int64)
-        self._cumulative = np.ones(self.num_reqs)
+        self._caps = np.asarray(self.caps).tolist()
+        self._active = [c > 0 for c in self._caps]
+        self._lengths = [0] * self.num_reqs
+        self._cumulative = [1.0] * self.num_reqs
         # the calibration only learns between steps (OutcomeTracker.resolve)
-        self._warm = self.calibration.is_warm(self.sampled)
-        self._means = self.calibration.position_means()[self.sampled.astype(np.int64)]
+        self._warm = self.calibration.is_warm(self.sampled).tolist()
+        self._modes = self.sampled.astype(np.int64).tolist()
 
     @property
     def num_positions(self) -> int:
@@ -390,13 +397,13 @@ class DraftRun:
 
     def lengths(self) -> np.ndarray:  # [num_reqs] int: draft tokens kept per row
         assert self._lengths is not None, "no position drafted yet"
-        return self._lengths
+        return np.asarray(self._lengths, dtype=np.int64)
 
     def stacked_token_ids(self) -> torch.Tensor:  # [num_reqs, num_positions]
         return torch.stack(self.token_ids, dim=1)
 
     def stacked_confidences(self) -> np.ndarray:  # [num_reqs, num_positions]
-        return np.stack(self.confidences, axis=1)
+        return np.asarray(self.confidences, dtype=np.float64).T
 
     def stacked_draft_probs(self) -> torch.Tensor | None:  # [num_reqs, num_positions, vocab]
         if not self.draft_probs:

@@ -63,9 +63,10 @@ class DraftKVCursor:
 def sample_draft_tokens(
     logits: torch.Tensor,  # [num_reqs, vocab_size]
     temperature: torch.Tensor,  # [num_reqs]
-    sampled: torch.Tensor,  # [num_reqs] bool: the request samples (temperature > 0)
+    sampled: torch.Tensor | None,  # [num_reqs] bool: the request samples (None: all do)
     generator: torch.Generator | None = None,
     all_sampled: bool = False,
+    unit_temperature: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # token ids [num_reqs], draft_probs [num_reqs, vocab_size]
     """Draw one draft token per row from ``draft_probs = softmax(logits / temperature)``
     (greedy rows: the argmax, their probabilities are never used).
@@ -80,12 +81,16 @@ def sample_draft_tokens(
     ``all_sampled``: the caller knows that every row samples (``sampled`` all True), so
     the greedy rows' masking is skipped: three tensor ops of ~a dozen per drafted position,
     where each op's fixed cost, not the vocabulary, is most of the time at small batches.
+    ``unit_temperature``: the caller knows that every row samples at temperature 1 (the
+    default), so the logits are not divided (two ops less).
     """
-    if all_sampled:
-        scale = temperature
+    if unit_temperature:
+        draft_probs = logits.softmax(dim=-1, dtype=torch.float32)
+        all_sampled = True
     else:
-        scale = torch.where(sampled, temperature, torch.ones_like(temperature))
-    draft_probs = (logits / scale.unsqueeze(1)).softmax(dim=-1, dtype=torch.float32)
+        scale = temperature if all_sampled else torch.where(sampled, temperature,
+                                                            torch.ones_like(temperature))
+        draft_probs = (logits / scale.unsqueeze(1)).softmax(dim=-1, dtype=torch.float32)
     cdf = draft_probs.cumsum(dim=-1, dtype=torch.float64)  # [num_reqs, vocab_size]
     uniform = torch.rand((logits.shape[0], 1), dtype=torch.float64, device=logits.device,
                          generator=generator)
@@ -96,21 +101,21 @@ def sample_draft_tokens(
     return token_ids, draft_probs
 
 
-def greedy_draft_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
+def greedy_draft_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
     """Greedy rows' draft tokens (the argmax of ``logits`` [num_reqs, vocab_size]) and
     their confidence, the argmax's probability under ``softmax(logits)``, computed as
     ``1 / sum(exp(logits - max))``: one pass over the vocabulary for the maximum, one
     for the sum, where the full softmax also divides and writes every entry and a third
-    pass finds its top. Returns (token ids [num_reqs], confidence [num_reqs] float64)."""
+    pass finds its top. Returns (token ids [num_reqs], confidence [num_reqs] floats)."""
     top, token_ids = logits.max(dim=-1)
     total = (logits - top.unsqueeze(1)).exp_().sum(dim=-1, dtype=torch.float64)
-    return token_ids, total.reciprocal_().cpu().numpy()
+    return token_ids, total.reciprocal_().tolist()
 
 
-def confidence_of(draft_probs: torch.Tensor) -> np.ndarray:  # [num_reqs] float64
+def confidence_of(draft_probs: torch.Tensor) -> list[float]:  # [num_reqs]
     """The draft's confidence: the top probability of each row of ``draft_probs``
     ([num_reqs, vocab_size], rows summing to 1)."""
-    return draft_probs.amax(dim=-1).cpu().numpy().astype(np.float64)
+    return draft_probs.amax(dim=-1).tolist()
 
 
 def truncate_rows(draft_token_ids: list[list[int]], lengths: list[int]) -> list[list[int]]:

@@ -380,7 +380,12 @@ class PluginDraftProposer(DraftModelProposer):
         self.cursor.advance([batch.req_ids[r] for r in rows], batch.num_tokens[rows])
         positions = self.positions[last]
         temperature = None if temperature is None else temperature[torch.from_numpy(rows)]
-        more = self._sample_into(run, hidden[last], temperature)
+        # decided once per run, not per draw: every drafting row samples, and at
+        # temperature 1 (the default: no division)
+        all_sampled = bool(run.sampled.all())
+        unit = all_sampled and temperature is not None and bool(temperature.eq(1.0).all())
+        mode = (all_sampled, unit)
+        more = self._sample_into(run, hidden[last], temperature, mode)
         self._observe_first_pass(time.perf_counter() - start, num_tokens - num_rows)
         if not more:
             return
@@ -393,9 +398,9 @@ class PluginDraftProposer(DraftModelProposer):
             start = time.perf_counter()
             positions = self._update_positions_dependent_metadata(
                 positions, cad, num_rows, padding[1], self.block_size)
-            self.input_ids[:num_rows] = run.token_ids[-1].int()
+            self.input_ids[:num_rows].copy_(run.token_ids[-1])  # (int64 -> int32 in the copy)
             hidden = self._forward(cad, num_rows, draft_index, padding)
-            more = self._sample_into(run, hidden[:num_rows], temperature)
+            more = self._sample_into(run, hidden[:num_rows], temperature, mode)
             self._observe_forward(time.perf_counter() - start)
             if not more:
                 return
@@ -529,16 +534,18 @@ class PluginDraftProposer(DraftModelProposer):
         return self.model.compute_logits(hidden)
 
     def _sample_into(self, run: DraftRun, hidden: torch.Tensor,
-                     temperature: torch.Tensor | None) -> bool:
+                     temperature: torch.Tensor | None,
+                     mode: tuple[bool, bool] = (False, False)) -> bool:
         """Draw one draft token per drafting row (hidden: [num_rows, hidden_size];
-        temperature: [num_rows], None when every request is greedy); True if any row
-        keeps drafting."""
+        temperature: [num_rows], None when every request is greedy; ``mode``: every row
+        samples, and every row samples at temperature 1); True if any row keeps drafting."""
         logits = self._logits(hidden)  # [num_rows, vocab_size]
         if temperature is None:
             return run.add(*greedy_draft_tokens(logits))
+        all_sampled, unit = mode
         token_ids, draft_probs = sample_draft_tokens(
-            logits, temperature, temperature >= _SAMPLING_EPS,
-            all_sampled=bool(run.sampled.all()))
+            logits, temperature, None if all_sampled else temperature >= _SAMPLING_EPS,
+            all_sampled=all_sampled, unit_temperature=unit)
         return run.add(token_ids, confidence_of(draft_probs), draft_probs)
 
     def _finish(self, run: DraftRun, rows: np.ndarray, batch: StepBatch) -> torch.Tensor:
@@ -574,8 +581,10 @@ class PluginDraftProposer(DraftModelProposer):
         device = self.input_ids.device
         if not rows.size:
             return torch.zeros((num_reqs, 1), dtype=torch.int64, device=device), None
-        index = torch.from_numpy(rows).to(device)
         drafted = run.stacked_token_ids()
+        if rows.size == num_reqs:  # every row drafted (rows ascending): nothing to scatter
+            return drafted, run.stacked_draft_probs()
+        index = torch.from_numpy(rows).to(device)
         token_ids = drafted.new_zeros((num_reqs, drafted.shape[1]))
         token_ids[index] = drafted
         draft_probs = run.stacked_draft_probs()
