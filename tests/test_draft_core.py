@@ -144,13 +144,19 @@ def test_calibration_learns_acceptance_per_table_and_position():
     assert cal.is_warm(np.array([False, True])).tolist() == [True, True]
 
 
-def test_outcomes_attribute_accepted_and_first_rejected_positions_by_request_id():
+def _recorded(req_ids: list[str], sampled: list[bool]):
+    """A calibration and a tracker that recorded one 3-token draft per row (confidence 0.9)."""
     cal = AcceptanceCalibration(num_buckets=2, num_position_groups=8, warmup=0)
     tracker = OutcomeTracker(cal)
-    run = DraftRun(StopRule(k=3, k_max=3), Identity(), np.array([False, False]))
+    run = DraftRun(StopRule(k=3, k_max=3), Identity(), np.array(sampled))
     for _ in range(3):
         run.add(torch.tensor([1, 2]), np.array([0.9, 0.9]))
-    tracker.record(["a", "b"], run)
+    tracker.record(req_ids, run)
+    return cal, tracker
+
+
+def test_outcomes_attribute_accepted_and_first_rejected_positions_by_request_id():
+    cal, tracker = _recorded(["a", "b"], [False, False])
     # next step the rows come back swapped; "a" had 1 of 3 rejected, "b" all 3 rejected
     assert tracker.resolve(["b", "a"], [3, 3], [3, 1]) == 2
     seen = cal.seen[0, :, 1] - 1  # minus the prior pseudo-observation
@@ -173,12 +179,7 @@ def _tracker_with_pending(num_drafts: int = 4):
 def test_sampled_drafts_teach_the_calibration_their_acceptance_probabilities():
     """Given the verifier's per-token acceptance probabilities, a sampled row's judged
     positions teach those (the rejected one too); a greedy row's still teach verdicts."""
-    cal = AcceptanceCalibration(num_buckets=2, num_position_groups=8, warmup=0)
-    tracker = OutcomeTracker(cal)
-    run = DraftRun(StopRule(k=3, k_max=3), Identity(), np.array([True, False]))
-    for _ in range(3):
-        run.add(torch.tensor([1, 1]), np.array([0.9, 0.9]))
-    tracker.record(["s", "g"], run)
+    cal, tracker = _recorded(["s", "g"], [True, False])
     before = cal.accepted.copy()
     # both rows: 3 verified, 2 rejected (position 0 accepted, position 1 rejected)
     tracker.resolve(["s", "g"], [3, 3], [2, 2], expected=[[0.8, 0.3, 0.5], [0.8, 0.3, 0.5]])

@@ -95,7 +95,7 @@ def install() -> None:
     launcher object after plugins load, and finds it only where it left it."""
     from vllm.v1.sample import rejection_sampler
 
-    if not hasattr(rejection_sampler, "sample_recovered_tokens"):  # (tests/test_request_control_e2e.py)
+    if not hasattr(rejection_sampler, "sample_recovered_tokens"):  # (a test fails loudly)
         logger.warning("specplugin: vLLM's rejection sampler has no sample_recovered_tokens; "
                        "sampled requests' acceptance is learned from verdicts only")
         return
