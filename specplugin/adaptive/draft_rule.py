@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from specplugin.adaptive.cost import StepSums
+from specplugin.adaptive.estimator import judged_outcomes
 
 # An engine's first draft forwards are not timed into the price: they pay one-time costs
 # (first calls, allocations, compiled shapes). Measured on the validation pair, compiled,
@@ -459,7 +460,6 @@ class OutcomeTracker:
             return 0
         confs, accepted, sampled, positions = [], [], [], []
         total = 0
-        expected = expected or ()
         for row, (req_id, scheduled, rejected) in enumerate(
                 zip(req_ids, num_scheduled, num_rejected)):
             if req_id not in pending or scheduled <= 0:
@@ -471,11 +471,8 @@ class OutcomeTracker:
             judged = min(verified, num_accepted + 1)
             confs.append(conf[:judged])
             positions.append(np.arange(judged))
-            probs = expected[row] if is_sampled and row < len(expected) else None
-            if probs is not None and len(probs) >= judged:
-                accepted.append(np.asarray(probs[:judged], dtype=np.float64))
-            else:
-                accepted.append(positions[-1] < num_accepted)
+            accepted.append(np.asarray(
+                judged_outcomes(expected, row, is_sampled, judged, num_accepted), dtype=np.float64))
             sampled.append(np.full(judged, is_sampled))
         if confs:
             self.calibration.update(np.concatenate(confs), np.concatenate(accepted),

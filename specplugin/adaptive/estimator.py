@@ -265,6 +265,18 @@ class AcceptanceEstimator:
                 for g in position_groups(num_tokens)]
 
 
+def judged_outcomes(expected: Sequence[Sequence[float]] | None, row: int, sampled: bool,
+                    judged: int, num_accepted: int) -> list:  # [judged] bool or float
+    """What a row's ``judged`` tokens teach: for a sampled request, each token's acceptance
+    probability where the verifier gave them (``expected[row]``, one per verified token:
+    the same average as the verdicts, without their noise); else whether it was accepted
+    (the first ``num_accepted`` were)."""
+    probs = expected[row] if sampled and expected and row < len(expected) else None
+    if probs is not None and len(probs) >= judged:
+        return list(probs[:judged])
+    return [j < num_accepted for j in range(judged)]
+
+
 def position_groups(num_tokens: int) -> list[int]:
     """The position group (the estimator's cell axis) of draft positions 0 .. n - 1."""
     groups = _POSITION_GROUPS[:num_tokens]

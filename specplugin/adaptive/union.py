@@ -35,7 +35,7 @@ from specplugin.adaptive.arbiter import StepArbiter
 from specplugin.adaptive.controller import (NO_CANDIDATE, Choice, cumulative, divergence,
                                            expand, plan, planned)
 from specplugin.adaptive.cost import StepCostModel
-from specplugin.adaptive.estimator import (AcceptanceEstimator, RequestHistory,
+from specplugin.adaptive.estimator import (AcceptanceEstimator, RequestHistory, judged_outcomes,
                                            history_bucket)
 from specplugin.metrics import FailureCounter, ProposerStats
 from specplugin.config import MODEL_PROPOSERS
@@ -209,7 +209,7 @@ class Union:
         self._trial_step = False
         # verdicts not yet in the estimator: (sent, tokens judged, tokens accepted), and
         # the steps of decay it has not yet applied (see flush_learning)
-        self._unlearned: list[tuple[_Pending, int, int]] = []
+        self._unlearned: list[tuple[_Pending, list]] = []
         self._undecayed_steps = 0
         self._learned_tokens = 0  # judged tokens flush_learning has taught (to COLD_TOKENS)
 
@@ -373,7 +373,7 @@ class Union:
                 continue  # so far so good: wait for the rest
             accepted = int(differs[0]) if differs.size else seen
             judged = min(accepted + 1, len(shadow.tokens))
-            parts.append((shadow.sent, judged, accepted))
+            parts.append((shadow.sent, judged_outcomes(None, r, False, judged, accepted)))
             self.history.update(req_id, judged, accepted)
             del self._shadows[req_id]
         if parts:  # learned at once: the peek's estimate that follows rests on them
@@ -752,7 +752,8 @@ class Union:
             accepted = outcome.extra_accepted[j]
             if accepted is not None and not extra.alternative:
                 length = min(len(extra.signal), outcome.extra_lengths[j])
-                judged_parts.append((extra, min(length, accepted + 1), min(accepted, length)))
+                judged_parts.append((extra, judged_outcomes(
+                    None, j, False, min(length, accepted + 1), min(accepted, length))))
         if outcome.winner is not None and outcome.winner < len(extras):
             self.stats.won(self.proposers[extras[outcome.winner].proposer].name, emitted)
 
@@ -769,9 +770,7 @@ class Union:
         pending, self._pending = self._pending, {}
         pending_extras, self._pending_extras = self._pending_extras, {}
         scored = verified.scored or {}
-        expected = verified.expected or ()
-        # (sent, judged, accepted: a count, or each judged token's acceptance probability)
-        judged_parts: list[tuple[_Pending, int, int | Sequence[float]]] = []
+        judged_parts: list[tuple[_Pending, list]] = []  # (sent, its judged_outcomes)
         for row, (req_id, scheduled, emitted) in enumerate(
                 zip(verified.req_ids, scheduled_drafts, num_emitted)):
             if scheduled <= 0:
@@ -787,20 +786,17 @@ class Union:
                 self.stats.verified(self.proposers[sent.proposer].name, k,
                                     0 if won else min(emitted, k))
                 if own is not None:
-                    judged = min(k, own + 1)
-                    # a sampled row's tokens as their acceptance probabilities: the same
-                    # average as the verdicts, without their noise (vllm_layer/verification)
-                    probs = expected[row] if sent.sampled and row < len(expected) else None
-                    accepted = (probs[:judged] if outcome is None and probs is not None
-                                and len(probs) >= judged else min(own, k))
-                    judged_parts.append((sent, judged, accepted))
+                    # (with the scorer's extras, the verdicts: its rows are not the batch's)
+                    judged_parts.append((sent, judged_outcomes(
+                        verified.expected if outcome is None else None, row, sent.sampled,
+                        min(k, own + 1), min(own, k))))
             if outcome is not None:
                 self._learn_extras(pending_extras.get(req_id, []), outcome, emitted, judged_parts)
         self._teach(judged_parts)
 
-    def _teach(self, judged_parts: list[tuple[_Pending, int, int | Sequence[float]]]) -> None:
-        """(sent, tokens judged, tokens accepted or each judged token's acceptance
-        probability) per candidate: for the estimator's next update (:meth:`flush_learning`)."""
+    def _teach(self, judged_parts: list[tuple[_Pending, list]]) -> None:
+        """(sent, what each judged token teaches: :func:`judged_outcomes`) per candidate:
+        for the estimator's next update (:meth:`flush_learning`)."""
         self._unlearned += judged_parts
 
     def flush_learning(self) -> None:
@@ -813,12 +809,9 @@ class Union:
         judged_parts, self._unlearned = self._unlearned, []
         if judged_parts:
             estimator, cells, accepted = self.estimator, [], []
-            for sent, judged, num_accepted in judged_parts:
+            for sent, outcomes in judged_parts:
                 cells += estimator.cells(sent.proposer, sent.sampled, sent.history,
-                                         sent.signal[:judged])
-                if isinstance(num_accepted, int):
-                    accepted += [j < num_accepted for j in range(judged)]
-                else:
-                    accepted += num_accepted
+                                         sent.signal[:len(outcomes)])
+                accepted += outcomes
             estimator.update_cells(cells, accepted)
             self._learned_tokens += len(cells)
