@@ -44,6 +44,7 @@ rejection sampling verifies.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -252,11 +253,6 @@ class AcceptanceCalibration:
         # costs several microseconds of cold caches
         self._rates: list | None = None
 
-    def _cell(self, confidence: np.ndarray, sampled: np.ndarray, position):
-        bucket = np.clip((confidence * self.num_buckets).astype(np.int64), 0, self.num_buckets - 1)
-        return sampled.astype(np.int64), np.minimum(position, self.num_position_groups - 1), bucket
-
-
     def estimate_rows(
         self,
         confidence: list[float],  # [n] in [0, 1]
@@ -277,17 +273,24 @@ class AcceptanceCalibration:
 
     def update(
         self,
-        confidence: np.ndarray,  # [n] of verified draft positions
-        accepted: np.ndarray,  # [n] bool, or float: acceptance probabilities
-        sampled: np.ndarray,  # [n] bool
-        position: np.ndarray,  # [n] int: draft position of each
+        confidence: Sequence[float],  # [n] of verified draft positions
+        accepted: Sequence[bool | float],  # [n] verdicts, or acceptance probabilities
+        sampled: Sequence[bool],  # [n]
+        position: Sequence[int],  # [n] draft position of each
     ) -> None:
-        """``accepted``: [n] bool, or each token's acceptance probability (float)."""
-        cell = self._cell(confidence, sampled, position)
-        np.add.at(self.seen, cell, 1.0)
-        np.add.at(self.accepted, cell, accepted.astype(np.float64))
+        """Count ``n`` judged draft tokens into their cells (lists or arrays). One token
+        at a time in Python: a step judges a few, where each of a dozen numpy calls
+        (clip, add.at, bincount, ...) costs several microseconds of cold caches."""
+        as_list = lambda x: x.tolist() if isinstance(x, np.ndarray) else x  # noqa: E731
+        n, top, last = self.num_buckets, self.num_buckets - 1, self.num_position_groups - 1
+        seen, total, observed = self.seen, self.accepted, self.num_observed
+        for c, a, s, p in zip(as_list(confidence), as_list(accepted), as_list(sampled),
+                              as_list(position)):
+            cell = (int(bool(s)), min(int(p), last), min(max(int(c * n), 0), top))
+            seen[cell] += 1.0
+            total[cell] += float(a)
+            observed[cell[0]] += 1
         self._rates = None
-        self.num_observed += np.bincount(sampled.astype(np.int64), minlength=2)
 
 
 @dataclass(frozen=True)
@@ -389,16 +392,24 @@ class DraftRun:
         self._lengths = [0] * self.num_reqs
         self._cumulative = [1.0] * self.num_reqs
         # the calibration only learns between steps (OutcomeTracker.resolve)
-        self._warm = self.calibration.is_warm(self.sampled).tolist()
         self._modes = self.sampled.astype(np.int64).tolist()
+        observed, warmup = self.calibration.num_observed.tolist(), self.calibration.warmup
+        self._warm = [observed[m] >= warmup for m in self._modes]
 
     @property
     def num_positions(self) -> int:
         return len(self.token_ids)
 
     def lengths(self) -> np.ndarray:  # [num_reqs] int: draft tokens kept per row
+        return np.asarray(self.length_list(), dtype=np.int64)
+
+    def length_list(self) -> list[int]:  # [num_reqs] draft tokens kept per row
         assert self._lengths is not None, "no position drafted yet"
-        return np.asarray(self._lengths, dtype=np.int64)
+        return list(self._lengths)
+
+    def row_confidences(self, row: int, length: int) -> list[float]:  # [length]
+        """Row ``row``'s confidences at its first ``length`` positions."""
+        return [position[row] for position in self.confidences[:length]]
 
     def stacked_token_ids(self) -> torch.Tensor:  # [num_reqs, num_positions]
         return torch.stack(self.token_ids, dim=1)
@@ -424,16 +435,16 @@ class OutcomeTracker:
 
     def __init__(self, calibration: AcceptanceCalibration):
         self.calibration = calibration
-        self._pending: dict[str, tuple[np.ndarray, bool]] = {}  # req id -> (confidences [n], sampled)
+        self._pending: dict[str, tuple[list[float], bool]] = {}  # req id -> (confidences [n], sampled)
 
     def record(self, req_ids: list[str], run: DraftRun,
-               lengths: np.ndarray | None = None) -> None:
+               lengths: list[int] | None = None) -> None:
         """``lengths``: draft tokens sent per row, when not the run's own (0: the row
         verifies another proposer's candidate, so nothing of the draft's is judged)."""
-        confidences = run.stacked_confidences()
-        lengths = (run.lengths() if lengths is None else lengths).tolist()
+        lengths = run.length_list() if lengths is None else lengths
+        sampled = run.sampled.tolist()
         self._pending = {
-            req_id: (confidences[i, : lengths[i]], bool(run.sampled[i]))
+            req_id: (run.row_confidences(i, lengths[i]), sampled[i])
             for i, req_id in enumerate(req_ids) if lengths[i] > 0
         }
 
@@ -465,16 +476,14 @@ class OutcomeTracker:
             if req_id not in pending or scheduled <= 0:
                 continue
             conf, is_sampled = pending[req_id]
-            verified = min(conf.shape[0], scheduled)
+            verified = min(len(conf), scheduled)
             num_accepted = max(0, verified - rejected)
             total += num_accepted
             judged = min(verified, num_accepted + 1)
-            confs.append(conf[:judged])
-            positions.append(np.arange(judged))
-            accepted.append(np.asarray(
-                judged_outcomes(expected, row, is_sampled, judged, num_accepted), dtype=np.float64))
-            sampled.append(np.full(judged, is_sampled))
+            confs += conf[:judged]
+            positions += range(judged)
+            accepted += judged_outcomes(expected, row, is_sampled, judged, num_accepted)
+            sampled += [is_sampled] * judged
         if confs:
-            self.calibration.update(np.concatenate(confs), np.concatenate(accepted),
-                                    np.concatenate(sampled), np.concatenate(positions))
+            self.calibration.update(confs, accepted, sampled, positions)
         return total

@@ -193,7 +193,7 @@ class PluginDraftProposer(DraftModelProposer):
             self.outcomes.forget()
             self.last_lengths = [0] * num_reqs
             if self.union is None:
-                self._count_step(np.zeros(num_reqs, dtype=np.int64))
+                self._count_step([0] * num_reqs)
                 self.proposer_stats.steps_skipped += 1
         else:
             self._observed = True  # the full path must not observe this step again
@@ -550,10 +550,12 @@ class PluginDraftProposer(DraftModelProposer):
 
     def _finish(self, run: DraftRun, rows: np.ndarray, batch: StepBatch) -> torch.Tensor:
         """The draft model alone: every drafting row keeps what its rule drafted."""
-        lengths = np.zeros(batch.num_reqs, dtype=np.int64)
+        lengths = [0] * batch.num_reqs
         if rows.size:
-            lengths[rows] = run.lengths()
-            self.outcomes.record([batch.req_ids[r] for r in rows], run)
+            row_list = rows.tolist()
+            for r, n in zip(row_list, run.length_list()):
+                lengths[r] = n
+            self.outcomes.record([batch.req_ids[r] for r in row_list], run)
         else:
             self.outcomes.forget()
         self._note_drafts(run, lengths)
@@ -561,19 +563,19 @@ class PluginDraftProposer(DraftModelProposer):
         token_ids, self._last_draft_probs = self._full_rows(run, rows, batch.num_reqs)
         return token_ids
 
-    def _count_step(self, lengths: np.ndarray) -> None:  # [num_reqs] draft tokens per row
+    def _count_step(self, lengths: list[int]) -> None:  # [num_reqs] draft tokens per row
         """The draft model alone: its choices this step, for the metrics."""
         stats = self.proposer_stats
         stats.steps += 1
-        stats.steps_without_drafts += int(not lengths.any())
-        stats.k_histogram.update(lengths.tolist())
-        stats.chosen[DraftCandidates.name] += int(np.count_nonzero(lengths))
+        stats.steps_without_drafts += int(not any(lengths))
+        stats.k_histogram.update(lengths)
+        stats.chosen[DraftCandidates.name] += sum(1 for n in lengths if n)
 
-    def _note_drafts(self, run: DraftRun, lengths: np.ndarray) -> None:
+    def _note_drafts(self, run: DraftRun, lengths: list[int]) -> None:
         """What the cost model charges this step with, once it has run."""
-        self.last_lengths = lengths.tolist()
+        self.last_lengths = list(lengths)
         self._last_forwards = run.num_positions  # the first pass included
-        self._last_draft_tokens = int(lengths.sum())
+        self._last_draft_tokens = sum(lengths)
 
     def _full_rows(self, run: DraftRun, rows: np.ndarray, num_reqs: int):
         """The run's [num_rows, positions] token ids (and [num_rows, positions, vocab] draft
@@ -620,7 +622,7 @@ class PluginDraftProposer(DraftModelProposer):
     def _plain_step(self, num_reqs: int) -> None:
         """No drafts this step: nothing runs, nothing is pending verification."""
         if self.union is None:  # (the union counted its plain step itself)
-            self._count_step(np.zeros(num_reqs, dtype=np.int64))
+            self._count_step([0] * num_reqs)
         self.outcomes.forget()
         self.last_lengths = [0] * num_reqs
         self._last_forwards = self._last_draft_tokens = 0
@@ -709,10 +711,11 @@ class PluginDraftProposer(DraftModelProposer):
         drafts = self.plan.drafts
         draft_rows = np.array([source == draft_index for source in self.plan.sources],
                               dtype=bool)
-        chosen = np.array([len(d) for d in drafts], dtype=np.int64)
+        chosen = [len(d) for d in drafts]
         if rows.size:
-            self.outcomes.record([batch.req_ids[r] for r in rows], run,
-                                 np.where(draft_rows, chosen, 0)[rows])
+            row_list = rows.tolist()
+            self.outcomes.record([batch.req_ids[r] for r in row_list], run,
+                                 [chosen[r] if draft_rows[r] else 0 for r in row_list])
         else:
             self.outcomes.forget()
         self._note_drafts(run, chosen)
