@@ -24,7 +24,7 @@ def test_method_names_are_the_issues():
     # the union without its arbiter; every other subset of proposers, for check-lossless;
     # the scorer on request
     assert [m for m in METHODS if m not in listed_names()] == [
-        "plugin-union-no-arbiter", "plugin-ngram+suffix", "plugin-draft+ngram", "plugin-draft+suffix",
+        "plugin-draft-vllm-k", "plugin-union-no-arbiter", "plugin-ngram+suffix", "plugin-draft+ngram", "plugin-draft+suffix",
         "plugin-union-scorer", "plugin-scorer-decoy", "plugin-union-scorer-decoy"]
     assert METHODS["none"].family == BASELINE
     assert {m for m, s in METHODS.items() if s.family == BUILTIN} == {
@@ -73,6 +73,24 @@ def test_plugin_settings_pass_the_plugins_own_config_check(zoo_root):
             kwargs = spec.engine_kwargs(models)
             parse(kwargs["additional_config"]["specplugin"],
                   kwargs["speculative_config"]["num_speculative_tokens"])
+
+
+def test_the_draft_path_is_compared_with_vllms_at_vllms_k():
+    """plugin-draft-vllm-k: the draft model alone at vllm-draft's searched K."""
+    ours = METHODS["plugin-draft-vllm-k"].engine_kwargs(MODELS)
+    theirs = METHODS["vllm-draft"].engine_kwargs(MODELS)["speculative_config"]
+    assert ours["speculative_config"]["num_speculative_tokens"] == theirs["num_speculative_tokens"]
+    assert ours["additional_config"]["specplugin"]["proposers"] == ["draft"]
+
+
+def test_cells_keeps_the_named_cells_and_names_the_others_when_one_is_unknown(zoo_root):
+    from specplugin.bench.cli import build_cells
+
+    cells, _ = build_cells(zoo_root, ["edit", "complete", "adversarial", "server"], False, 0,
+                           headline=True, keys=["complete/b1/t1", "edit/b1/t0"])
+    assert sorted(c.cell.key for c in cells) == ["complete/b1/t1", "edit/b1/t0"]
+    with pytest.raises(ValueError, match="complete/b3/t0.*complete/b8/t0"):
+        build_cells(zoo_root, ["complete"], False, 0, headline=True, keys=["complete/b3/t0"])
 
 
 def test_a_draft_method_without_a_draft_model_is_refused_up_front():

@@ -4,6 +4,7 @@
     specplugin bench --quick --eager      # CI smoke test (< 5 min): 1 round, 3 cells
     specplugin bench --eager              # enforce_eager: faster engine start, slower decoding
     specplugin bench --fresh-engine       # an engine per cell, as a user's offline job starts one
+    specplugin bench --headline --cells complete/b1/t1   # one cell of those, more rounds
     specplugin bench --search-builtins    # re-derive BUILTIN_SETTINGS (methods.py)
 
 Exit status 0 when every engine ran, 1 when any failed (the rest is still reported).
@@ -38,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--headline", action="store_true",
                         help="the six headline cells (edit b1, complete b1, complete b8, "
                              "server b8, complete b1 t1, adversarial b16), full sizes")
+    parser.add_argument("--cells", metavar="KEYS",
+                        help="comma-separated cell keys (workload/bN/tT, e.g. complete/b1/t1) "
+                             "to keep of those chosen: one cell measured over more rounds")
     parser.add_argument("--fresh-engine", action="store_true",
                         help="start an engine for every cell (as a user's offline job starts "
                              "one) instead of one per method and round running every cell")
@@ -71,8 +75,9 @@ def zoo_models(zoo: str | None):
 
 
 def build_cells(zoo_root: Path, workloads: list[str], quick: bool, seed: int,
-                headline: bool = False):
-    """The run's cells with their prompts: every method gets exactly these."""
+                headline: bool = False, keys: list[str] | None = None):
+    """The run's cells with their prompts: every method gets exactly these. ``keys``:
+    keep only the cells with these keys (an unknown one is an error naming the others)."""
     from specplugin.bench.workloads import (FULL_SIZES, HEADLINE_CELLS, QUICK_CELLS, QUICK_SIZES,
                                             WORKLOADS, cell_prompts, full_grid, source_from_zoo)
 
@@ -83,6 +88,14 @@ def build_cells(zoo_root: Path, workloads: list[str], quick: bool, seed: int,
         raise ValueError("--quick and --headline choose different cells; give one of them.")
     chosen = QUICK_CELLS if quick else HEADLINE_CELLS if headline else full_grid(workloads)
     cells = [c for c in chosen if c.workload in workloads]
+    if keys:
+        available = [c.key for c in cells]
+        unknown = [k for k in keys if k not in available]
+        if unknown:
+            raise ValueError(f"--cells: no cell {', '.join(unknown)} among the chosen ones "
+                             f"({', '.join(available)}); pick keys from these, or choose "
+                             "other cells with --headline, --quick or --workloads.")
+        cells = [c for c in cells if c.key in keys]
     sizes = QUICK_SIZES if quick else FULL_SIZES
     source = source_from_zoo(zoo_root)
     return [cell_prompts(source, sizes, c, seed) for c in cells], sizes
@@ -98,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         specs = resolve(_csv(args.methods))
         zoo_root, models = zoo_models(args.zoo)
         cells, sizes = build_cells(zoo_root, _csv(args.workloads), args.quick, args.seed,
-                                   args.headline)
+                                   args.headline, _csv(args.cells or ""))
         for spec in specs:
             spec.engine_kwargs(models)  # fails now, not after an hour, if a draft is missing
         if args.rounds is not None and args.rounds < 1:

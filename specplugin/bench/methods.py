@@ -46,6 +46,12 @@ PLUGIN_SETTINGS: dict[str, dict[str, Any]] = {
     },
     # the draft's own rule starts at k=4 and may go on to 8 while the draft stays confident
     "plugin-draft": {"num_speculative_tokens": 8, "proposers": ["draft"]},
+    # the draft path at vllm-draft's searched K: issue 19's "plugin-draft alone at vLLM's
+    # searched K at least 1.0x vllm-draft at that K" (the same draft lengths at most)
+    "plugin-draft-vllm-k": {
+        "num_speculative_tokens": BUILTIN_SETTINGS["vllm-draft"]["num_speculative_tokens"],
+        "proposers": ["draft"],
+    },
     # the controller sizes every draft (0 to K) itself: K is only the ceiling
     "plugin-suffix": {"num_speculative_tokens": 8, "proposers": ["suffix"]},
     # the README's recommended configuration: every proposer, one controller
@@ -167,6 +173,8 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec("plugin-ngram", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-ngram"]),
         MethodSpec("plugin-draft", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-draft"],
                    needs_draft=True),
+        MethodSpec("plugin-draft-vllm-k", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-draft-vllm-k"],
+                   needs_draft=True, listed=False),
         MethodSpec("plugin-suffix", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-suffix"]),
         MethodSpec("plugin-union", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-union"],
                    needs_draft=True),
