@@ -720,6 +720,34 @@ def test_one_cold_block_of_a_new_request_does_not_end_speculation():
     assert choices.mean() > 0.9
 
 
+def test_a_block_runs_until_its_steps_were_counted():
+    """Steps the rate does not hold (a trial of the draft, the step that read a prompt)
+    do not fill a block: one counted step must not set a bucket's rate; a block of
+    uncounted steps still ends, after MAX_BLOCK_FACTOR times its length."""
+    from specplugin.adaptive.arbiter import ENGINE_WARMUP_BLOCKS, MAX_BLOCK_FACTOR
+
+    arbiter = StepArbiter()
+    _arbitrate(arbiter, ENGINE_WARMUP_BLOCKS * arbiter.block_steps, 100.0, 100.0, num_reqs=1)
+    # the bucket's first measured block: a slow counted step, two uncounted ones, then
+    # counted steps at 300 tok/s (1 token each)
+    for seconds in [1 / 50.0, None, None] + [1 / 300.0] * (arbiter.block_steps - 1):
+        assert arbiter.speculate(1) and arbiter.rate(1, True) is None
+        arbiter.observe(1, seconds)
+    arbiter.speculate(1)  # the block, now done, closes
+    counted = 1 / 50.0 + (arbiter.block_steps - 1) / 300.0
+    assert arbiter.rate(1, True) == pytest.approx(arbiter.block_steps / counted)
+
+    capped = StepArbiter()
+    _arbitrate(capped, ENGINE_WARMUP_BLOCKS * capped.block_steps, 100.0, 100.0, num_reqs=1)
+    capped.speculate(1)  # closes the engine's second warm-up block, starts the next
+    started = capped.num_spec_blocks
+    for _ in range(MAX_BLOCK_FACTOR * capped.block_steps):
+        assert capped.speculate(1) and capped.num_spec_blocks == started
+        capped.observe(1, None)
+    capped.speculate(1)
+    assert capped.num_spec_blocks == started + 1  # it ended all the same
+
+
 def test_speculation_judged_slower_on_its_first_blocks_is_measured_again_soon():
     """Speculation's rate is the text's: two slow blocks at a request's start (nothing to
     copy yet) send the bucket to plain decoding, but speculation is tried again within
@@ -776,12 +804,12 @@ def test_new_text_retries_speculation_at_most_once_per_min_interval():
     at every arrival."""
     arbiter = StepArbiter()
     _arbitrate(arbiter, 400, spec_rate=600.0, plain_rate=1000.0, num_reqs=16)
-    choices = []
+    before = arbiter.num_spec_blocks
     for _ in range(100):  # a new request every 4 steps: the batch is new every 64
-        arbiter.new_requests(1, 16)
-        choices += list(_arbitrate(arbiter, 4, spec_rate=600.0, plain_rate=1000.0, num_reqs=16))
-    # one speculative block (4 steps) per min_interval + 1 blocks at most
-    assert sum(choices) <= 400 * 4 / (4 * (arbiter.min_interval + 1)) + 4
+        arbiter.new_requests(1, 16)  # (its step is not counted: blocks run 5 steps)
+        _arbitrate(arbiter, 4, spec_rate=600.0, plain_rate=1000.0, num_reqs=16)
+    # one speculative block per min_interval + 1 blocks (of at least 4 steps) at most
+    assert arbiter.num_spec_blocks - before <= 400 / (4 * (arbiter.min_interval + 1)) + 1
 
 
 class _AlwaysPlain(StepArbiter):
