@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from specplugin.adaptive.cost import StepSums
-from specplugin.adaptive.estimator import judged_outcomes
+from specplugin.adaptive.estimator import as_list, judged_outcomes
 
 # An engine's first draft forwards are not timed into the price: they pay one-time costs
 # (first calls, allocations, compiled shapes). Measured on the validation pair, compiled,
@@ -268,8 +268,12 @@ class AcceptanceCalibration:
         return [rates[s][group][min(max(int(c * n), 0), top)]
                 for c, s in zip(confidence, sampled)]
 
+    def warm_tables(self) -> list[bool]:  # [2]: greedy, sampled
+        """Whether each table has seen ``warmup`` verified positions."""
+        return [n >= self.warmup for n in self.num_observed.tolist()]
+
     def is_warm(self, sampled: np.ndarray) -> np.ndarray:  # [n] bool
-        return self.num_observed[sampled.astype(np.int64)] >= self.warmup
+        return np.asarray(self.warm_tables())[sampled.astype(np.int64)]
 
     def update(
         self,
@@ -281,7 +285,6 @@ class AcceptanceCalibration:
         """Count ``n`` judged draft tokens into their cells (lists or arrays). One token
         at a time in Python: a step judges a few, where each of a dozen numpy calls
         (clip, add.at, bincount, ...) costs several microseconds of cold caches."""
-        as_list = lambda x: x.tolist() if isinstance(x, np.ndarray) else x  # noqa: E731
         n, top, last = self.num_buckets, self.num_buckets - 1, self.num_position_groups - 1
         seen, total, observed = self.seen, self.accepted, self.num_observed
         for c, a, s, p in zip(as_list(confidence), as_list(accepted), as_list(sampled),
@@ -393,8 +396,8 @@ class DraftRun:
         self._cumulative = [1.0] * self.num_reqs
         # the calibration only learns between steps (OutcomeTracker.resolve)
         self._modes = self.sampled.astype(np.int64).tolist()
-        observed, warmup = self.calibration.num_observed.tolist(), self.calibration.warmup
-        self._warm = [observed[m] >= warmup for m in self._modes]
+        warm = self.calibration.warm_tables()
+        self._warm = [warm[m] for m in self._modes]
 
     @property
     def num_positions(self) -> int:

@@ -265,6 +265,11 @@ class AcceptanceEstimator:
                 for g in position_groups(num_tokens)]
 
 
+def as_list(values) -> list:
+    """An engine array's values as Python numbers (one call instead of one per element)."""
+    return values.tolist() if isinstance(values, np.ndarray) else list(values)
+
+
 def judged_outcomes(expected: Sequence[Sequence[float]] | None, row: int, sampled: bool,
                     judged: int, num_accepted: int) -> list:  # [judged] bool or float
     """What a row's ``judged`` tokens teach: for a sampled request, each token's acceptance

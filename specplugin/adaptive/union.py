@@ -35,8 +35,8 @@ from specplugin.adaptive.arbiter import StepArbiter
 from specplugin.adaptive.controller import (NO_CANDIDATE, Choice, cumulative, divergence,
                                            expand, plan, planned)
 from specplugin.adaptive.cost import StepCostModel
-from specplugin.adaptive.estimator import (AcceptanceEstimator, RequestHistory, judged_outcomes,
-                                           history_bucket)
+from specplugin.adaptive.estimator import (AcceptanceEstimator, RequestHistory, as_list,
+                                           history_bucket, judged_outcomes)
 from specplugin.metrics import FailureCounter, ProposerStats
 from specplugin.config import MODEL_PROPOSERS
 from specplugin.proposers.base import Candidate, Proposer, StepBatch
@@ -63,11 +63,6 @@ DRAFT_TRIAL_EVIDENCE = 8.0
 # each verdict moves the estimates most).
 LEARN_EVERY = 4
 COLD_TOKENS = 256
-
-
-def _as_list(values) -> list:
-    """An engine array's values as Python numbers (one call instead of one per element)."""
-    return values.tolist() if isinstance(values, np.ndarray) else list(values)
 
 
 @dataclass(frozen=True)
@@ -478,7 +473,7 @@ class Union:
         a new request's prompt outweighed any one step's gain and the draft never ran
         (measured on the validation pair, fresh engine, complete batch 1 temperature 1:
         not one draft-model run in the cell's 512 steps)."""
-        lengths_list = [n if n > 0 else 0 for n in _as_list(caps)]  # [num_reqs]
+        lengths_list = [n if n > 0 else 0 for n in as_list(caps)]  # [num_reqs]
         if not self.speculating or not any(lengths_list):
             return [0] * batch.num_reqs
         histories = self._histories(batch)
@@ -761,8 +756,8 @@ class Union:
         """One estimator update for every judged token of the step just verified
         (``observe``: its wall time too, unless :meth:`plain_step` already did; ``trial``:
         it ran one of the draft's optimistic trials, see :meth:`_observe`)."""
-        scheduled_drafts = _as_list(verified.num_scheduled_drafts)  # [num_reqs]
-        num_emitted = _as_list(verified.num_emitted)  # [num_reqs]
+        scheduled_drafts = as_list(verified.num_scheduled_drafts)  # [num_reqs]
+        num_emitted = as_list(verified.num_emitted)  # [num_reqs]
         if observe:
             self._observe(verified.seconds, verified.num_query_tokens, sum(num_emitted),
                           any(k > 0 for k in scheduled_drafts), verified.draft_seconds,
