@@ -122,10 +122,10 @@ def caps(remaining, k, prefilling):
         out[1::2] = [0] * len(out[1::2])
     return out
 
-def first_pass_inputs(self, batch, rows, starts, cad):
+def first_pass_inputs(self, batch, rows, starts, ends, cad):
     reads.extend([batch.req_ids[r], int(a), int(batch.num_tokens[r]), calls["n"]]
                  for r, a in zip(rows, starts))
-    return orig_inputs(self, batch, rows, starts, cad)
+    return orig_inputs(self, batch, rows, starts, ends, cad)
 
 draft_proposer._caps, P._first_pass_inputs = caps, first_pass_inputs
 

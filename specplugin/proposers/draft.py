@@ -67,6 +67,7 @@ def sample_draft_tokens(
     generator: torch.Generator | None = None,
     all_sampled: bool = False,
     unit_temperature: bool = False,
+    uniform: torch.Tensor | None = None,  # [num_reqs, 1] float64 in [0, 1), drawn if None
 ) -> tuple[torch.Tensor, torch.Tensor]:  # token ids [num_reqs], draft_probs [num_reqs, vocab_size]
     """Draw one draft token per row from ``draft_probs = softmax(logits / temperature)``
     (greedy rows: the argmax, their probabilities are never used).
@@ -82,7 +83,8 @@ def sample_draft_tokens(
     the greedy rows' masking is skipped: three tensor ops of ~a dozen per drafted position,
     where each op's fixed cost, not the vocabulary, is most of the time at small batches.
     ``unit_temperature``: the caller knows that every row samples at temperature 1 (the
-    default), so the logits are not divided (two ops less).
+    default), so the logits are not divided (two ops less). ``uniform``: the row's
+    uniforms, drawn by the caller (a draft run draws all of its positions' at once).
     """
     if unit_temperature:
         draft_probs = logits.softmax(dim=-1, dtype=torch.float32)
@@ -92,8 +94,9 @@ def sample_draft_tokens(
                                                             torch.ones_like(temperature))
         draft_probs = (logits / scale.unsqueeze(1)).softmax(dim=-1, dtype=torch.float32)
     cdf = draft_probs.cumsum(dim=-1, dtype=torch.float64)  # [num_reqs, vocab_size]
-    uniform = torch.rand((logits.shape[0], 1), dtype=torch.float64, device=logits.device,
-                         generator=generator)
+    if uniform is None:
+        uniform = torch.rand((logits.shape[0], 1), dtype=torch.float64, device=logits.device,
+                             generator=generator)
     token_ids = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
     token_ids = token_ids.clamp_(max=logits.shape[-1] - 1)  # u * total rounding to total
     if not all_sampled:

@@ -61,6 +61,8 @@ class PluginDraftProposer(DraftModelProposer):
     def __init__(self, vllm_config, device, runner, plugin_config: SpecPluginConfig):
         super().__init__(vllm_config=vllm_config, device=device, runner=runner)
         self.plugin_runner = runner  # vLLM's base class does not keep it
+        # neither model uses M-RoPE: positions are one row (asked once, not per pass)
+        self._one_dim_positions = not (self.uses_mrope or vllm_config.model_config.uses_mrope)
         settings = plugin_config.draft
         k_max = plugin_config.num_speculative_tokens
         self.fixed_min_acceptance = settings.min_acceptance  # None: measured by self.costs
@@ -375,17 +377,20 @@ class PluginDraftProposer(DraftModelProposer):
         draft position 0; then one batched forward per position while the rule says so."""
         num_rows = rows.size
         start = time.perf_counter()
-        cad, num_tokens, last = self._first_pass_inputs(batch, rows, starts, cad)
+        ends = batch.num_tokens[rows].astype(np.int64)  # [num_rows] exclusive
+        cad, num_tokens, last = self._first_pass_inputs(batch, rows, starts, ends, cad)
         hidden = self._forward(cad, num_tokens, draft_index=0)
         self.cursor.advance([batch.req_ids[r] for r in rows], batch.num_tokens[rows])
-        positions = self.positions[last]
         temperature = None if temperature is None else temperature[torch.from_numpy(rows)]
         # decided once per run, not per draw: every drafting row samples, and at
         # temperature 1 (the default: no division)
         all_sampled = bool(run.sampled.all())
         unit = all_sampled and temperature is not None and bool(temperature.eq(1.0).all())
         mode = (all_sampled, unit)
-        more = self._sample_into(run, hidden[last], temperature, mode)
+        # one uniform per row and position, drawn once for the run
+        uniforms = None if temperature is None else torch.rand(
+            (run.rule.k_max, num_rows, 1), dtype=torch.float64, device=self.input_ids.device)
+        more = self._sample_into(run, hidden[last], temperature, mode, uniforms)
         self._observe_first_pass(time.perf_counter() - start, num_tokens - num_rows)
         if not more:
             return
@@ -394,22 +399,23 @@ class PluginDraftProposer(DraftModelProposer):
         # the slot mapping's padding rows must get the padding slot id, or the dummy rows
         # would write over real draft KV.
         padding = self._determine_batch_execution_and_padding(num_rows)
+        positions = self.positions[last]
         for draft_index in range(1, run.rule.k_max):
             start = time.perf_counter()
             positions = self._update_positions_dependent_metadata(
                 positions, cad, num_rows, padding[1], self.block_size)
             self.input_ids[:num_rows].copy_(run.token_ids[-1])  # (int64 -> int32 in the copy)
             hidden = self._forward(cad, num_rows, draft_index, padding)
-            more = self._sample_into(run, hidden[:num_rows], temperature, mode)
+            more = self._sample_into(run, hidden[:num_rows], temperature, mode, uniforms)
             self._observe_forward(time.perf_counter() - start)
             if not more:
                 return
 
-    def _first_pass_inputs(self, batch: StepBatch, rows: np.ndarray, starts: np.ndarray, cad):
+    def _first_pass_inputs(self, batch: StepBatch, rows: np.ndarray, starts: np.ndarray,
+                           ends: np.ndarray, cad):
         """Token ids, positions and attention metadata of the first pass over ``rows``:
-        row i reads positions ``[starts[i], num_tokens)`` through its own block table.
+        row i reads positions ``[starts[i], ends[i])`` through its own block table.
         Returns (metadata, tokens in all, [num_rows] index of each row's last token)."""
-        ends = batch.num_tokens[rows].astype(np.int64)  # [num_rows] exclusive
         query_lens = ends - starts  # [num_rows]
         cu_query_lens = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
         num_tokens = int(cu_query_lens[-1])
@@ -417,12 +423,18 @@ class PluginDraftProposer(DraftModelProposer):
         token_ids = np.concatenate([batch.token_ids[r, a:b] for r, a, b in zip(rows, starts, ends)])
         device = self.input_ids.device
         positions_t = torch.from_numpy(positions).to(device)  # [num_tokens] int64
-        self.input_ids[:num_tokens] = torch.from_numpy(token_ids).to(device, torch.int32)
-        self._set_positions(num_tokens, positions_t)
+        self.input_ids[:num_tokens].copy_(torch.from_numpy(token_ids))  # (-> int32 in the copy)
+        if self._one_dim_positions:
+            self.positions[:num_tokens].copy_(positions_t)
+        else:
+            self._set_positions(num_tokens, positions_t)
         block_table = cad.block_table_tensor[torch.from_numpy(rows).to(device)]  # [num_rows, max_blocks]
-        token_rows = torch.from_numpy(np.repeat(np.arange(rows.size), query_lens)).to(device)
-        block_ids = block_table[token_rows, positions_t // self.block_size]  # [num_tokens]
-        slot_mapping = block_ids.long() * self.block_size + positions_t % self.block_size
+        # each token's block as a flat index into the batch's block table [num_tokens]
+        flat_blocks = (np.repeat(rows, query_lens) * cad.block_table_tensor.shape[1]
+                       + positions // self.block_size)
+        block_ids = torch.take(cad.block_table_tensor, torch.from_numpy(flat_blocks).to(device))
+        slot_mapping = block_ids.long().mul_(self.block_size).add_(
+            torch.from_numpy(positions % self.block_size).to(device))  # [num_tokens]
         query_start_loc_cpu = torch.from_numpy(cu_query_lens)
         seq_lens_cpu = torch.from_numpy(ends.astype(np.int32))
         sub = CommonAttentionMetadata(
@@ -535,17 +547,20 @@ class PluginDraftProposer(DraftModelProposer):
 
     def _sample_into(self, run: DraftRun, hidden: torch.Tensor,
                      temperature: torch.Tensor | None,
-                     mode: tuple[bool, bool] = (False, False)) -> bool:
+                     mode: tuple[bool, bool] = (False, False),
+                     uniforms: torch.Tensor | None = None) -> bool:
         """Draw one draft token per drafting row (hidden: [num_rows, hidden_size];
         temperature: [num_rows], None when every request is greedy; ``mode``: every row
-        samples, and every row samples at temperature 1); True if any row keeps drafting."""
+        samples, and every row samples at temperature 1; ``uniforms``: [k_max, num_rows,
+        1] the run's uniforms, one per row and position); True if any row keeps drafting."""
         logits = self._logits(hidden)  # [num_rows, vocab_size]
         if temperature is None:
             return run.add(*greedy_draft_tokens(logits))
         all_sampled, unit = mode
         token_ids, draft_probs = sample_draft_tokens(
             logits, temperature, None if all_sampled else temperature >= _SAMPLING_EPS,
-            all_sampled=all_sampled, unit_temperature=unit)
+            all_sampled=all_sampled, unit_temperature=unit,
+            uniform=None if uniforms is None else uniforms[run.num_positions])
         return run.add(token_ids, confidence_of(draft_probs), draft_probs)
 
     def _finish(self, run: DraftRun, rows: np.ndarray, batch: StepBatch) -> torch.Tensor:
@@ -752,7 +767,12 @@ class PluginDraftProposer(DraftModelProposer):
             laid_out[r, :len(draft)] = draft
         out = torch.from_numpy(laid_out).to(device=token_ids.device, dtype=token_ids.dtype)
         probs = None
-        if draft_probs is not None:
+        guessed = [bool(d) and not draft_rows[r] for r, d in enumerate(drafts)]
+        if draft_probs is not None and not any(guessed):
+            # vLLM reads each row's first len(draft) positions only (a row without
+            # drafts, none): the draft's own probabilities serve as they are
+            probs = draft_probs
+        elif draft_probs is not None:
             probs = torch.zeros((num_reqs, k_out, draft_probs.shape[-1]),
                                 dtype=draft_probs.dtype, device=draft_probs.device)
             lengths = np.array([len(d) for d in drafts], dtype=np.int64)  # [num_reqs]
