@@ -917,6 +917,29 @@ def test_plain_steps_teach_the_estimator_what_the_peeks_copies_would_have_brough
     assert union.estimator.judged[1].sum() == 0  # the draft model was not guessed for
 
 
+def test_a_step_that_read_new_prompts_teaches_the_cost_model_nothing():
+    """The step in which requests joined the batch ran their prompts: its time is a
+    prefill's (long contexts the forward curve does not price), so neither the cost
+    model nor the arbiter learns from it; the plain steps after it teach both as they
+    would have without it."""
+    unions = []
+    for prefill in (False, True):
+        union = _union(Fixed("p", [1, 2, 3], 0.5))
+        union.arbiter = StepArbiter()
+        if prefill:
+            union.new_requests(8, 8)
+            union.plain_step(0.200, 8, 1348, False)  # 1,348 prompt tokens in 200 ms
+        for _ in range(24):  # plain decode steps of 8 requests, 5 ms each
+            union.plain_step(0.005, 8, 8, False)
+        union.cost.observe(8, 0.005)  # (hands on the plain steps still being summed)
+        unions.append(union)
+    without, with_prefill = (u.cost for u in unions)
+    assert with_prefill.overhead_s == pytest.approx(without.overhead_s)
+    assert with_prefill.forward_s == pytest.approx(without.forward_s)
+    assert with_prefill.spec_overhead_s == pytest.approx(without.spec_overhead_s)
+    assert with_prefill.step_one(8) == pytest.approx(without.step_one(8))
+
+
 def test_an_engines_first_speculative_blocks_are_not_measured():
     """One-time costs (first draft forwards, first calls into verification) make an
     engine's first speculative blocks slow: they run, but the rate is that of the

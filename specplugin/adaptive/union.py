@@ -202,6 +202,9 @@ class Union:
         # this step runs one of them: its time is the draft's exploration, not a rate of
         # speculating that the step arbiter should weigh (see _observe)
         self._trial_step = False
+        # the step just run read new requests' prompts: its time is a prefill's, not a
+        # decode step's (see _observe)
+        self._prefill_step = False
         # verdicts not yet in the estimator: (sent, tokens judged, tokens accepted), and
         # the steps of decay it has not yet applied (see flush_learning)
         self._unlearned: list[tuple[_Pending, list]] = []
@@ -313,6 +316,7 @@ class Union:
         the next plain step peeks at once (and the arbiter hears of it)."""
         if num_new > 0:
             self._peek_gap, self._steps_to_peek = 1, 0
+            self._prefill_step = True
         if self.arbiter is not None:
             self.arbiter.new_requests(num_new, num_reqs)
 
@@ -400,8 +404,20 @@ class Union:
         not the rate of speculating (measured on the validation pair, edit/b1/t0, fresh
         engine: with the trials' steps counted, the cell's first two speculative blocks
         measured 232 and 367 tok/s against 688 for plain decoding, which then ran for 100
-        steps, while speculation later measured 1,000-2,000 tok/s)."""
-        if seconds is None:
+        steps, while speculation later measured 1,000-2,000 tok/s).
+
+        A step that read new requests' prompts teaches the cost model nothing (the
+        arbiter leaves it out too): its time is mostly the prompts' attention, which the
+        forward curve (timed on short contexts) does not price, and one such residual,
+        clipped only to one forward of that many tokens, moved the model's fixed part and
+        its speculative overhead by milliseconds (measured on the validation pair,
+        server/b8/t1, fresh engine: after the 1,348-token prefill step the model priced
+        a plain step of 8 requests at 3.25 ms, where it took 5-7, and the speculative
+        machinery at 6.12 ms; the union then drafted nothing, its steps measured half the
+        rate it predicted, and that correction kept plain decoding on for most of the
+        greedy requests' run while their copies were in sight)."""
+        prefill, self._prefill_step = self._prefill_step, False
+        if seconds is None or prefill:
             pass
         elif speculative or draft_seconds:
             self.cost.observe(num_query_tokens, max(seconds - draft_seconds, 1e-9),
