@@ -327,3 +327,34 @@ def test_a_failing_early_decision_costs_its_drafts_not_the_requests():
     assert drafter.propose_before_vllm_inputs(torch.tensor([[3], [4]]), None) == [[], []]
     assert drafter.last_lengths == [0, 0] and drafter._decided is None
     assert drafter.stats()["proposer_failures"] == {"draft": 1}
+
+
+def test_the_step_that_read_new_prompts_teaches_the_drafts_cost_model_nothing():
+    """The step in which requests joined the batch ran their prompts: the draft's cost
+    model (seconds per emitted token, the verification slope) learns nothing from its
+    time; the plain steps after it teach it as they would have without it."""
+    from types import SimpleNamespace
+
+    from specplugin.adaptive.arbiter import StepArbiter
+    from specplugin.adaptive.draft_rule import CostModel
+
+    models = []
+    for prefill in (False, True):
+        drafter, _ = _bare_drafter(8, [0] * 8)
+        drafter.clock = SimpleNamespace(shared=False)
+        drafter.costs, drafter.arbiter = CostModel(), StepArbiter()
+        drafter._last_forwards = drafter._last_draft_tokens = 0
+        drafter._last_draft_seconds, drafter._steps_since_run = 0.0, 2
+        drafter._observed, drafter._prefill_step, drafter.last_lengths = False, False, None
+        laps = iter([0.200] * prefill + [0.005] * 24)
+        drafter.timer = SimpleNamespace(lap=lambda: next(laps))
+        if prefill:
+            drafter.new_requests(8, 8)
+            drafter.skip_drafting(8, 1348, False)  # 1,348 prompt tokens in 200 ms
+        for _ in range(24):  # plain decode steps of 8 requests, 5 ms each
+            drafter.skip_drafting(8, 8, False)
+        drafter.costs.observe_step(0.005, 8, 0, 0)  # (hands on the steps still summed)
+        models.append(drafter.costs)
+    without, with_prefill = models
+    assert with_prefill.token_s == pytest.approx(without.token_s)
+    assert with_prefill._moments == pytest.approx(without._moments)

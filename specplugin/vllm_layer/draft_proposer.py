@@ -79,6 +79,7 @@ class PluginDraftProposer(DraftModelProposer):
         # skip_drafting observed the step just run and decided to speculate: the full
         # path neither times it again nor asks the draft-alone arbiter again
         self._observed = False
+        self._prefill_step = False  # the step just run read new prompts (new_requests)
         self.failures = FailureCounter("draft", logger)
         # under tensor parallelism every rank decides from rank 0's timings (ranks.py):
         # draft forwards timed during a step are shared at the next step's start
@@ -146,7 +147,11 @@ class PluginDraftProposer(DraftModelProposer):
                 self.memory.maybe_save(self.union, idle=self.union.idle)
 
     def new_requests(self, num_new: int, num_reqs: int) -> None:
-        """Requests joined the batch this step (see the runner's ``_note_new_requests``)."""
+        """Requests joined the batch this step (see the runner's ``_note_new_requests``):
+        the step just run read their prompts, and its time teaches the draft's cost model
+        nothing (a prefill's, as the union's cost model and the step arbiter leave it out:
+        :meth:`Union._observe <specplugin.adaptive.union.Union._observe>`)."""
+        self._prefill_step = num_new > 0
         if self.union is not None:
             self.union.new_requests(num_new, num_reqs)
         elif self.arbiter is not None:
@@ -166,7 +171,8 @@ class PluginDraftProposer(DraftModelProposer):
         if self.clock.shared:
             return False
         self._step_seconds = self.timer.lap()
-        if self._step_seconds is None:
+        prefill, self._prefill_step = self._prefill_step, False
+        if self._step_seconds is None or prefill:
             pass
         elif self._last_forwards or self._last_draft_tokens:
             self.costs.observe_step(self._step_seconds, num_reqs, self._last_forwards,
@@ -461,7 +467,9 @@ class PluginDraftProposer(DraftModelProposer):
         if self.clock.shared:
             self._step_seconds, self._last_draft_seconds = self._agree_on_timings(
                 self._step_seconds, self._last_draft_seconds)
-        if self._step_seconds is not None:  # every row emitted one token plus its accepted drafts
+        prefill, self._prefill_step = self._prefill_step, False
+        if self._step_seconds is not None and not prefill:
+            # every row emitted one token plus its accepted drafts
             self.costs.observe_step(self._step_seconds, num_reqs + sum(num_accepted),
                                     self._last_forwards, self._last_draft_tokens)
         return self._rule_with_thresholds()
