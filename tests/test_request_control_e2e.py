@@ -61,9 +61,9 @@ NgramProposer.propose = recording("ngram", NgramProposer.propose)
 SuffixProposer.propose = recording("suffix", SuffixProposer.propose)
 first_pass = PluginDraftProposer._first_pass_inputs
 
-def first_pass_inputs(self, batch, rows, starts, cad):
+def first_pass_inputs(self, batch, rows, *args):
     asked["draft"].extend(batch.token_ids[r, :6].tolist() for r in rows)
-    return first_pass(self, batch, rows, starts, cad)
+    return first_pass(self, batch, rows, *args)
 
 PluginDraftProposer._first_pass_inputs = first_pass_inputs
 job = json.loads(sys.argv[1])
