@@ -696,7 +696,7 @@ def test_new_text_sends_a_plain_batch_back_to_speculating_at_once():
         arbiter.observe(1, 1 / 60.0)
     arbiter.observe(1, 1 / 100.0)
     arbiter.new_requests(1, 1)
-    arbiter.observe(1, 0.05)  # the step that read the new prompt: not counted
+    arbiter.observe(1, None)  # the step that read the new prompt: its time not counted
     choices = _arbitrate(arbiter, 60, spec_rate=250.0, plain_rate=100.0, num_reqs=1)
     first = int(np.argmax(choices))
     assert choices.any() and first == 0
@@ -712,7 +712,7 @@ def test_one_cold_block_of_a_new_request_does_not_end_speculation():
     _arbitrate(arbiter, 200, spec_rate=300.0, plain_rate=100.0, num_reqs=1)
     assert arbiter.speculate(1)  # a block starts; the new request arrives in its first step
     arbiter.new_requests(1, 1)
-    arbiter.observe(1, 0.05)  # the step that read the new prompt
+    arbiter.observe(1, None)  # the step that read the new prompt
     for _ in range(arbiter.block_steps - 1):  # the rest of the block: cold
         assert arbiter.speculate(1)
         arbiter.observe(1, 1 / 60.0)
@@ -928,7 +928,8 @@ def test_a_step_that_read_new_prompts_teaches_the_cost_model_nothing():
         union.arbiter = StepArbiter()
         if prefill:
             union.new_requests(8, 8)
-            union.plain_step(0.200, 8, 1348, False)  # 1,348 prompt tokens in 200 ms
+            union.plain_step(0.200, 8, 1348, False,  # 1,348 prompt tokens in 200 ms
+                             read_prompts=True)
         for _ in range(24):  # plain decode steps of 8 requests, 5 ms each
             union.plain_step(0.005, 8, 8, False)
         union.cost.observe(8, 0.005)  # (hands on the plain steps still being summed)

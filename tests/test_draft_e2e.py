@@ -345,12 +345,12 @@ def test_the_step_that_read_new_prompts_teaches_the_drafts_cost_model_nothing():
         drafter.costs, drafter.arbiter = CostModel(), StepArbiter()
         drafter._last_forwards = drafter._last_draft_tokens = 0
         drafter._last_draft_seconds, drafter._steps_since_run = 0.0, 2
-        drafter._observed, drafter._prefill_step, drafter.last_lengths = False, False, None
+        drafter._observed, drafter.last_lengths = False, None
         laps = iter([0.200] * prefill + [0.005] * 24)
         drafter.timer = SimpleNamespace(lap=lambda: next(laps))
         if prefill:
             drafter.new_requests(8, 8)
-            drafter.skip_drafting(8, 1348, False)  # 1,348 prompt tokens in 200 ms
+            drafter.skip_drafting(8, 1348, False, read_prompts=True)  # 1,348 tokens, 200 ms
         for _ in range(24):  # plain decode steps of 8 requests, 5 ms each
             drafter.skip_drafting(8, 8, False)
         drafter.costs.observe_step(0.005, 8, 0, 0)  # (hands on the steps still summed)

@@ -104,7 +104,7 @@ def _context(n):
 
     return SimpleNamespace(req_ids=[f"r{i}" for i in range(n)],
                            num_scheduled_drafts=np.zeros(n, dtype=int), num_query_tokens=n,
-                           scored=None, expected_acceptance=None)
+                           scored=None, expected_acceptance=None, read_prompts=False)
 
 
 def test_the_speculator_reads_each_steps_time_once(monkeypatch):

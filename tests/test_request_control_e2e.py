@@ -85,12 +85,15 @@ for name, extra in job["refused"].items():
 # sampled requests: what the union learns from their verification (the rejection
 # sampler's acceptance probabilities, specplugin/vllm_layer/verification.py)
 heard = {"greedy": [], "sampled": []}
+# and whether each step it learns from read new prompts (StepContext.read_prompts)
+read_prompts = {"greedy": [], "sampled": []}
 learn = Union._learn
 
 def recording_learn(self, verified, *args, **kwargs):
     rows = [[None if verified.expected is None else list(verified.expected[r]), int(k)]
             for r, k in enumerate(verified.num_scheduled_drafts) if k > 0]
     heard[job_mode].extend(rows)
+    read_prompts[job_mode].append(verified.read_prompts)
     return learn(self, verified, *args, **kwargs)
 
 Union._learn = recording_learn
@@ -127,7 +130,8 @@ print("RESULT " + json.dumps({
     "plain": [list(o.outputs[0].token_ids) for o in plain],
     "mixed": [list(o.outputs[0].token_ids) for o in mixed],
     "metrics": [metrics(o) for o in mixed], "asked": asked, "exact": exact,
-    "vllm_counters": vllm_counters, "published": ours, "heard": heard}))
+    "vllm_counters": vllm_counters, "published": ours, "heard": heard,
+    "read_prompts": read_prompts}))
 """
 
 
@@ -185,6 +189,16 @@ def test_sampled_verification_reports_each_draft_tokens_acceptance_probability(p
         values += expected
     assert all(0.0 <= v <= 1.0 + 1e-5 for v in values)
     assert any(0.01 < v < 0.99 for v in values), values  # probabilities, not verdicts
+
+
+def test_only_the_step_that_read_the_prompts_is_kept_from_the_learners(probe):
+    """The runner tells every observer of a step's time whether that step read new
+    requests' prompts (a prefill's time, which no cost model nor the step arbiter learns
+    from): in each run of two requests, the first step the union learns from (the one
+    that read both prompts) and no decode step after it."""
+    for mode, flags in probe["read_prompts"].items():
+        assert len(flags) > 5, mode
+        assert flags[0] is True and not any(flags[1:]), (mode, flags)
 
 
 def test_max_k_zero_switches_speculation_off_for_that_request_only(probe):

@@ -168,7 +168,6 @@ class StepArbiter:
         self._counted = 0  # of them, steps whose time the block's rate holds
         self._tokens = self._seconds = 0.0  # counted part of the running block
         self._predicted: list[float] = []  # the union's predicted rate of each planned step
-        self._skip_observation = False  # see new_requests
         self._num_reqs = 0  # batch size of the running block (at its start)
 
     def stats(self) -> dict[str, int]:
@@ -195,10 +194,10 @@ class StepArbiter:
         return None if bucket is None else bucket.rate.get(choice)
 
     def observe(self, num_tokens: int, seconds: float | None) -> None:
-        """The step that just ran emitted ``num_tokens`` in ``seconds`` of wall time."""
+        """The step that just ran emitted ``num_tokens`` in ``seconds`` of wall time
+        (None: not a decode step's time to count, e.g. the step read new prompts)."""
         self._steps += 1
-        skip, self._skip_observation = self._skip_observation, False
-        if skip or seconds is None or seconds <= 0:
+        if seconds is None or seconds <= 0:
             return
         state = self._buckets.get(self._bucket)  # (no new _Bucket: this runs every step)
         best = None if state is None else max(state.rate.values(), default=None)
@@ -211,10 +210,7 @@ class StepArbiter:
     def new_requests(self, num_new: int, num_reqs: int) -> None:
         """``num_new`` of the batch's ``num_reqs`` requests arrived this step (new text:
         see the module docstring)."""
-        if num_new <= 0 or num_reqs <= 0:
-            return
-        self._skip_observation = True  # the step that read their prompts: not a decode step
-        if self._bucket is None:
+        if num_new <= 0 or num_reqs <= 0 or self._bucket is None:
             return
         # the new requests' bucket is the one of the batch they joined
         bucket = (batch_bucket(num_reqs), self._bucket[1])

@@ -93,6 +93,9 @@ class Verified:
     # knew it (None: it did not); sampled rows learn these instead of the verdicts (see
     # _learn)
     expected: Sequence[Sequence[float]] | None = None
+    # the step read new requests' prompts: its time is a prefill's, which no cost model
+    # nor the step arbiter learns from (see Union._observe)
+    read_prompts: bool = False
 
 
 @dataclass(frozen=True)
@@ -204,7 +207,6 @@ class Union:
         self._trial_step = False
         # the step just run read new requests' prompts: its time is a prefill's, not a
         # decode step's (see _observe)
-        self._prefill_step = False
         # verdicts not yet in the estimator: (sent, tokens judged, tokens accepted), and
         # the steps of decay it has not yet applied (see flush_learning)
         self._unlearned: list[tuple[_Pending, list]] = []
@@ -260,7 +262,7 @@ class Union:
 
     def plain_step(self, seconds: float | None, num_reqs: int, num_query_tokens: int,
                    sampled: bool, peek: Callable[[], StepBatch] | None = None,
-                   draft_seconds: float = 0.0) -> bool:
+                   draft_seconds: float = 0.0, read_prompts: bool = False) -> bool:
         """The cheap path for a step that verified no draft: observe its time (cost model,
         step arbiter) and say whether the next step speculates. False: the next step is
         plain and nothing else runs for it (the caller skips drafting; no proposer is
@@ -269,6 +271,7 @@ class Union:
         arbiter, or with drafts still waiting for their verdict, always True.
         ``draft_seconds``: the part of ``seconds`` the draft model ran (it ran for a step
         that then verified none of its tokens), kept out of the cost model.
+        ``read_prompts``: the step read new requests' prompts (:meth:`_observe`).
 
         ``peek``: the batch as it stands (contexts up to the last step's tokens). Where the
         arbiter keeps the step plain, the n-gram proposer, the cheapest there is, is
@@ -284,7 +287,7 @@ class Union:
             return True
         trial, self._trial_step = self._trial_step, False
         self._observe(seconds, num_query_tokens, num_reqs, speculative=False,
-                      draft_seconds=draft_seconds, trial=trial)
+                      draft_seconds=draft_seconds, trial=trial, read_prompts=read_prompts)
         self.speculating = self.arbiter.speculate(num_reqs, sampled)
         if not self.speculating and peek is not None and self._peek_due():
             if self._copy_in_sight(peek):
@@ -316,7 +319,6 @@ class Union:
         the next plain step peeks at once (and the arbiter hears of it)."""
         if num_new > 0:
             self._peek_gap, self._steps_to_peek = 1, 0
-            self._prefill_step = True
         if self.arbiter is not None:
             self.arbiter.new_requests(num_new, num_reqs)
 
@@ -394,7 +396,8 @@ class Union:
         self.stats.k_histogram[0] += num_reqs
 
     def _observe(self, seconds: float | None, num_query_tokens: int, num_emitted: int,
-                 speculative: bool, draft_seconds: float = 0.0, trial: bool = False) -> None:
+                 speculative: bool, draft_seconds: float = 0.0, trial: bool = False,
+                 read_prompts: bool = False) -> None:
         """A step's wall time, to the cost model (without ``draft_seconds``, the draft
         model's forwards: :meth:`plan_draft` prices them itself, and counted in ``T(n)``
         they would be paid twice and make plain steps look dearer) and the step arbiter
@@ -406,18 +409,20 @@ class Union:
         measured 232 and 367 tok/s against 688 for plain decoding, which then ran for 100
         steps, while speculation later measured 1,000-2,000 tok/s).
 
-        A step that read new requests' prompts teaches the cost model nothing (the
-        arbiter leaves it out too): its time is mostly the prompts' attention, which the
-        forward curve (timed on short contexts) does not price, and one such residual,
-        clipped only to one forward of that many tokens, moved the model's fixed part and
-        its speculative overhead by milliseconds (measured on the validation pair,
-        server/b8/t1, fresh engine: after the 1,348-token prefill step the model priced
-        a plain step of 8 requests at 3.25 ms, where it took 5-7, and the speculative
-        machinery at 6.12 ms; the union then drafted nothing, its steps measured half the
-        rate it predicted, and that correction kept plain decoding on for most of the
-        greedy requests' run while their copies were in sight)."""
-        prefill, self._prefill_step = self._prefill_step, False
-        if seconds is None or prefill:
+        A step that read new requests' prompts (``read_prompts``: one fact of the step,
+        which the runner hands every observer) teaches the cost model and the arbiter
+        nothing: its time is mostly the prompts' attention, which the forward curve
+        (timed on short contexts) does not price, and one such residual, clipped only to
+        one forward of that many tokens, moved the model's fixed part and its speculative
+        overhead by milliseconds (measured on the validation pair, server/b8/t1, fresh
+        engine: after the 1,348-token prefill step the model priced a plain step of 8
+        requests at 3.25 ms, where it took 5-7, and the speculative machinery at 6.12 ms;
+        the union then drafted nothing, its steps measured half the rate it predicted,
+        and that correction kept plain decoding on for most of the greedy requests' run
+        while their copies were in sight)."""
+        if read_prompts:
+            seconds = None  # (the arbiter counts the step, not its time)
+        if seconds is None:
             pass
         elif speculative or draft_seconds:
             self.cost.observe(num_query_tokens, max(seconds - draft_seconds, 1e-9),
@@ -777,7 +782,7 @@ class Union:
         if observe:
             self._observe(verified.seconds, verified.num_query_tokens, sum(num_emitted),
                           any(k > 0 for k in scheduled_drafts), verified.draft_seconds,
-                          trial=trial)
+                          trial=trial, read_prompts=verified.read_prompts)
         pending, self._pending = self._pending, {}
         pending_extras, self._pending_extras = self._pending_extras, {}
         scored = verified.scored or {}

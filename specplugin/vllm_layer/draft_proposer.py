@@ -79,7 +79,6 @@ class PluginDraftProposer(DraftModelProposer):
         # skip_drafting observed the step just run and decided to speculate: the full
         # path neither times it again nor asks the draft-alone arbiter again
         self._observed = False
-        self._prefill_step = False  # the step just run read new prompts (new_requests)
         self.failures = FailureCounter("draft", logger)
         # under tensor parallelism every rank decides from rank 0's timings (ranks.py):
         # draft forwards timed during a step are shared at the next step's start
@@ -148,10 +147,7 @@ class PluginDraftProposer(DraftModelProposer):
 
     def new_requests(self, num_new: int, num_reqs: int) -> None:
         """Requests joined the batch this step (see the runner's ``_note_new_requests``):
-        the step just run read their prompts, and its time teaches the draft's cost model
-        nothing (a prefill's, as the union's cost model and the step arbiter leave it out:
-        :meth:`Union._observe <specplugin.adaptive.union.Union._observe>`)."""
-        self._prefill_step = num_new > 0
+        new text, for the union's peeks and the step arbiter."""
         if self.union is not None:
             self.union.new_requests(num_new, num_reqs)
         elif self.arbiter is not None:
@@ -162,23 +158,26 @@ class PluginDraftProposer(DraftModelProposer):
         the arbiter keeps a step plain)."""
         return self.plugin_runner.peek_batch()
 
-    def skip_drafting(self, num_reqs: int, num_query_tokens: int, mostly_sampled: bool) -> bool:
+    def skip_drafting(self, num_reqs: int, num_query_tokens: int, mostly_sampled: bool,
+                      read_prompts: bool = False) -> bool:
         """The runner asks before a step's drafting, when that step verified no draft:
         True if the next step decodes plainly too, so that nothing of the draft model's
         machinery runs (the step's time is observed; the draft KV of the skipped rows is
         caught up in their next draft pass). Under tensor parallelism every rank decides
-        in the full path from rank 0's clock, so this says False."""
+        in the full path from rank 0's clock, so this says False. ``read_prompts``: the
+        step read new requests' prompts, and its time teaches no cost model (a prefill's:
+        :meth:`Union._observe <specplugin.adaptive.union.Union._observe>`)."""
         if self.clock.shared:
             return False
         self._step_seconds = self.timer.lap()
-        prefill, self._prefill_step = self._prefill_step, False
-        if self._step_seconds is None or prefill:
+        seconds = None if read_prompts else self._step_seconds  # what the step teaches
+        if seconds is None:
             pass
         elif self._last_forwards or self._last_draft_tokens:
-            self.costs.observe_step(self._step_seconds, num_reqs, self._last_forwards,
+            self.costs.observe_step(seconds, num_reqs, self._last_forwards,
                                     self._last_draft_tokens)
         else:  # the draft did not run: learned with the next plain steps (StepSums)
-            self.costs.observe_plain_step(self._step_seconds, num_reqs)
+            self.costs.observe_plain_step(seconds, num_reqs)
         draft_seconds = self._last_draft_seconds
         self._last_forwards = self._last_draft_tokens = 0
         self._last_draft_seconds = 0.0
@@ -187,11 +186,12 @@ class PluginDraftProposer(DraftModelProposer):
                 plain = not self.union.plain_step(self._step_seconds, num_reqs,
                                                   num_query_tokens, mostly_sampled,
                                                   peek=self._peek,
-                                                  draft_seconds=draft_seconds)
+                                                  draft_seconds=draft_seconds,
+                                                  read_prompts=read_prompts)
             elif self.arbiter is None:
                 plain = False
             else:
-                self.arbiter.observe(num_reqs, self._step_seconds)
+                self.arbiter.observe(num_reqs, seconds)
                 plain = not self.arbiter.speculate(num_reqs, mostly_sampled)
         except Exception:  # a bug here costs the fast path, never a request
             self.failures.record()
@@ -467,8 +467,7 @@ class PluginDraftProposer(DraftModelProposer):
         if self.clock.shared:
             self._step_seconds, self._last_draft_seconds = self._agree_on_timings(
                 self._step_seconds, self._last_draft_seconds)
-        prefill, self._prefill_step = self._prefill_step, False
-        if self._step_seconds is not None and not prefill:
+        if self._step_seconds is not None and not context.read_prompts:  # (see skip_drafting)
             # every row emitted one token plus its accepted drafts
             self.costs.observe_step(self._step_seconds, num_reqs + sum(num_accepted),
                                     self._last_forwards, self._last_draft_tokens)
@@ -633,13 +632,15 @@ class PluginDraftProposer(DraftModelProposer):
                     self.proposer_stats.verified(DraftCandidates.name, k, a)
             if self.arbiter is None or observed:  # (skip_drafting decided: speculate)
                 return True
-            self.arbiter.observe(num_reqs + sum(num_accepted), self._step_seconds)
+            self.arbiter.observe(num_reqs + sum(num_accepted),
+                                 None if context.read_prompts else self._step_seconds)
             return self.arbiter.speculate(num_reqs, mostly_sampled)
         verified = Verified(tuple(context.req_ids[:num_reqs]), scheduled,
                             [a + 1 for a in num_accepted], self._step_seconds,
                             context.num_query_tokens, context.scored,
                             draft_seconds=self._last_draft_seconds,
-                            expected=context.expected_acceptance)
+                            expected=context.expected_acceptance,
+                            read_prompts=context.read_prompts)
         return self.union.begin(verified, num_reqs, mostly_sampled)
 
     def _plain_step(self, num_reqs: int) -> None:

@@ -97,17 +97,20 @@ class Speculator:
         the arbiter keeps a step plain)."""
         return self.runner.peek_batch()
 
-    def skip_drafting(self, num_reqs: int, num_query_tokens: int, mostly_sampled: bool) -> bool:
+    def skip_drafting(self, num_reqs: int, num_query_tokens: int, mostly_sampled: bool,
+                      read_prompts: bool = False) -> bool:
         """The runner asks before a step's drafting, when that step verified no draft:
         True if the next step decodes plainly too, so drafting is skipped altogether
         (:meth:`Union.plain_step <specplugin.adaptive.union.Union.plain_step>`: the
         step's time is observed, no proposer runs). When it says False the full path
-        runs next, in the same step, and takes the time read here (:meth:`_this_step`)."""
+        runs next, in the same step, and takes the time read here (:meth:`_this_step`).
+        ``read_prompts``: the step read new requests' prompts (its time teaches nothing)."""
         seconds = self._step_seconds = self.timer.lap()
         self._step_timed = True
         try:
             return not self.union.plain_step(seconds, num_reqs, num_query_tokens,
-                                             mostly_sampled, peek=self._peek)
+                                             mostly_sampled, peek=self._peek,
+                                             read_prompts=read_prompts)
         except Exception:  # a bug here costs the fast path, never a request
             self.failures.record()
             return False
@@ -130,7 +133,7 @@ class Speculator:
         return Verified(tuple(context.req_ids), np.asarray(context.num_scheduled_drafts),
                         np.array([len(s) for s in sampled_token_ids]), seconds,
                         context.num_query_tokens, context.scored,
-                        expected=context.expected_acceptance)
+                        expected=context.expected_acceptance, read_prompts=context.read_prompts)
 
     def _batch(self, context, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> StepBatch:
         num_reqs = len(sampled_token_ids)

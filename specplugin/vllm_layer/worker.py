@@ -80,6 +80,9 @@ class StepContext:
     # the rejection sampler computed it (:mod:`specplugin.vllm_layer.verification`; the
     # learners read sampled rows' only); None: no row sampled, or the scorer ran
     expected_acceptance: list[list[float]] | None = None
+    # the step read new requests' prompts: its time is a prefill's, not a decode step's,
+    # and no cost model nor the step arbiter learns from it (Union._observe)
+    read_prompts: bool = False
 
 
 class PluginRunnerMixin:
@@ -146,7 +149,8 @@ class PluginRunnerMixin:
                            getattr(so, "total_num_scheduled_tokens", 0), max_k,
                            None if all(a is None for a in allowed) else allowed,
                            None if self.expander is None else dict(self.expander.outcomes),
-                           None if self._heard is None else self._heard.per_row())
+                           None if self._heard is None else self._heard.per_row(),
+                           _read_prompts(so))
 
     def peek_batch(self) -> StepBatch:
         """The batch as it stands before this step's tokens are sampled, for the union's
@@ -387,9 +391,8 @@ class PluginRunnerMixin:
         <specplugin.adaptive.arbiter.StepArbiter.new_requests>`)."""
         so = self.step_scheduler_output
         note = getattr(self.drafter, "new_requests", None)
-        new = getattr(so, "scheduled_new_reqs", None)
-        if note is not None and new:
-            note(len(new), self.input_batch.num_reqs)
+        if note is not None and _read_prompts(so):
+            note(len(so.scheduled_new_reqs), self.input_batch.num_reqs)
 
     def _skip_drafting(self) -> bool:
         """Whether this step's drafting can be skipped: the step verified no draft (nothing
@@ -406,7 +409,8 @@ class PluginRunnerMixin:
         # requests that sample (temperature >= vLLM's _SAMPLING_EPS): vLLM's own set,
         # read without numpy (this runs on every plain step)
         num_sampled = len(self.input_batch.random_reqs)
-        return skip(num_reqs, so.total_num_scheduled_tokens, 2 * num_sampled > num_reqs)
+        return skip(num_reqs, so.total_num_scheduled_tokens, 2 * num_sampled > num_reqs,
+                    _read_prompts(so))
 
     def _get_draft_token_ids_cpu(self) -> tuple[list[list[int]], list[str]]:
         draft_token_ids, req_ids = super()._get_draft_token_ids_cpu()
@@ -460,6 +464,12 @@ class PluginCPUWorker(PluginWorkerMixin, CPUWorker):
         # vLLM's CPU worker builds its runner inline from this module-level name
         with patches.swapped(cpu_worker, "CPUModelRunner", PluginCPUModelRunner):
             super().init_device()
+
+
+def _read_prompts(scheduler_output) -> bool:
+    """Whether the step of ``scheduler_output`` read new requests' prompts (the one fact
+    every observer of the step's time reads: see :attr:`StepContext.read_prompts`)."""
+    return bool(getattr(scheduler_output, "scheduled_new_reqs", None))
 
 
 def __getattr__(name: str):
