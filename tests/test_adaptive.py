@@ -455,6 +455,24 @@ def test_the_draft_runs_where_its_priced_forwards_pay():
     assert np.asarray(union.plan_draft(one, [], 1, np.array([8]), forward_seconds=0.001))[0] > cold[0]
 
 
+def test_the_forwards_price_decides_whether_the_draft_runs_not_how_far():
+    """Where the draft pays its forwards, each row may draft as far as the plan would
+    verify its tokens; dearer forwards do not cut the run short before it starts (its stop
+    rule cuts it, with the draft's confidence at each position, which the plan lacks);
+    forwards dearer than anything the draft may bring keep it off."""
+    lengths = {}
+    for forward_seconds in (0.0005, 0.004, 0.05):
+        union = _union(Fixed("ngram", [], 0.9), Fixed("draft", [], 0.5))
+        union._draft_trials = 0  # past its optimistic trials
+        _teach(union, 1, 0.9)
+        assert union.begin(None, 1, sampled=False)
+        lengths[forward_seconds] = int(np.asarray(union.plan_draft(
+            _batch(["a"]), [], 1, np.array([8]), forward_seconds=forward_seconds))[0])
+    assert lengths[0.0005] >= 4
+    assert lengths[0.004] == lengths[0.0005]
+    assert lengths[0.05] == 0
+
+
 def test_a_cold_draft_runs_in_some_steps_for_every_row_though_its_prior_does_not_pay():
     """One draft forward serves every row, so whether it runs is decided on one draw
     from its posterior shared by the rows: with forwards priced so that a coin-flip
