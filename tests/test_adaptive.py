@@ -473,6 +473,39 @@ def test_the_forwards_price_decides_whether_the_draft_runs_not_how_far():
     assert lengths[0.05] == 0
 
 
+def test_the_arbiters_prediction_prices_the_draft_forwards_that_ran():
+    """The step arbiter corrects the union's predicted rate by what speculative steps
+    measure, every draft forward that ran included: the prediction prices the forwards
+    the run made (its stop rule's count), not the number the plan priced before it ran."""
+
+    class Recording(StepArbiter):
+        def speculate(self, num_reqs, sampled=False):
+            return True
+
+        def predicted(self, rate):
+            self.rate = rate
+
+    def predicted_rate(forwards):
+        union = _union(Fixed("ngram", [], 0.9), Fixed("draft", [1, 2, 3, 4, 5, 6, 7, 8], 0.9))
+        union._draft_trials = 0  # past its optimistic trials
+        _teach(union, 1, 0.9)
+        union.arbiter = Recording()
+        one = _batch(["a"])
+        assert union.begin(None, 1, sampled=False)
+        assert union.plan_draft(one, [], 1, np.array([8]), forward_seconds=0.004)[0] > 0
+        union.choose(one, union.ask(one, [1]), draft_forwards=forwards)
+        return union.arbiter.rate, union._draft_price[2]
+
+    rates = {f: predicted_rate(f)[0] for f in (0, 2, 6)}
+    at_plan, planned = predicted_rate(None)
+    assert 0 < planned < 6  # the plan priced fewer forwards than this run makes
+    assert at_plan == pytest.approx(predicted_rate(planned)[0])
+    assert rates[0] > rates[2] > rates[6]
+    # the same expected tokens E over seconds that grow by one forward's price a forward
+    # (and the run's fixed part, 0 here): E/r6 - E/r2 = 2 (E/r2 - E/r0)
+    assert 1 / rates[6] - 1 / rates[2] == pytest.approx(2 * (1 / rates[2] - 1 / rates[0]))
+
+
 def test_a_cold_draft_runs_in_some_steps_for_every_row_though_its_prior_does_not_pay():
     """One draft forward serves every row, so whether it runs is decided on one draw
     from its posterior shared by the rows: with forwards priced so that a coin-flip

@@ -173,8 +173,9 @@ class Union:
         self._peek_index = next((i for i, p in enumerate(self.proposers) if p.name == "ngram"),
                                 None)
         self.max_peek_gap = max_peek_gap
-        # seconds of draft-model forwards plan_draft let run this step (in the prediction)
-        self._draft_plan_seconds = 0.0
+        # the draft run plan_draft let go this step, priced for the arbiter's prediction:
+        # (seconds a forward, a run's fixed seconds, forwards planned)
+        self._draft_price = (0.0, 0.0, 0)
         # id(candidate) -> its tokens' acceptance as plan_draft estimated it this step:
         # choose reuses them (one estimate, one posterior draw per step for the gate and
         # the choice), estimating only the draft model's candidates, known after it ran
@@ -243,7 +244,7 @@ class Union:
         proposer runs, and the caller need not even build the step's batch.
         After :meth:`plain_step` said True, the step was observed and decided there."""
         self._alternative_offers = []
-        self._draft_plan_seconds = 0.0
+        self._draft_price = (0.0, 0.0, 0)
         self._estimated, self._plan_without = {}, None
         self._step_histories = None
         observed, self._observed = self._observed, False
@@ -515,7 +516,7 @@ class Union:
         without, kept, kept_seconds = plan_without
         self._plan_without = (tuple(id(c) for _, _, c in offers), plan_without)
         if self.draft_always:
-            self._draft_plan_seconds = forward_seconds * max(lengths_list) + run_seconds
+            self._draft_price = (forward_seconds, run_seconds, max(lengths_list))
             return lengths_list
         trial = (
             self._draft_trials > 0
@@ -566,8 +567,7 @@ class Union:
                 best, best_rate = m, rate
         if not best:
             return [0] * batch.num_reqs
-        # (the prediction's forwards: the m that paid; the stop rule may run more or fewer)
-        self._draft_plan_seconds = forward_seconds * best + run_seconds
+        self._draft_price = (forward_seconds, run_seconds, best)  # (m: until choose knows)
         self._draft_trials -= trial
         self._trial_step = trial
         return k
@@ -599,8 +599,14 @@ class Union:
         seconds = self.cost.step_one(num_tokens)
         return expected, seconds + self.cost.spec_overhead_s * (num_tokens > len(choices))
 
-    def choose(self, batch: StepBatch, offers) -> StepPlan:
-        """The controller's choice among ``offers``: the step's plan, one draft per row."""
+    def choose(self, batch: StepBatch, offers, draft_forwards: int | None = None) -> StepPlan:
+        """The controller's choice among ``offers``: the step's plan, one draft per row.
+        ``draft_forwards``: forwards the draft model's run made this step (its stop rule's
+        count), which the step arbiter's prediction then prices (None: the m forwards
+        :meth:`plan_draft` priced). The arbiter compares the rate it measures, every
+        forward that ran included, with the predicted one: priced at m while the run made
+        more, the prediction ran high for reasons neither the estimator nor the cost
+        model has, and its correction would have held speculation back."""
         histories = self._histories(batch)
         acceptance: list[list[np.ndarray]] = [[] for _ in range(batch.num_reqs)]
         order = sorted(range(len(offers)), key=lambda o: offers[o][0])  # by row, stable
@@ -614,7 +620,10 @@ class Union:
             choices, expected, seconds = planned(acceptance, self.cost,
                                                  spec_overhead=self.cost.spec_overhead_s)
         if self.arbiter is not None:  # the draft's forwards, if it ran, are the step's too
-            self.arbiter.predicted(expected / (seconds + self._draft_plan_seconds))
+            per_forward, run_seconds, planned_forwards = self._draft_price
+            forwards = planned_forwards if draft_forwards is None else draft_forwards
+            seconds += per_forward * forwards + run_seconds * (forwards > 0)
+            self.arbiter.predicted(expected / seconds)
         drafts, sources = self._remember(batch, offers, histories, choices)
         alternates: list[list[list[int]]] = [[] for _ in choices]
         if self.max_candidates > 1:

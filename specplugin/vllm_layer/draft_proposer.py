@@ -731,7 +731,8 @@ class PluginDraftProposer(DraftModelProposer):
             confidences[rows] = run.stacked_confidences()
         self.draft_candidates.set(token_ids.cpu().numpy(), confidences, lengths)
         draft_index = len(self.union.proposers) - 1
-        self.plan = self.union.choose(batch, offers + self.union.ask(batch, [draft_index]))
+        self.plan = self.union.choose(batch, offers + self.union.ask(batch, [draft_index]),
+                                      draft_forwards=run.num_positions)
         drafts = self.plan.drafts
         draft_rows = np.array([source == draft_index for source in self.plan.sources],
                               dtype=bool)
