@@ -435,3 +435,42 @@ def test_first_passes_of_alike_sizes_are_priced_through_their_mean():
     assert costs.first_pass_price(True, 1e-4) is None  # warm passes learned apart
     costs.observe_first_pass(1.0, 10, warm=False)  # a stall counts 4x the running price
     assert costs.first_pass_price(False, 0.0)[0] == pytest.approx(0.003 + 0.009 / 6)
+
+
+def test_the_decode_passes_inputs_are_vllms_update_pass_after_pass():
+    """The run's decode passes take their positions, slots and sequence lengths from one
+    computation (``decode_passes``) in place of vLLM's update per pass: the same values,
+    pass after pass; a row that runs past ``max_model_len`` reads position 0 into the
+    padding slot with a sequence of 1 from then on (vLLM's update, which restarts such a
+    row from position 1, is compared only before that)."""
+    from vllm.platforms import current_platform
+    from vllm.v1.spec_decode.llm_base_proposer import PADDING_SLOT_ID
+    from vllm.v1.spec_decode.utils import eagle_step_update_slot_mapping_and_metadata
+
+    current_platform.register_triton_kernel_overrides()  # as an engine does (CPU: C++)
+
+    from specplugin.vllm_layer.draft_proposer import decode_passes
+
+    block_size, max_model_len, num_passes = 4, 40, 6
+    rng = np.random.default_rng(0)
+    block_table = torch.from_numpy(rng.permutation(200)[:30].reshape(3, 10).astype(np.int32))
+    ends = np.array([5, 17, 37])  # the last row passes max_model_len at its 4th pass
+    passes = decode_passes(block_table, ends, num_passes, block_size, max_model_len)
+    positions = torch.from_numpy(ends - 1)
+    seq_lens = torch.from_numpy(ends.astype(np.int32))
+    for j in range(num_passes):
+        out_positions = torch.empty(3, dtype=torch.int64)
+        out_slots = torch.empty(3, dtype=torch.int64)
+        eagle_step_update_slot_mapping_and_metadata(
+            positions, block_table, seq_lens, block_size, max_model_len, out_positions,
+            out_slots)
+        positions = out_positions
+        live = slice(0, 3) if ends[2] + j < max_model_len else slice(0, 2)
+        assert passes.positions[j, live].tolist() == out_positions[live].tolist(), j
+        assert passes.slots[j, live].tolist() == out_slots[live].tolist(), j
+        assert passes.seq_lens[j, live].tolist() == seq_lens[live].tolist(), j
+        assert passes.seq_lens_cpu[j].tolist() == passes.seq_lens[j].tolist()
+    past = ends[2] - 1 + np.arange(1, num_passes + 1) >= max_model_len
+    assert past.any() and not past.all()
+    assert passes.slots[past, 2].eq(PADDING_SLOT_ID).all()
+    assert passes.positions[past, 2].eq(0).all() and passes.seq_lens[past, 2].eq(1).all()

@@ -31,6 +31,7 @@ import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
+from vllm.v1.spec_decode.llm_base_proposer import PADDING_SLOT_ID
 from vllm.v1.sample.sampler import _SAMPLING_EPS
 
 from specplugin.adaptive.arbiter import arbiter_for
@@ -405,11 +406,17 @@ class PluginDraftProposer(DraftModelProposer):
         # the slot mapping's padding rows must get the padding slot id, or the dummy rows
         # would write over real draft KV.
         padding = self._determine_batch_execution_and_padding(num_rows)
-        positions = self.positions[last]
+        if self._one_dim_positions:  # every pass's positions at once, one copy per pass
+            passes = self._decode_pass_inputs(cad, ends, run.rule.k_max - 1, padding[1])
+        else:  # (M-RoPE positions: vLLM's update, one pass at a time)
+            positions = self.positions[last]
         for draft_index in range(1, run.rule.k_max):
             start = time.perf_counter()
-            positions = self._update_positions_dependent_metadata(
-                positions, cad, num_rows, padding[1], self.block_size)
+            if self._one_dim_positions:
+                passes.set_pass(draft_index - 1, cad, self.positions, self._slot_mapping_buffer)
+            else:
+                positions = self._update_positions_dependent_metadata(
+                    positions, cad, num_rows, padding[1], self.block_size)
             self.input_ids[:num_rows].copy_(run.token_ids[-1])  # (int64 -> int32 in the copy)
             hidden = self._forward(cad, num_rows, draft_index, padding)
             more = self._sample_into(run, hidden[:num_rows], temperature, mode, uniforms)
@@ -451,6 +458,19 @@ class PluginDraftProposer(DraftModelProposer):
             seq_lens_cpu_upper_bound=seq_lens_cpu.clone())
         last = torch.from_numpy(cu_query_lens[1:] - 1).to(device, torch.long)  # [num_rows]
         return sub, num_tokens, last
+
+    def _decode_pass_inputs(self, cad, ends: np.ndarray, num_passes: int,
+                            num_padded: int) -> "DecodePasses":
+        """The positions, slots and sequence lengths of every decode pass the run may
+        make (``ends`` [num_rows]: each row's context length, its newest token
+        included), computed once: vLLM's own update (``_update_positions_dependent_
+        metadata``) makes a call per pass that measured ~0.08 ms here, most of a pass's
+        glue outside the forward. The padding rows of the slot mapping (up to
+        ``num_padded``) get the padding slot once: nothing else writes them during the
+        run."""
+        self._slot_mapping_buffer[ends.size:num_padded].fill_(PADDING_SLOT_ID)
+        return decode_passes(cad.block_table_tensor, ends, num_passes, self.block_size,
+                             self.max_model_len)
 
     def _rule_for_this_step(self, context, num_accepted: list[int],
                             rejected: list[int] | None) -> StopRule:
@@ -796,6 +816,57 @@ class PluginDraftProposer(DraftModelProposer):
                 probs[r, j, out[r, j]] = 1.0
         self._last_draft_probs = probs
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePasses:
+    """Inputs of a draft run's decode passes, one row of each tensor per pass:
+    [num_passes, num_rows] positions (int64), slots (int64) and sequence lengths (int32,
+    on the device and on the host), as vLLM's update leaves them after each pass."""
+
+    positions: torch.Tensor
+    slots: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    max_model_len: int
+
+    def set_pass(self, index: int, cad, positions: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Pass ``index`` (0: the first decode pass) into the proposer's ``positions``
+        and ``slot_mapping`` buffers and the run's attention metadata ``cad``."""
+        num_rows = self.positions.shape[1]
+        positions[:num_rows].copy_(self.positions[index])
+        slot_mapping[:num_rows].copy_(self.slots[index])
+        cad.slot_mapping = slot_mapping[:num_rows]
+        cad.seq_lens = self.seq_lens[index]
+        cad.seq_lens_cpu_upper_bound = self.seq_lens_cpu[index]
+        cad.max_seq_len = min(cad.max_seq_len + 1, self.max_model_len)
+
+
+def decode_passes(block_table: torch.Tensor,  # [num_rows, max_blocks] the rows' own tables
+                  ends: np.ndarray,  # [num_rows] context length, the newest token included
+                  num_passes: int, block_size: int, max_model_len: int) -> DecodePasses:
+    """What vLLM's per-pass update (``eagle_step_update_slot_mapping_and_metadata``)
+    gives for passes 1..``num_passes`` after a first pass that ended at each row's
+    newest token (position ``ends - 1``): pass j reads position ``ends - 1 + j``, or,
+    past ``max_model_len`` (a row that stopped drafting, still computed), position 0
+    into the padding slot with a sequence of 1."""
+    num_rows, max_blocks = block_table.shape
+    step = np.arange(1, num_passes + 1, dtype=np.int64)[:, None]  # [num_passes, 1]
+    raw = ends.astype(np.int64)[None, :] - 1 + step  # [num_passes, num_rows]
+    over = raw >= max_model_len
+    positions = np.where(over, 0, raw)
+    seq_lens = np.where(over, 1, np.minimum(raw + 1, max_model_len)).astype(np.int32)
+    blocks = np.minimum(positions // block_size, max_blocks - 1)
+    flat = np.arange(num_rows, dtype=np.int64)[None, :] * max_blocks + blocks
+    device = block_table.device
+    block_ids = torch.take(block_table, torch.from_numpy(flat).to(device)).long()
+    slots = block_ids.mul_(block_size).add_(torch.from_numpy(positions % block_size).to(device))
+    if over.any():
+        slots.masked_fill_(torch.from_numpy(over).to(device), PADDING_SLOT_ID)
+    seq_lens_cpu = torch.from_numpy(seq_lens)
+    return DecodePasses(torch.from_numpy(positions).to(device), slots,
+                        seq_lens_cpu.to(device), seq_lens_cpu, max_model_len)
 
 
 def _as_tensor(drafts: list[list[int]], device) -> torch.Tensor:  # [num_reqs, k_out]

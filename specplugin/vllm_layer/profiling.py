@@ -107,6 +107,7 @@ WORKER_TIMED: Timed = (
     (_DRAFT, "PluginDraftProposer", "_union_offers", "plugin: plan"),
     (_DRAFT, "PluginDraftProposer", "_first_pass_inputs", "draft: inputs"),
     (_DRAFT, "PluginDraftProposer", "_forward", "draft: inputs"),  # metadata around the forward
+    (_DRAFT, "PluginDraftProposer", "_decode_pass_inputs", "draft: inputs"),
     (_DRAFT, "PluginDraftProposer", "_sample_into", "draft: sample"),
     (_DRAFT, "PluginDraftProposer", "_logits", "draft forward"),  # the LM head: model compute
     (_DRAFT, "PluginDraftProposer", "_draft", "draft: loop"),
