@@ -127,3 +127,25 @@ def test_the_speculator_reads_each_steps_time_once(monkeypatch):
     assert spec.skip_drafting(2, 2, False) is False  # t = 1.030
     spec.forget_pending()
     assert spec._verified(_context(2), [[1], [1]]).seconds == pytest.approx(0.0001)
+
+
+@pytest.mark.parametrize("new, per_request, drafts, expected", [
+    ([], {"a": 1, "b": 1}, {}, False),  # plain decode
+    ([], {"a": 4, "b": 1}, {"a": [7, 8, 9]}, False),  # decode verifying three drafts
+    (["c"], {"a": 1, "c": 40}, {}, True),  # a new request's prompt
+    ([], {"a": 1, "c": 512}, {}, True),  # the next chunk of a long prompt
+    ([], {"a": 2, "b": 1}, {"a": []}, True),  # a preempted request re-reading its context
+])
+def test_a_step_reads_prompts_when_a_row_reads_more_than_a_decode_step(new, per_request,
+                                                                       drafts, expected):
+    """Every observer of a step's time leaves a prefill's out: a new request's, the next
+    chunk of a long prompt under chunked prefill, a resumed request's re-read."""
+    from types import SimpleNamespace
+
+    from specplugin.vllm_layer.worker import _read_prompts
+
+    so = SimpleNamespace(scheduled_new_reqs=new, num_scheduled_tokens=per_request,
+                         scheduled_spec_decode_tokens=drafts,
+                         total_num_scheduled_tokens=sum(per_request.values()))
+    assert _read_prompts(so) is expected
+    assert _read_prompts(None) is False

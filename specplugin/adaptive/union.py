@@ -93,7 +93,7 @@ class Verified:
     # knew it (None: it did not); sampled rows learn these instead of the verdicts (see
     # _learn)
     expected: Sequence[Sequence[float]] | None = None
-    # the step read new requests' prompts: its time is a prefill's, which no cost model
+    # the step read prompt tokens: its time is a prefill's, which no cost model
     # nor the step arbiter learns from (see Union._observe)
     read_prompts: bool = False
 
@@ -206,7 +206,7 @@ class Union:
         # this step runs one of them: its time is the draft's exploration, not a rate of
         # speculating that the step arbiter should weigh (see _observe)
         self._trial_step = False
-        # the step just run read new requests' prompts: its time is a prefill's, not a
+        # the step just run read prompt tokens: its time is a prefill's, not a
         # decode step's (see _observe)
         # verdicts not yet in the estimator: (sent, tokens judged, tokens accepted), and
         # the steps of decay it has not yet applied (see flush_learning)
@@ -272,7 +272,7 @@ class Union:
         arbiter, or with drafts still waiting for their verdict, always True.
         ``draft_seconds``: the part of ``seconds`` the draft model ran (it ran for a step
         that then verified none of its tokens), kept out of the cost model.
-        ``read_prompts``: the step read new requests' prompts (:meth:`_observe`).
+        ``read_prompts``: the step read prompt tokens (:meth:`_observe`).
 
         ``peek``: the batch as it stands (contexts up to the last step's tokens). Where the
         arbiter keeps the step plain, the n-gram proposer, the cheapest there is, is
@@ -410,7 +410,7 @@ class Union:
         measured 232 and 367 tok/s against 688 for plain decoding, which then ran for 100
         steps, while speculation later measured 1,000-2,000 tok/s).
 
-        A step that read new requests' prompts (``read_prompts``: one fact of the step,
+        A step that read prompt tokens (``read_prompts``: one fact of the step,
         which the runner hands every observer) teaches the cost model and the arbiter
         nothing: its time is mostly the prompts' attention, which the forward curve
         (timed on short contexts) does not price, and one such residual, clipped only to

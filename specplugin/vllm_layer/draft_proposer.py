@@ -166,7 +166,7 @@ class PluginDraftProposer(DraftModelProposer):
         machinery runs (the step's time is observed; the draft KV of the skipped rows is
         caught up in their next draft pass). Under tensor parallelism every rank decides
         in the full path from rank 0's clock, so this says False. ``read_prompts``: the
-        step read new requests' prompts, and its time teaches no cost model (a prefill's:
+        step read prompt tokens, and its time teaches no cost model (a prefill's:
         :meth:`Union._observe <specplugin.adaptive.union.Union._observe>`)."""
         if self.clock.shared:
             return False

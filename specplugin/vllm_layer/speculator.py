@@ -104,7 +104,7 @@ class Speculator:
         (:meth:`Union.plain_step <specplugin.adaptive.union.Union.plain_step>`: the
         step's time is observed, no proposer runs). When it says False the full path
         runs next, in the same step, and takes the time read here (:meth:`_this_step`).
-        ``read_prompts``: the step read new requests' prompts (its time teaches nothing)."""
+        ``read_prompts``: the step read prompt tokens (its time teaches nothing)."""
         seconds = self._step_seconds = self.timer.lap()
         self._step_timed = True
         try:

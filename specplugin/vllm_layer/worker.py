@@ -80,7 +80,7 @@ class StepContext:
     # the rejection sampler computed it (:mod:`specplugin.vllm_layer.verification`; the
     # learners read sampled rows' only); None: no row sampled, or the scorer ran
     expected_acceptance: list[list[float]] | None = None
-    # the step read new requests' prompts: its time is a prefill's, not a decode step's,
+    # the step read prompt tokens: its time is a prefill's, not a decode step's,
     # and no cost model nor the step arbiter learns from it (Union._observe)
     read_prompts: bool = False
 
@@ -391,7 +391,7 @@ class PluginRunnerMixin:
         <specplugin.adaptive.arbiter.StepArbiter.new_requests>`)."""
         so = self.step_scheduler_output
         note = getattr(self.drafter, "new_requests", None)
-        if note is not None and _read_prompts(so):
+        if note is not None and getattr(so, "scheduled_new_reqs", None):
             note(len(so.scheduled_new_reqs), self.input_batch.num_reqs)
 
     def _skip_drafting(self) -> bool:
@@ -467,9 +467,18 @@ class PluginCPUWorker(PluginWorkerMixin, CPUWorker):
 
 
 def _read_prompts(scheduler_output) -> bool:
-    """Whether the step of ``scheduler_output`` read new requests' prompts (the one fact
-    every observer of the step's time reads: see :attr:`StepContext.read_prompts`)."""
-    return bool(getattr(scheduler_output, "scheduled_new_reqs", None))
+    """Whether the step of ``scheduler_output`` read prompt tokens (the one fact every
+    observer of the step's time reads: see :attr:`StepContext.read_prompts`): a row read
+    more than a decode step's one token plus its drafts. That is a new request's prompt,
+    the next chunk of a long prompt under chunked prefill, or a preempted request
+    re-reading its context: a prefill's time in each case, not a decode step's."""
+    if scheduler_output is None:
+        return False
+    if getattr(scheduler_output, "scheduled_new_reqs", None):
+        return True
+    per_request = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+    drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+    return any(n > 1 + len(drafts.get(r, ())) for r, n in per_request.items())
 
 
 def __getattr__(name: str):
