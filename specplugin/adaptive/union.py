@@ -206,8 +206,6 @@ class Union:
         # this step runs one of them: its time is the draft's exploration, not a rate of
         # speculating that the step arbiter should weigh (see _observe)
         self._trial_step = False
-        # the step just run read prompt tokens: its time is a prefill's, not a
-        # decode step's (see _observe)
         # verdicts not yet in the estimator: (sent, tokens judged, tokens accepted), and
         # the steps of decay it has not yet applied (see flush_learning)
         self._unlearned: list[tuple[_Pending, list]] = []
