@@ -463,9 +463,9 @@ class PluginDraftProposer(DraftModelProposer):
                             num_padded: int) -> "DecodePasses":
         """The positions, slots and sequence lengths of every decode pass the run may
         make (``ends`` [num_rows]: each row's context length, its newest token
-        included), computed once: vLLM's own update (``_update_positions_dependent_
-        metadata``) makes a call per pass that measured ~0.08 ms here, most of a pass's
-        glue outside the forward. The padding rows of the slot mapping (up to
+        included), computed once: vLLM's own update
+        (``_update_positions_dependent_metadata``) makes a call per pass that measured
+        ~0.08 ms here, most of a pass's glue outside the forward. The padding rows of the slot mapping (up to
         ``num_padded``) get the padding slot once: nothing else writes them during the
         run."""
         self._slot_mapping_buffer[ends.size:num_padded].fill_(PADDING_SLOT_ID)
