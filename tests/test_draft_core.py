@@ -28,6 +28,7 @@ from specplugin.adaptive.draft_rule import (
 from specplugin.proposers.draft import (
     DraftKVCursor,
     confidence_of,
+    draft_uniforms,
     greedy_draft_tokens,
     sample_draft_tokens,
     truncate_rows,
@@ -322,6 +323,23 @@ def test_draft_tokens_follow_the_draft_probabilities_they_return():
         assert chi_square_gof(counts, expected).p_value > 1e-3
 
 
+def test_a_draw_at_either_end_of_its_uniforms_lands_on_a_token_that_can_be_drawn():
+    """The uniforms are in (0, 1]: at 1 the draw is the last token of nonzero probability
+    (never past the vocabulary, never a trailing token of probability 0), near 0 the
+    first one (never a leading token of probability 0)."""
+    inf = float("inf")
+    logits = torch.tensor([[-inf, 1.0, 0.0, -inf, 2.0, -inf, -inf]]).expand(3, -1)
+    uniform = torch.tensor([[1.0], [1e-300], [0.5]], dtype=torch.float64)
+    token_ids, draft_probs = sample_draft_tokens(
+        logits, torch.ones(3), None, all_sampled=True, unit_temperature=True, uniform=uniform)
+    assert token_ids.tolist()[:2] == [4, 1]
+    assert draft_probs[torch.arange(3), token_ids].gt(0).all()
+    # the run's uniforms are 1 - U[0, 1): never 0
+    uniforms = draft_uniforms((1000, 1), "cpu", torch.Generator().manual_seed(3))
+    torch.testing.assert_close(uniforms, 1 - torch.rand(
+        (1000, 1), dtype=torch.float64, generator=torch.Generator().manual_seed(3)))
+
+
 def test_greedy_rows_draft_the_argmax_beside_sampled_rows():
     logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 5.0, 1.0]])
     sampled = torch.tensor([False, True])
@@ -474,3 +492,4 @@ def test_the_decode_passes_inputs_are_vllms_update_pass_after_pass():
     assert past.any() and not past.all()
     assert passes.slots[past, 2].eq(PADDING_SLOT_ID).all()
     assert passes.positions[past, 2].eq(0).all() and passes.seq_lens[past, 2].eq(1).all()
+

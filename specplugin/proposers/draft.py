@@ -67,7 +67,7 @@ def sample_draft_tokens(
     generator: torch.Generator | None = None,
     all_sampled: bool = False,
     unit_temperature: bool = False,
-    uniform: torch.Tensor | None = None,  # [num_reqs, 1] float64 in [0, 1), drawn if None
+    uniform: torch.Tensor | None = None,  # [num_reqs, 1] float64 in (0, 1], drawn if None
 ) -> tuple[torch.Tensor, torch.Tensor]:  # token ids [num_reqs], draft_probs [num_reqs, vocab_size]
     """Draw one draft token per row from ``draft_probs = softmax(logits / temperature)``
     (greedy rows: the argmax, their probabilities are never used).
@@ -84,7 +84,11 @@ def sample_draft_tokens(
     where each op's fixed cost, not the vocabulary, is most of the time at small batches.
     ``unit_temperature``: the caller knows that every row samples at temperature 1 (the
     default), so the logits are not divided (two ops less). ``uniform``: the row's
-    uniforms, drawn by the caller (a draft run draws all of its positions' at once).
+    uniforms in (0, 1], drawn by the caller (a draft run draws all of its positions' at
+    once): the draw is the first token whose cumulative sum reaches ``uniform * total``,
+    a point in (0, total] (rounding cannot carry ``1 * total`` past ``total``), so the
+    index is always in range and a token of probability 0 (an empty interval) never
+    wins, without a clamp after the search.
     """
     if unit_temperature:
         draft_probs = logits.softmax(dim=-1, dtype=torch.float32)
@@ -95,13 +99,18 @@ def sample_draft_tokens(
         draft_probs = (logits / scale.unsqueeze(1)).softmax(dim=-1, dtype=torch.float32)
     cdf = draft_probs.cumsum(dim=-1, dtype=torch.float64)  # [num_reqs, vocab_size]
     if uniform is None:
-        uniform = torch.rand((logits.shape[0], 1), dtype=torch.float64, device=logits.device,
-                             generator=generator)
-    token_ids = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
-    token_ids = token_ids.clamp_(max=logits.shape[-1] - 1)  # u * total rounding to total
+        uniform = draft_uniforms((logits.shape[0], 1), logits.device, generator)
+    token_ids = torch.searchsorted(cdf, uniform * cdf[:, -1:]).squeeze(1)
     if not all_sampled:
         token_ids = torch.where(sampled, token_ids, draft_probs.argmax(dim=-1))
     return token_ids, draft_probs
+
+
+def draft_uniforms(shape: tuple[int, ...], device,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """Uniforms in (0, 1] (float64), as :func:`sample_draft_tokens` reads them: 0 would
+    land on the first token even when its probability is 0."""
+    return torch.rand(shape, dtype=torch.float64, device=device, generator=generator).neg_().add_(1.0)
 
 
 def greedy_draft_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, list[float]]:

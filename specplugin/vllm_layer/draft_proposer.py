@@ -44,7 +44,8 @@ from specplugin.proposers import MODEL_PROPOSERS, StepBatch, build_proposer
 from specplugin.adaptive.draft_rule import (AcceptanceCalibration, CostModel, DraftRun,
                                              OutcomeTracker, StopRule)
 from specplugin.proposers.draft import (DraftCandidates, DraftKVCursor, confidence_of,
-                                        greedy_draft_tokens, sample_draft_tokens)
+                                        draft_uniforms, greedy_draft_tokens,
+                                        sample_draft_tokens)
 from specplugin.adaptive.union import StepPlan, Union, Verified
 from specplugin.vllm_layer.ranks import RankZeroClock, tensor_parallel_rank
 
@@ -388,15 +389,17 @@ class PluginDraftProposer(DraftModelProposer):
         cad, num_tokens, last = self._first_pass_inputs(batch, rows, starts, ends, cad)
         hidden = self._forward(cad, num_tokens, draft_index=0)
         self.cursor.advance([batch.req_ids[r] for r in rows], batch.num_tokens[rows])
-        temperature = None if temperature is None else temperature[torch.from_numpy(rows)]
-        # decided once per run, not per draw: every drafting row samples, and at
-        # temperature 1 (the default: no division)
+        if temperature is not None and num_rows != temperature.shape[0]:  # (rows ascend)
+            temperature = temperature[torch.from_numpy(rows).to(temperature.device)]
+        # decided once per run, not per draw, from the host's copy of the temperatures:
+        # every drafting row samples, and at temperature 1 (the default: no division)
         all_sampled = bool(run.sampled.all())
-        unit = all_sampled and temperature is not None and bool(temperature.eq(1.0).all())
+        unit = all_sampled and temperature is not None and bool(
+            (self.plugin_runner.input_batch.temperature_cpu[rows] == 1.0).all())
         mode = (all_sampled, unit)
         # one uniform per row and position, drawn once for the run
-        uniforms = None if temperature is None else torch.rand(
-            (run.rule.k_max, num_rows, 1), dtype=torch.float64, device=self.input_ids.device)
+        uniforms = None if temperature is None else draft_uniforms(
+            (run.rule.k_max, num_rows, 1), self.input_ids.device)
         more = self._sample_into(run, hidden[last], temperature, mode, uniforms)
         self._observe_first_pass(time.perf_counter() - start, num_tokens - num_rows)
         if not more:
@@ -430,24 +433,27 @@ class PluginDraftProposer(DraftModelProposer):
         row i reads positions ``[starts[i], ends[i])`` through its own block table.
         Returns (metadata, tokens in all, [num_rows] index of each row's last token)."""
         query_lens = ends - starts  # [num_rows]
-        cu_query_lens = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+        cu_query_lens = np.zeros(rows.size + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=cu_query_lens[1:])
         num_tokens = int(cu_query_lens[-1])
-        positions = np.concatenate([np.arange(a, b) for a, b in zip(starts, ends)])  # [num_tokens]
-        token_ids = np.concatenate([batch.token_ids[r, a:b] for r, a, b in zip(rows, starts, ends)])
+        token_rows = np.repeat(rows, query_lens)  # [num_tokens] each token's batch row
+        positions = (np.arange(num_tokens)  # [num_tokens]
+                     + np.repeat(starts - cu_query_lens[:-1], query_lens))
+        # the integer work on the host, one copy of each result to the device
+        self.input_ids[:num_tokens].copy_(torch.from_numpy(batch.token_ids[token_rows, positions]))
         device = self.input_ids.device
-        positions_t = torch.from_numpy(positions).to(device)  # [num_tokens] int64
-        self.input_ids[:num_tokens].copy_(torch.from_numpy(token_ids))  # (-> int32 in the copy)
         if self._one_dim_positions:
-            self.positions[:num_tokens].copy_(positions_t)
+            self.positions[:num_tokens].copy_(torch.from_numpy(positions))
         else:
-            self._set_positions(num_tokens, positions_t)
-        block_table = cad.block_table_tensor[torch.from_numpy(rows).to(device)]  # [num_rows, max_blocks]
-        # each token's block as a flat index into the batch's block table [num_tokens]
-        flat_blocks = (np.repeat(rows, query_lens) * cad.block_table_tensor.shape[1]
-                       + positions // self.block_size)
-        block_ids = torch.take(cad.block_table_tensor, torch.from_numpy(flat_blocks).to(device))
-        slot_mapping = block_ids.long().mul_(self.block_size).add_(
-            torch.from_numpy(positions % self.block_size).to(device))  # [num_tokens]
+            self._set_positions(num_tokens, torch.from_numpy(positions).to(device))
+        table = _host(cad.block_table_tensor)  # [num_reqs, max_blocks]
+        slot_mapping = torch.from_numpy(  # [num_tokens]
+            table[token_rows, positions // self.block_size].astype(np.int64) * self.block_size
+            + positions % self.block_size).to(device)
+        if rows[-1] == rows.size - 1:  # every row from 0 (rows ascend): a view
+            block_table = cad.block_table_tensor[:rows.size]  # [num_rows, max_blocks]
+        else:
+            block_table = cad.block_table_tensor[torch.from_numpy(rows).to(device)]
         query_start_loc_cpu = torch.from_numpy(cu_query_lens)
         seq_lens_cpu = torch.from_numpy(ends.astype(np.int32))
         sub = CommonAttentionMetadata(
@@ -858,15 +864,19 @@ def decode_passes(block_table: torch.Tensor,  # [num_rows, max_blocks] the rows'
     positions = np.where(over, 0, raw)
     seq_lens = np.where(over, 1, np.minimum(raw + 1, max_model_len)).astype(np.int32)
     blocks = np.minimum(positions // block_size, max_blocks - 1)
-    flat = np.arange(num_rows, dtype=np.int64)[None, :] * max_blocks + blocks
+    block_ids = _host(block_table)[np.arange(num_rows)[None, :], blocks]  # [num_passes, num_rows]
+    slots = np.where(over, PADDING_SLOT_ID,
+                     block_ids.astype(np.int64) * block_size + positions % block_size)
     device = block_table.device
-    block_ids = torch.take(block_table, torch.from_numpy(flat).to(device)).long()
-    slots = block_ids.mul_(block_size).add_(torch.from_numpy(positions % block_size).to(device))
-    if over.any():
-        slots.masked_fill_(torch.from_numpy(over).to(device), PADDING_SLOT_ID)
     seq_lens_cpu = torch.from_numpy(seq_lens)
-    return DecodePasses(torch.from_numpy(positions).to(device), slots,
+    return DecodePasses(torch.from_numpy(positions).to(device), torch.from_numpy(slots).to(device),
                         seq_lens_cpu.to(device), seq_lens_cpu, max_model_len)
+
+
+def _host(table: torch.Tensor) -> np.ndarray:
+    """A block table's values on the host: a view of it on CPU, a copy from another
+    device (the step synced already: the drafter read the tokens it sampled)."""
+    return table.numpy() if table.device.type == "cpu" else table.cpu().numpy()
 
 
 def _as_tensor(drafts: list[list[int]], device) -> torch.Tensor:  # [num_reqs, k_out]
