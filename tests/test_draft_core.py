@@ -493,3 +493,49 @@ def test_the_decode_passes_inputs_are_vllms_update_pass_after_pass():
     assert passes.slots[past, 2].eq(PADDING_SLOT_ID).all()
     assert passes.positions[past, 2].eq(0).all() and passes.seq_lens[past, 2].eq(1).all()
 
+
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_vllms_rejection_sampler_with_the_plugins_recovered_draw_follows_the_target(one_hot):
+    """vLLM's ``rejection_sample`` (its CPU kernels), with the plugin's runner sampling
+    (``verification.recovering``): the recovered tokens come from the plugin's draw, and
+    the emitted token follows the target's distribution (chi-square over 20,000 requests
+    of one draft token each, drawn from a draft distribution far from the target's, or a
+    fixed guess). Red if a recovered token came from the target itself or from the draft
+    token's own residual with the wrong sign."""
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler
+
+    from specplugin.vllm_layer import verification
+
+    current_platform.register_triton_kernel_overrides()  # as an engine does (CPU: C++)
+    verification.install()
+    generator = torch.Generator().manual_seed(5)
+    target = torch.tensor([0.05, 0.4, 0.0, 0.25, 0.3])
+    draft = torch.tensor([0.5, 0.1, 0.0, 0.1, 0.3])
+    num_reqs = 20_000
+    if one_hot:  # every request guesses token 1 (half of its draws are rejected)
+        draft_ids, draft_probs = torch.full((num_reqs,), 1, dtype=torch.int32), None
+    else:
+        draft_ids = torch.multinomial(draft, num_reqs, replacement=True,
+                                      generator=generator).int()
+        draft_probs = draft.expand(num_reqs, -1).contiguous()
+    torch.manual_seed(6)
+    metadata = SimpleNamespace(all_greedy=False, all_random=True, generators={},
+                               temperature=torch.ones(num_reqs))
+    called = []
+    original = verification.draw_recovered
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(verification, "draw_recovered",
+                      lambda *a: called.append(1) or original(*a))
+        with verification.recovering():
+            output = rejection_sampler.rejection_sample(
+                draft_ids, [1] * num_reqs, 1, torch.arange(1, num_reqs + 1, dtype=torch.int32),
+                draft_probs, target.log().expand(num_reqs, -1).contiguous(),
+                torch.full((num_reqs, 1), 4, dtype=torch.int32), metadata)
+    assert called
+    first = output[:, 0].long()
+    counts = torch.bincount(first, minlength=target.numel())
+    assert counts[2] == 0  # probability 0: never emitted
+    assert chi_square_gof(counts, target).p_value > 1e-3

@@ -19,6 +19,16 @@ wrapped: while a runner listens (:func:`listening`, around its ``_sample``), the
 computes the expectations for the step's draft tokens before vLLM's code goes on.
 Outside a listener it only calls vLLM's function. Greedy rows get values too (the
 kernel's inputs cover every row); the learners use them for sampled requests only.
+
+The same wrapper draws the recovered tokens itself while the plugin's runner samples
+(:func:`listening`, :func:`recovering`) on CPU, unless a request brings its own seed:
+:func:`~specplugin.scorers.rejection.draw_recovered` inverts each residual's cumulative
+sum where vLLM's function draws an exponential for every vocabulary entry of every
+request (measured on this CPU, batch 8, vocabulary 6,144: 1.1 ms of a ~1.4 ms
+``rejection_sample``, in every speculative step that has a sampled request; 2.2 ms at
+batch 16). Both are exact draws from the residual: the output's distribution is the
+target's either way. Seeded requests keep vLLM's draw (their seed's random stream is
+vLLM's to define), as does every engine without the plugin's runner.
 """
 
 from __future__ import annotations
@@ -30,7 +40,8 @@ from collections.abc import Iterator
 
 import torch
 
-from specplugin.scorers.rejection import expected_acceptance
+from specplugin.proposers.draft import draft_uniforms
+from specplugin.scorers.rejection import draw_recovered, expected_acceptance
 from specplugin.vllm_layer import patches
 
 logger = logging.getLogger("specplugin")
@@ -55,17 +66,33 @@ class Heard:
 
 
 _listener: Heard | None = None
+_recovering = False
 
 
 @contextlib.contextmanager
 def listening() -> Iterator[Heard]:
-    """While inside, the step's rejection sampler reports to the returned :class:`Heard`."""
+    """While inside, the step's rejection sampler reports to the returned :class:`Heard`
+    (and the recovered tokens are drawn as in :func:`recovering`)."""
     global _listener
     heard = _listener = Heard()
     try:
-        yield heard
+        with recovering():
+            yield heard
     finally:
         _listener = None
+
+
+@contextlib.contextmanager
+def recovering() -> Iterator[None]:
+    """While inside, the plugin's runner samples: on CPU, the recovered tokens of
+    requests without a seed of their own are drawn by
+    :func:`~specplugin.scorers.rejection.draw_recovered` (see the module's docstring)."""
+    global _recovering
+    _recovering = True
+    try:
+        yield
+    finally:
+        _recovering = False
 
 
 def _listened(original):
@@ -83,10 +110,21 @@ def _listened(original):
                 heard.cu_num_draft_tokens = cu_num_draft_tokens
             except Exception:  # the learners fall back to the verdicts; never the request
                 heard.values = heard.cu_num_draft_tokens = None
+        if _recovering and target_probs.device.type == "cpu" and not _seeded(args, kwargs):
+            uniform = draft_uniforms((draft_token_ids.shape[0], 1), target_probs.device)
+            return draw_recovered(draft_token_ids, draft_probs, target_probs,
+                                  uniform).to(draft_token_ids.dtype)
         return original(max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids,
                         draft_probs, target_probs, *args, **kwargs)
 
     return sample_recovered_tokens
+
+
+def _seeded(args, kwargs) -> bool:
+    """Some request of the batch brings its own random generator (a seed): vLLM's
+    ``sampling_metadata.generators``, the argument after ``target_probs``."""
+    metadata = args[0] if args else kwargs.get("sampling_metadata")
+    return metadata is None or bool(metadata.generators)
 
 
 def install() -> None:

@@ -282,7 +282,8 @@ class PluginRunnerMixin:
         if self.expander is not None:
             self.expander.keep_target_logits(logits, spec_decode_metadata)
             self._heard = None  # (its extra rows are not the batch's: verdicts only)
-            sampler_output = super()._sample(logits, spec_decode_metadata)
+            with verification.recovering():
+                sampler_output = super()._sample(logits, spec_decode_metadata)
             self.expander.resolve(self, sampler_output)
             return sampler_output
         with verification.listening() as self._heard:
