@@ -539,3 +539,33 @@ def test_vllms_rejection_sampler_with_the_plugins_recovered_draw_follows_the_tar
     counts = torch.bincount(first, minlength=target.numel())
     assert counts[2] == 0  # probability 0: never emitted
     assert chi_square_gof(counts, target).p_value > 1e-3
+
+
+def test_a_failing_recovered_draw_falls_back_to_vllms(monkeypatch):
+    """A bug in the plugin's recovered-token draw costs vLLM's slower draw, never the
+    step: ``rejection_sample`` still returns every request's tokens."""
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler
+
+    from specplugin.vllm_layer import verification
+
+    current_platform.register_triton_kernel_overrides()
+    verification.install()
+
+    def broken(*args):
+        raise RuntimeError("broken draw")
+
+    monkeypatch.setattr(verification, "draw_recovered", broken)
+    num_reqs = 4
+    metadata = SimpleNamespace(all_greedy=False, all_random=True, generators={},
+                               temperature=torch.ones(num_reqs))
+    with verification.recovering():
+        output = rejection_sampler.rejection_sample(
+            torch.zeros(num_reqs, dtype=torch.int32), [1] * num_reqs, 1,
+            torch.arange(1, num_reqs + 1, dtype=torch.int32), None,
+            torch.tensor([0.0, 1.0, 2.0]).expand(num_reqs, -1).contiguous(),
+            torch.full((num_reqs, 1), 2, dtype=torch.int32), metadata)
+    assert output.shape == (num_reqs, 2)
+    assert output[:, 0].ge(0).all() and output[:, 0].lt(3).all()

@@ -111,9 +111,12 @@ def _listened(original):
             except Exception:  # the learners fall back to the verdicts; never the request
                 heard.values = heard.cu_num_draft_tokens = None
         if _recovering and target_probs.device.type == "cpu" and not _seeded(args, kwargs):
-            uniform = draft_uniforms((draft_token_ids.shape[0], 1), target_probs.device)
-            return draw_recovered(draft_token_ids, draft_probs, target_probs,
-                                  uniform).to(draft_token_ids.dtype)
+            try:
+                uniform = draft_uniforms((draft_token_ids.shape[0], 1), target_probs.device)
+                return draw_recovered(draft_token_ids, draft_probs, target_probs,
+                                      uniform).to(draft_token_ids.dtype)
+            except Exception:  # vLLM's draw instead: a bug here costs speed, never a request
+                logger.exception("specplugin: the recovered-token draw failed; vLLM's draws")
         return original(max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids,
                         draft_probs, target_probs, *args, **kwargs)
 
