@@ -494,14 +494,11 @@ def test_the_decode_passes_inputs_are_vllms_update_pass_after_pass():
     assert passes.positions[past, 2].eq(0).all() and passes.seq_lens[past, 2].eq(1).all()
 
 
-@pytest.mark.parametrize("one_hot", [False, True])
-def test_vllms_rejection_sampler_with_the_plugins_recovered_draw_follows_the_target(one_hot):
-    """vLLM's ``rejection_sample`` (its CPU kernels), with the plugin's runner sampling
-    (``verification.recovering``): the recovered tokens come from the plugin's draw, and
-    the emitted token follows the target's distribution (chi-square over 20,000 requests
-    of one draft token each, drawn from a draft distribution far from the target's, or a
-    fixed guess). Red if a recovered token came from the target itself or from the draft
-    token's own residual with the wrong sign."""
+
+def _vllms_rejection_sample(draft_ids, draft_probs, target_logits, bonus_id: int):
+    """vLLM's ``rejection_sample`` on its CPU kernels, with the plugin's wrapper installed
+    and its runner sampling (``verification.recovering``): one draft token per request,
+    every request at temperature 1, no seeds. [num_reqs, 2] output token ids."""
     from types import SimpleNamespace
 
     from vllm.platforms import current_platform
@@ -511,6 +508,27 @@ def test_vllms_rejection_sampler_with_the_plugins_recovered_draw_follows_the_tar
 
     current_platform.register_triton_kernel_overrides()  # as an engine does (CPU: C++)
     verification.install()
+    num_reqs = draft_ids.shape[0]
+    metadata = SimpleNamespace(all_greedy=False, all_random=True, generators={},
+                               temperature=torch.ones(num_reqs))
+    with verification.recovering():
+        return rejection_sampler.rejection_sample(
+            draft_ids, [1] * num_reqs, 1, torch.arange(1, num_reqs + 1, dtype=torch.int32),
+            draft_probs, target_logits.expand(num_reqs, -1).contiguous(),
+            torch.full((num_reqs, 1), bonus_id, dtype=torch.int32), metadata)
+
+
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_vllms_rejection_sampler_with_the_plugins_recovered_draw_follows_the_target(
+        one_hot, monkeypatch):
+    """vLLM's ``rejection_sample`` (its CPU kernels), with the plugin's runner sampling
+    (``verification.recovering``): the recovered tokens come from the plugin's draw, and
+    the emitted token follows the target's distribution (chi-square over 20,000 requests
+    of one draft token each, drawn from a draft distribution far from the target's, or a
+    fixed guess). Red if a recovered token came from the target itself or from the draft
+    token's own residual with the wrong sign."""
+    from specplugin.vllm_layer import verification
+
     generator = torch.Generator().manual_seed(5)
     target = torch.tensor([0.05, 0.4, 0.0, 0.25, 0.3])
     draft = torch.tensor([0.5, 0.1, 0.0, 0.1, 0.3])
@@ -522,18 +540,11 @@ def test_vllms_rejection_sampler_with_the_plugins_recovered_draw_follows_the_tar
                                       generator=generator).int()
         draft_probs = draft.expand(num_reqs, -1).contiguous()
     torch.manual_seed(6)
-    metadata = SimpleNamespace(all_greedy=False, all_random=True, generators={},
-                               temperature=torch.ones(num_reqs))
     called = []
     original = verification.draw_recovered
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(verification, "draw_recovered",
-                      lambda *a: called.append(1) or original(*a))
-        with verification.recovering():
-            output = rejection_sampler.rejection_sample(
-                draft_ids, [1] * num_reqs, 1, torch.arange(1, num_reqs + 1, dtype=torch.int32),
-                draft_probs, target.log().expand(num_reqs, -1).contiguous(),
-                torch.full((num_reqs, 1), 4, dtype=torch.int32), metadata)
+    monkeypatch.setattr(verification, "draw_recovered",
+                        lambda *a: called.append(1) or original(*a))
+    output = _vllms_rejection_sample(draft_ids, draft_probs, target.log(), bonus_id=4)
     assert called
     first = output[:, 0].long()
     counts = torch.bincount(first, minlength=target.numel())
@@ -544,28 +555,14 @@ def test_vllms_rejection_sampler_with_the_plugins_recovered_draw_follows_the_tar
 def test_a_failing_recovered_draw_falls_back_to_vllms(monkeypatch):
     """A bug in the plugin's recovered-token draw costs vLLM's slower draw, never the
     step: ``rejection_sample`` still returns every request's tokens."""
-    from types import SimpleNamespace
-
-    from vllm.platforms import current_platform
-    from vllm.v1.sample import rejection_sampler
-
     from specplugin.vllm_layer import verification
-
-    current_platform.register_triton_kernel_overrides()
-    verification.install()
 
     def broken(*args):
         raise RuntimeError("broken draw")
 
     monkeypatch.setattr(verification, "draw_recovered", broken)
     num_reqs = 4
-    metadata = SimpleNamespace(all_greedy=False, all_random=True, generators={},
-                               temperature=torch.ones(num_reqs))
-    with verification.recovering():
-        output = rejection_sampler.rejection_sample(
-            torch.zeros(num_reqs, dtype=torch.int32), [1] * num_reqs, 1,
-            torch.arange(1, num_reqs + 1, dtype=torch.int32), None,
-            torch.tensor([0.0, 1.0, 2.0]).expand(num_reqs, -1).contiguous(),
-            torch.full((num_reqs, 1), 2, dtype=torch.int32), metadata)
+    output = _vllms_rejection_sample(torch.zeros(num_reqs, dtype=torch.int32), None,
+                                     torch.tensor([0.0, 1.0, 2.0]), bonus_id=2)
     assert output.shape == (num_reqs, 2)
     assert output[:, 0].ge(0).all() and output[:, 0].lt(3).all()

@@ -84,11 +84,8 @@ def sample_draft_tokens(
     where each op's fixed cost, not the vocabulary, is most of the time at small batches.
     ``unit_temperature``: the caller knows that every row samples at temperature 1 (the
     default), so the logits are not divided (two ops less). ``uniform``: the row's
-    uniforms in (0, 1], drawn by the caller (a draft run draws all of its positions' at
-    once): the draw is the first token whose cumulative sum reaches ``uniform * total``,
-    a point in (0, total] (rounding cannot carry ``1 * total`` past ``total``), so the
-    index is always in range and a token of probability 0 (an empty interval) never
-    wins, without a clamp after the search.
+    uniforms in (0, 1] (:func:`draft_uniforms`), drawn by the caller (a draft run draws
+    all of its positions' at once); the draw is :func:`inverse_cdf_draw`'s.
     """
     if unit_temperature:
         draft_probs = logits.softmax(dim=-1, dtype=torch.float32)
@@ -97,10 +94,9 @@ def sample_draft_tokens(
         scale = temperature if all_sampled else torch.where(sampled, temperature,
                                                             torch.ones_like(temperature))
         draft_probs = (logits / scale.unsqueeze(1)).softmax(dim=-1, dtype=torch.float32)
-    cdf = draft_probs.cumsum(dim=-1, dtype=torch.float64)  # [num_reqs, vocab_size]
     if uniform is None:
         uniform = draft_uniforms((logits.shape[0], 1), logits.device, generator)
-    token_ids = torch.searchsorted(cdf, uniform * cdf[:, -1:]).squeeze(1)
+    token_ids = inverse_cdf_draw(draft_probs, uniform)
     if not all_sampled:
         token_ids = torch.where(sampled, token_ids, draft_probs.argmax(dim=-1))
     return token_ids, draft_probs
@@ -111,6 +107,18 @@ def draft_uniforms(shape: tuple[int, ...], device,
     """Uniforms in (0, 1] (float64), as :func:`sample_draft_tokens` reads them: 0 would
     land on the first token even when its probability is 0."""
     return torch.rand(shape, dtype=torch.float64, device=device, generator=generator).neg_().add_(1.0)
+
+
+def inverse_cdf_draw(weights: torch.Tensor,  # [num_rows, vocab_size] >= 0, unnormalised
+                     uniform: torch.Tensor,  # [num_rows, 1] float64 in (0, 1]
+                     ) -> torch.Tensor:  # [num_rows] int64
+    """One token per row, drawn in proportion to ``weights``: the first token whose
+    float64 cumulative sum reaches ``uniform * total``, a point in (0, total] (rounding
+    cannot carry ``1 * total`` past ``total``), so the index is always in range and a
+    token of weight 0 (an empty interval) never wins, without a clamp after the search.
+    A row of no weight at all gets token 0."""
+    cdf = weights.cumsum(dim=-1, dtype=torch.float64)  # [num_rows, vocab_size]
+    return torch.searchsorted(cdf, uniform * cdf[:, -1:]).squeeze(1)
 
 
 def greedy_draft_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, list[float]]:

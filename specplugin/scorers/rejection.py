@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specplugin.proposers.draft import inverse_cdf_draw
+
 # Fills output slots past a row's emitted tokens.
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -318,8 +320,8 @@ def draw_recovered(
     """A recovered token for every draft position, each drawn from its own residual
     ``norm(max(0, p - q))`` (``q`` one-hot at the draft token when ``draft_probs`` is
     None: ``p`` without the draft token) by inverting the residual's cumulative sum at
-    ``uniform * total``, a point in (0, total]: the first token whose sum reaches it has
-    a residual above 0 (see :func:`specplugin.proposers.draft.sample_draft_tokens`).
+    ``uniform`` (:func:`~specplugin.proposers.draft.inverse_cdf_draw`: a token of
+    residual 0 never wins).
 
     Any exact draw from the residual keeps verification lossless. This one costs a pass
     over ``[num_tokens, vocab_size]``, where vLLM's exponential race draws
@@ -332,5 +334,4 @@ def draw_recovered(
         residual.scatter_(1, draft_token_ids.long().unsqueeze(1), 0.0)
     else:
         residual = (target_probs - draft_probs).clamp_min_(0.0)
-    cdf = residual.cumsum(dim=-1, dtype=torch.float64)  # [num_tokens, vocab_size]
-    return torch.searchsorted(cdf, uniform * cdf[:, -1:]).squeeze(1)
+    return inverse_cdf_draw(residual, uniform)

@@ -471,9 +471,9 @@ class PluginDraftProposer(DraftModelProposer):
         make (``ends`` [num_rows]: each row's context length, its newest token
         included), computed once: vLLM's own update
         (``_update_positions_dependent_metadata``) makes a call per pass that measured
-        ~0.08 ms here, most of a pass's glue outside the forward. The padding rows of the slot mapping (up to
-        ``num_padded``) get the padding slot once: nothing else writes them during the
-        run."""
+        ~0.08 ms here, most of a pass's glue outside the forward. The padding rows of the
+        slot mapping (up to ``num_padded``) get the padding slot once: nothing else writes
+        them during the run."""
         self._slot_mapping_buffer[ends.size:num_padded].fill_(PADDING_SLOT_ID)
         return decode_passes(cad.block_table_tensor, ends, num_passes, self.block_size,
                              self.max_model_len)
