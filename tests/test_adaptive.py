@@ -1257,3 +1257,45 @@ def test_the_per_step_estimates_are_the_estimators_and_its_draws_last_until_it_l
     means = est.estimate_cells(flat)
     est.update(cells, np.ones(n, dtype=bool))
     assert all(a > b for a, b in zip(est.estimate_cells(flat), means))
+
+
+def test_the_trace_records_the_unions_steps_blocks_and_draft_plans(tmp_path, monkeypatch):
+    """With a trace open (SPECPLUGIN_TRACE), the union writes every step it observes, the
+    draft plans it makes and what it forgets, and the arbiter every block it closes; the
+    summary reads them back per kind."""
+    from specplugin import trace
+
+    monkeypatch.setattr(trace, "TRACE", trace.Trace(tmp_path))
+    arbiter = StepArbiter()
+    union = _union(Fixed("ngram", [], 0.5), Fixed("draft", [], 0.5))
+    union.arbiter = arbiter
+    union.forget_learned()
+    assert union.begin(None, 1, sampled=False)
+    assert np.asarray(union.plan_draft(_batch(["a"]), [], 1, np.array([8]),
+                                       forward_seconds=0.002)).any()  # a trial
+    union.choose(_batch(["a"]), [])
+    union.begin(Verified(("a",), [8], [9], 0.05, 9, draft_seconds=0.02), 1, sampled=False)
+    for _ in range(40):
+        union.plain_step(0.01, 1, 1, False)
+    records = trace.read(tmp_path)
+    kinds = {r["kind"] for r in records}
+    assert {"forget", "step", "draft_plan", "block"} <= kinds, kinds
+    summary = trace.summarize(trace.after_last_forget(records))
+    assert summary["spec_steps"] == 1 and summary["spec_ms"] == pytest.approx(50.0)
+    assert summary["spec_draft_ms"] == pytest.approx(20.0)
+    assert summary["spec_rest_ms"] == pytest.approx(30.0)
+    assert summary["spec_emitted"] == pytest.approx(9.0)
+    assert summary["plain_steps"] == 40 and summary["plain_ms"] == pytest.approx(10.0)
+    assert summary["draft_run_steps"] == 1 and summary["draft_run_ms"] == pytest.approx(20.0)
+    assert summary["blocks"].startswith("S") and summary["draft_runs_planned"] == 1
+    assert trace.summarize(trace.after_last_forget(records), max_steps=5)["plain_steps"] == 4
+
+
+def test_trace_summary_helpers():
+    from specplugin import trace
+
+    assert trace.run_lengths(["spec", "spec", "plain", "spec"]) == "S2 P1 S1"
+    assert trace.run_lengths([]) == ""
+    records = [{"kind": "step"}, {"kind": "forget"}, {"kind": "block"}]
+    assert trace.after_last_forget(records) == [{"kind": "block"}]
+    assert trace.summarize([])["spec_ms"] is None

@@ -239,7 +239,7 @@ def profiled(tmp_path_factory):
            # speculative and plain blocks take turns: both kinds of step are measured
            # (and the draft model runs wherever a row could use it, whatever it measured)
            "--set", 'fault_injection={"alternate_blocks": true, "draft_always": true}',
-           "--json", str(path), "--out-dir", str(out)]
+           "--trace", "--json", str(path), "--out-dir", str(out)]
     # the profile's two clocks are the engine core's and the worker's processes
     for attempt in range(2):
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
@@ -309,3 +309,20 @@ def test_drafting_phases_follow_the_method(profiled):
         assert phases.get(phase, 0.0) > 0.0, phase
     assert plugin["plugin_syncs_per_step"] > 0.0
     assert plugin["overhead"]["estimated"] < 0.03
+
+
+@pytest.mark.vllm
+def test_the_trace_shows_the_unions_steps_blocks_and_draft_plans(profiled):
+    """--trace: the worker's union wrote its decisions, and the timed cell's part is
+    summarized (blocks take turns under alternate_blocks; the draft model ran, as the
+    fixture makes sure, and its runs are in the steps' records); a built-in writes none.
+    (Whether the union then verified the draft's tokens is its call: not asserted.)"""
+    builtin, plugin = (profiled[0]["methods"][n] for n in E2E_METHODS)
+    assert builtin["trace"]["steps"] == 0
+    t = plugin["trace"]
+    assert 0 < t["steps"] <= plugin["num_steps"], t
+    assert t["plain_steps"] > 0 and t["plain_ms"] > 0.0, t
+    assert t["draft_run_steps"] > 0 and t["draft_run_ms"] > 0.0, t
+    assert "S" in t["blocks"] and "P" in t["blocks"], t["blocks"]
+    assert "trace: blocks in order" in profiled[1]
+

@@ -111,6 +111,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from specplugin import trace
+
 SPECULATE, PLAIN = True, False
 # speculation that measures this many times the cost model's plain rate needs no plain
 # block to prove it (see "Plain blocks that need not run" above)
@@ -275,7 +277,16 @@ class StepArbiter:
             return
         state = self._buckets.setdefault(self._bucket, _Bucket())
         rate = self._tokens / self._seconds
-        if self._choice == SPECULATE and self._engine_spec_blocks < ENGINE_WARMUP_BLOCKS:
+        counted = not (self._choice == SPECULATE
+                       and self._engine_spec_blocks < ENGINE_WARMUP_BLOCKS)
+        if trace.TRACE is not None:
+            trace.TRACE.write(
+                "block", choice="spec" if self._choice == SPECULATE else "plain",
+                num_reqs=self._num_reqs, sampled=self._bucket[1], steps=self._steps,
+                rate=rate, counted=counted,
+                predicted=(sum(self._predicted) / len(self._predicted)
+                           if self._predicted else None))
+        if not counted:
             self._engine_spec_blocks += 1  # the engine's first: one-time costs, not a rate
             return
         state.blocks[self._choice] += 1

@@ -37,6 +37,7 @@ from specplugin.adaptive.controller import (NO_CANDIDATE, Choice, cumulative, di
 from specplugin.adaptive.cost import StepCostModel
 from specplugin.adaptive.estimator import (AcceptanceEstimator, RequestHistory, as_list,
                                            history_bucket, judged_outcomes)
+from specplugin import trace
 from specplugin.metrics import FailureCounter, ProposerStats
 from specplugin.config import MODEL_PROPOSERS
 from specplugin.proposers.base import Candidate, Proposer, StepBatch
@@ -225,6 +226,8 @@ class Union:
         cell against 165 without the warm-up). A user's engine starts on its own text.
         Only between requests (nothing pending)."""
         self._start_learning()
+        if trace.TRACE is not None:
+            trace.TRACE.write("forget")
         self.estimator.set_counts(0.0, 0.0)
         self.history = RequestHistory(self.history.alpha)
         if self.arbiter is not None:
@@ -286,7 +289,8 @@ class Union:
             return True
         trial, self._trial_step = self._trial_step, False
         self._observe(seconds, num_query_tokens, num_reqs, speculative=False,
-                      draft_seconds=draft_seconds, trial=trial, read_prompts=read_prompts)
+                      draft_seconds=draft_seconds, trial=trial, read_prompts=read_prompts,
+                      num_reqs=num_reqs)
         self.speculating = self.arbiter.speculate(num_reqs, sampled)
         if not self.speculating and peek is not None and self._peek_due():
             if self._copy_in_sight(peek):
@@ -396,7 +400,7 @@ class Union:
 
     def _observe(self, seconds: float | None, num_query_tokens: int, num_emitted: int,
                  speculative: bool, draft_seconds: float = 0.0, trial: bool = False,
-                 read_prompts: bool = False) -> None:
+                 read_prompts: bool = False, num_reqs: int = 1) -> None:
         """A step's wall time, to the cost model (without ``draft_seconds``, the draft
         model's forwards: :meth:`plan_draft` prices them itself, and counted in ``T(n)``
         they would be paid twice and make plain steps look dearer) and the step arbiter
@@ -419,6 +423,12 @@ class Union:
         the union then drafted nothing, its steps measured half the rate it predicted,
         and that correction kept plain decoding on for most of the greedy requests' run
         while their copies were in sight)."""
+        if trace.TRACE is not None:
+            timed = seconds is not None and not read_prompts
+            trace.TRACE.write("step", ms=seconds * 1e3 if timed else None,
+                              query_tokens=num_query_tokens, emitted=num_emitted,
+                              num_reqs=num_reqs, speculative=speculative,
+                              draft_ms=draft_seconds * 1e3, trial=trial)
         if read_prompts:
             seconds = None  # (the arbiter counts the step, not its time)
         if seconds is None:
@@ -563,6 +573,11 @@ class Union:
             rate = expected / (self.cost.step_one(num_tokens) + overhead + forward_seconds * m)
             if rate > best_rate:
                 best, best_rate = m, rate
+        if trace.TRACE is not None:
+            trace.TRACE.write("draft_plan", forwards=best, rate=best_rate,
+                              rate_without=kept / kept_seconds, trial=trial,
+                              forward_ms=forward_seconds * 1e3, run_ms=run_seconds * 1e3,
+                              overhead_ms=overhead * 1e3)
         if not best:
             return [0] * batch.num_reqs
         self._draft_price = (forward_seconds, run_seconds, best)  # (m: until choose knows)
@@ -797,7 +812,8 @@ class Union:
         if observe:
             self._observe(verified.seconds, verified.num_query_tokens, sum(num_emitted),
                           any(k > 0 for k in scheduled_drafts), verified.draft_seconds,
-                          trial=trial, read_prompts=verified.read_prompts)
+                          trial=trial, read_prompts=verified.read_prompts,
+                          num_reqs=len(num_emitted))
         pending, self._pending = self._pending, {}
         pending_extras, self._pending_extras = self._pending_extras, {}
         scored = verified.scored or {}

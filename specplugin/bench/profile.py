@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from specplugin import trace
 
 DEFAULT_METHODS = "none,vllm-suffix,vllm-draft,plugin-suffix,plugin-union"
 DEFAULT_OUT_DIR = "bench-out/profile"
@@ -87,6 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--py-spy", action="store_true",
                         help="also record a flame graph of each engine (py-spy must be "
                              "installed: .venv/bin/pip install py-spy)")
+    parser.add_argument("--trace", action="store_true",
+                        help="also write the union's decision trace (specplugin.trace: every "
+                             "step's time, every block the step arbiter closed, every draft "
+                             "plan) under OUT_DIR/trace and summarize the timed cell's part")
     parser.add_argument("--timers", choices=("fine", "coarse"), default="fine",
                         help="fine: every phase of the plugin's work timed apart; coarse: the "
                              "plugin timed at its entry points only (its own work in all, "
@@ -204,11 +211,16 @@ def profile_method(spec, models, prompts, args, out_dir: Path,
     from specplugin.vllm_layer.profiling import ENV, TIMERS_ENV
 
     label = f"profile-{spec.name}" + (f"-r{round_index + 1}" if round_index else "")
+    env = {ENV: "1", TIMERS_ENV: args.timers}
+    trace_dir = out_dir / "trace" / label
+    if getattr(args, "trace", False):
+        shutil.rmtree(trace_dir, ignore_errors=True)
+        env[trace.ENV] = str(trace_dir)
     job = EngineJob(label=label, model=models.target,
                     engine_kwargs=spec.engine_kwargs(models, settings_for(spec, args.overrides)),
                     cells=(cell_payload(prompts),),
                     kind="profile", eager=args.eager, overhead_pairs=args.overhead_pairs,
-                    plain_pairs=args.plain_pairs, env={ENV: "1", TIMERS_ENV: args.timers})
+                    plain_pairs=args.plain_pairs, env=env)
     spy = PySpy(out_dir / f"flame-{spec.name}.svg") if args.py_spy else None
     try:
         result = run_job(job, out_dir / "logs", spy.on_event if spy else lambda e: None)
@@ -236,6 +248,11 @@ def profile_method(spec, models, prompts, args, out_dir: Path,
                              * 1e3, summary["step_ms"]),
         "flame_graph": str(spy.path) if spy and spy.path.exists() else None,
         "plain_ab": plain_ab_summary(cell.get("plain_ab"), prompts.cell.batch_size),
+        # the timed cell's part of the trace: its steps come first after the warm-up's
+        # forget (the overhead and plain-step checks run after it)
+        "trace": (trace.summarize(trace.after_last_forget(trace.read(trace_dir)),
+                                  max_steps=summary["num_steps"])
+                  if env.get(trace.ENV) else None),
     })
     return summary
 
@@ -353,7 +370,44 @@ def ledger_rows(results: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, lis
         ("timer overhead: measured", [_pct(r["overhead"]["measured"]) for r in rs]),
         ("timer overhead: calls x cost", [_pct(r["overhead"]["estimated"]) for r in rs]),
     ]
+    if any(r.get("trace") for r in rs):
+        rows += trace_rows(rs)
     return rows
+
+
+def trace_rows(rs: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
+    """The decision trace's rows (``--trace``; see :func:`specplugin.trace.summarize`)."""
+    def cell(r, render) -> str:
+        t = r.get("trace")
+        try:
+            return render(t) if t else "-"
+        except TypeError:  # a None among the figures (no step of that kind)
+            return "-"
+
+    return [
+        None,
+        ("trace: speculative steps, ms (median; steps)",
+         [cell(r, lambda t: f"{t['spec_ms']:.2f} ({t['spec_steps']})") for r in rs]),
+        ("  of it the draft model's run / the rest",
+         [cell(r, lambda t: f"{t['spec_draft_ms']:.2f} / {t['spec_rest_ms']:.2f}") for r in rs]),
+        ("  tokens emitted per request",
+         [cell(r, lambda t: f"{t['spec_emitted']:.2f}") for r in rs]),
+        ("trace: steps that ran the draft model, its run ms (median)",
+         [cell(r, lambda t: f"{t['draft_run_steps']}, {t['draft_run_ms']:.2f}") for r in rs]),
+        ("trace: plain steps, ms (median; steps)",
+         [cell(r, lambda t: f"{t['plain_ms']:.2f} ({t['plain_steps']})") for r in rs]),
+        ("trace: blocks in order (S speculative, P plain)",
+         [cell(r, lambda t: _shorten(t["blocks"])) for r in rs]),
+        ("trace: block rate, spec / plain (tok/s, median)",
+         [cell(r, lambda t: f"{t['spec_block_rate']:.0f} / {t['plain_block_rate']:.0f}")
+          for r in rs]),
+        ("trace: draft runs planned / plans",
+         [cell(r, lambda t: f"{t['draft_runs_planned']} / {t['draft_plans']}") for r in rs]),
+    ]
+
+
+def _shorten(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def print_ledger(results: Mapping[str, Mapping[str, Any]], title: str, console=None) -> None:
