@@ -494,7 +494,6 @@ def test_the_decode_passes_inputs_are_vllms_update_pass_after_pass():
     assert passes.positions[past, 2].eq(0).all() and passes.seq_lens[past, 2].eq(1).all()
 
 
-
 def _vllms_rejection_sample(draft_ids, draft_probs, target_logits, bonus_id: int):
     """vLLM's ``rejection_sample`` on its CPU kernels, with the plugin's wrapper installed
     and its runner sampling (``verification.recovering``): one draft token per request,

@@ -213,7 +213,7 @@ def profile_method(spec, models, prompts, args, out_dir: Path,
     label = f"profile-{spec.name}" + (f"-r{round_index + 1}" if round_index else "")
     env = {ENV: "1", TIMERS_ENV: args.timers}
     trace_dir = out_dir / "trace" / label
-    if getattr(args, "trace", False):
+    if args.trace:
         shutil.rmtree(trace_dir, ignore_errors=True)
         env[trace.ENV] = str(trace_dir)
     job = EngineJob(label=label, model=models.target,
