@@ -95,14 +95,17 @@ class ProposerStats:
 
 
 class FailureCounter:
-    """Failures of one proposer: counted, logged once in full, then periodically."""
+    """Failures of one proposer (or of one of the plugin's shortcuts, ``fallback``
+    naming what takes over): counted, logged once in full, then periodically, never
+    once per step."""
 
     def __init__(self, name: str, logger: logging.Logger, log_every_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, fallback: str | None = None):
         self.name = name
         self.logger = logger
         self.log_every_s = log_every_s
         self.clock = clock
+        self.fallback = fallback
         self.count = 0
         self._logged_count = 0
         self._last_log: float | None = None
@@ -112,15 +115,23 @@ class FailureCounter:
         self.count += 1
         now = self.clock()
         if self.count == 1:
-            self.logger.exception(
-                "specplugin: proposer %r failed; this step decodes without its drafts (output "
-                "is unchanged). Further failures are counted and summarised every %.0f s.",
-                self.name, self.log_every_s)
+            if self.fallback is None:
+                self.logger.exception(
+                    "specplugin: proposer %r failed; this step decodes without its drafts "
+                    "(output is unchanged). Further failures are counted and summarised "
+                    "every %.0f s.", self.name, self.log_every_s)
+            else:
+                self.logger.exception(
+                    "specplugin: %s failed; %s takes over (output is unchanged). Further "
+                    "failures are counted and summarised every %.0f s.", self.name,
+                    self.fallback, self.log_every_s)
         elif now - self._last_log >= self.log_every_s:
             self.logger.warning(
-                "specplugin: proposer %r failed %d more time(s) (%d in all); those steps "
-                "decoded without its drafts.", self.name, self.count - self._logged_count,
-                self.count)
+                "specplugin: %s %r failed %d more time(s) (%d in all); %s.",
+                "proposer" if self.fallback is None else "the plugin's", self.name,
+                self.count - self._logged_count, self.count,
+                "those steps decoded without its drafts" if self.fallback is None
+                else f"{self.fallback} took over each time")
         else:
             return
         self._last_log, self._logged_count = now, self.count

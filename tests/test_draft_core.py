@@ -304,6 +304,36 @@ def test_the_draft_rereads_only_what_its_kv_cache_misses():
     assert cursor.behind(["a", "b", "c"], np.array([12, 13, 4])) == [11, 5, 3]
 
 
+def test_accepted_draft_tokens_that_a_decode_pass_read_are_not_read_again():
+    """Decode pass j wrote the draft KV of draft token j's position: once the target
+    accepts the token, the next first pass starts after it (the newest token, plus any
+    accepted beyond the passes run); a row that verified another proposer's tokens
+    (ahead 0), a step whose drafts went unverified, or a restarted request, re-read."""
+    cursor = DraftKVCursor()
+    cursor.advance(["a", "b", "c", "d"], np.array([10, 20, 30, 40]))  # the first pass
+    # 3 decode passes ran; "a" sent 4 tokens (3 read by a pass), "b" 2, "c" another's 3
+    cursor.drafted(["a", "b", "c", "d"], [3, 2, 0, 3])
+    # verified: "a" accepted all 4 (+1 bonus), "b" 1 of 2, "c" 3 (not the draft's), "d" 0
+    cursor.accepted(["a", "b", "c", "d"], [4, 1, 3, 0])
+    now = np.array([15, 22, 34, 41])  # context lengths, newest token included
+    assert cursor.starts(["a", "b", "c", "d"], now, budget=100).tolist() == [13, 21, 30, 40]
+    assert cursor.behind(["a", "b", "c", "d"], now) == [1, 0, 3, 0]
+    # the same run's passes are not counted twice
+    cursor.accepted(["a"], [4])
+    assert cursor.starts(["a"], np.array([15]), budget=100).tolist() == [13]
+    # drafts that were never verified teach nothing
+    cursor.advance(["a"], np.array([15]))
+    cursor.drafted(["a"], [3])
+    cursor.forget_pending()
+    cursor.accepted(["a"], [3])
+    assert cursor.starts(["a"], np.array([19]), budget=100).tolist() == [15]
+    # a restarted request's KV is gone, passes and all
+    cursor.drafted(["a"], [3])
+    cursor.forget(["a"])
+    cursor.accepted(["a"], [3])
+    assert cursor.starts(["a"], np.array([19]), budget=100).tolist() == [0]
+
+
 def test_draft_tokens_follow_the_draft_probabilities_they_return():
     """Lossless verification needs the token drawn from exactly the returned distribution:
     chi-square over 40,000 draws, at two temperatures, with a token of probability 0."""
@@ -553,15 +583,40 @@ def test_vllms_rejection_sampler_with_the_plugins_recovered_draw_follows_the_tar
 
 def test_a_failing_recovered_draw_falls_back_to_vllms(monkeypatch):
     """A bug in the plugin's recovered-token draw costs vLLM's slower draw, never the
-    step: ``rejection_sample`` still returns every request's tokens."""
+    step: ``rejection_sample`` still returns every request's tokens; the failure is
+    counted (this process's counter, replaced here so that no other test sees it)."""
+    import logging
+
+    from specplugin.metrics import FailureCounter
     from specplugin.vllm_layer import verification
 
     def broken(*args):
         raise RuntimeError("broken draw")
 
     monkeypatch.setattr(verification, "draw_recovered", broken)
+    monkeypatch.setattr(verification, "DRAW_FAILURES",
+                        FailureCounter("recovered draw", logging.getLogger("specplugin.test"),
+                                       fallback="vLLM's own draw"))
     num_reqs = 4
     output = _vllms_rejection_sample(torch.zeros(num_reqs, dtype=torch.int32), None,
                                      torch.tensor([0.0, 1.0, 2.0]), bonus_id=2)
     assert output.shape == (num_reqs, 2)
     assert output[:, 0].ge(0).all() and output[:, 0].lt(3).all()
+    assert verification.failures() == {"recovered draw": 1}
+
+
+def test_sampled_rows_read_vllms_batch_flags_before_the_temperatures():
+    """An all-greedy or all-sampled batch is told from vLLM's flags alone (no device
+    tensor read after the forward); a mixed one from the temperatures."""
+    from types import SimpleNamespace
+
+    from specplugin.vllm_layer.draft_proposer import _sampled_rows
+
+    flags = dict(temperature=None)  # never read for a batch of one kind
+    assert _sampled_rows(SimpleNamespace(all_greedy=True, all_random=False, **flags), 2) == [
+        False, False]
+    assert _sampled_rows(SimpleNamespace(all_greedy=False, all_random=True, **flags), 3) == [
+        True, True, True]
+    mixed = SimpleNamespace(all_greedy=False, all_random=False,
+                            temperature=torch.tensor([0.0, 1.0, 0.7, -1.0]))
+    assert _sampled_rows(mixed, 3) == [False, True, True]

@@ -128,6 +128,28 @@ def first_pass_inputs(self, batch, rows, starts, ends, cad):
     return orig_inputs(self, batch, rows, starts, ends, cad)
 
 draft_proposer._caps, P._first_pass_inputs = caps, first_pass_inputs
+orig_draft = P._draft
+
+def draft(self, run, batch, rows, *args):  # each read's run: how many decode passes ran
+    first = len(reads)
+    orig_draft(self, run, batch, rows, *args)
+    for read in reads[first:]:
+        read.append(run.num_positions - 1)
+
+P._draft = draft
+
+# Accepted draft tokens that a decode pass read need no re-read: record what the cursor
+# credits each request (its accepted tokens, up to the passes that read them).
+from specplugin.proposers.draft import DraftKVCursor
+
+credits, orig_accepted = [], DraftKVCursor.accepted
+
+def accepted(self, req_ids, num_accepted):
+    credits.extend([r, min(a, self._ahead[r])] for r, a in zip(req_ids, num_accepted)
+                   if a > 0 and self._ahead.get(r, 0) > 0)
+    return orig_accepted(self, req_ids, num_accepted)
+
+DraftKVCursor.accepted = accepted
 
 # These cells are short: every step speculates (the step arbiter, which would switch some
 # to plain decoding, is tested on its own), so the draft's own rule has steps to learn from.
@@ -143,8 +165,10 @@ for cell in job["cells"]:
     seen.clear()
     pad_checks.clear()
     reads.clear()
+    credits.clear()
     results[cell["key"]] = {**run_cell(llm, cell, True), "probe": list(seen),
-                            "pad_checks": list(pad_checks), "reads": list(reads)}
+                            "pad_checks": list(pad_checks), "reads": list(reads),
+                            "credits": list(credits)}
 print("RESULT " + json.dumps(results))
 """
 
@@ -175,18 +199,27 @@ def test_padded_draft_passes_give_padding_rows_the_padding_slot(with_draft, cell
 
 def test_the_draft_rereads_exactly_what_it_skipped(with_draft, cells):
     """The module's draft engine makes odd rows skip drafting every third step. Each
-    request's first passes must tile its context: each starts where the previous one
-    ended (a skipped step's tokens are read later, none twice, none missed), the first
-    at position 0 (the whole prompt), and some re-reads span skipped steps."""
+    request's first passes must cover its context: each starts where the previous one
+    ended (a skipped step's tokens are read later, none twice, none missed) or later by
+    exactly the accepted draft tokens whose draft KV a decode pass of the previous run
+    wrote (the cursor's credits: some in every cell; never more than that run's passes),
+    the first at position 0 (the whole prompt), and some re-reads span skipped steps."""
     for cell in cells:
-        ranges, steps = {}, {}
-        for req_id, start, end, step in with_draft[cell["key"]]["reads"]:
-            ranges.setdefault(req_id, []).append((start, end))
+        ranges, steps, credited = {}, {}, {}
+        for req_id, start, end, step, passes in with_draft[cell["key"]]["reads"]:
+            ranges.setdefault(req_id, []).append((start, end, passes))
             steps.setdefault(req_id, []).append(step)
+        for req_id, n in with_draft[cell["key"]]["credits"]:
+            credited[req_id] = credited.get(req_id, 0) + n
         assert len(ranges) == len(cell["prompts"])
         for req_id, spans in ranges.items():
             assert spans[0][0] == 0, (req_id, spans[:3])
-            assert all(b[0] == a[1] for a, b in zip(spans, spans[1:])), (req_id, spans)
+            gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:])]
+            # never past the positions the previous run's decode passes wrote
+            assert all(0 <= g <= a[2] for g, a in zip(gaps, spans)), (req_id, spans)
+            # (a request's last credit may come after its last read)
+            assert 0 <= credited.get(req_id, 0) - sum(gaps) <= 8, (req_id, spans, credited)
+        assert sum(credited.values()) > 0, cell["key"]
         # reads of one request more than one engine step apart: it skipped in between
         gaps = sum(b - a > 1 for s in steps.values() for a, b in zip(s, s[1:]))
         assert gaps > 0
@@ -244,6 +277,7 @@ def test_a_failing_draft_step_costs_its_drafts_not_the_requests():
     from specplugin.adaptive.cost import StepTimer
     from specplugin.metrics import FailureCounter, ProposerStats
     from specplugin.adaptive.draft_rule import AcceptanceCalibration, OutcomeTracker
+    from specplugin.proposers.draft import DraftKVCursor
     from specplugin.vllm_layer.draft_proposer import PluginDraftProposer
 
     drafter = object.__new__(PluginDraftProposer)  # no vLLM config needed for the guard
@@ -251,6 +285,7 @@ def test_a_failing_draft_step_costs_its_drafts_not_the_requests():
     drafter.device, drafter.union = "cpu", None
     drafter.plugin_runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=["a", "b"]))
     drafter.outcomes = OutcomeTracker(AcceptanceCalibration())
+    drafter.cursor = DraftKVCursor()
     drafter.arbiter = StepArbiter()
     drafter.proposer_stats = ProposerStats()
     drafter.timer = StepTimer()
@@ -274,6 +309,7 @@ def _bare_drafter(num_reqs: int, scheduled: list[int]):
     from specplugin.adaptive.cost import StepTimer
     from specplugin.metrics import FailureCounter, ProposerStats
     from specplugin.adaptive.draft_rule import AcceptanceCalibration, OutcomeTracker
+    from specplugin.proposers.draft import DraftKVCursor
     from specplugin.vllm_layer.draft_proposer import PluginDraftProposer
 
     drafter = object.__new__(PluginDraftProposer)
@@ -285,6 +321,7 @@ def _bare_drafter(num_reqs: int, scheduled: list[int]):
                                     num_reqs=num_reqs, vocab_size=100),
         step_context=lambda: context)
     drafter.outcomes = OutcomeTracker(AcceptanceCalibration())
+    drafter.cursor = DraftKVCursor()
     drafter.proposer_stats = ProposerStats()
     drafter.timer = StepTimer()
     drafter._decided = None

@@ -1,6 +1,7 @@
 """The plugin's own counters: a failing proposer is counted and reported, not silent."""
 
 import logging
+from types import SimpleNamespace
 
 from specplugin.metrics import FailureCounter
 
@@ -145,3 +146,37 @@ def test_an_extra_candidate_that_won_is_credited_to_its_proposer():
     other = "suffix" if chosen == "ngram" else "ngram"
     assert snap[chosen]["draft_tokens"] == k and snap[chosen]["accepted_tokens"] == 0
     assert snap[other]["won"] == 1 and snap[other]["accepted_tokens"] == emitted
+
+
+def test_a_failing_shortcut_in_the_rejection_sampler_is_counted_and_logged_once(monkeypatch,
+                                                                                 caplog):
+    """The plugin's recovered-token draw and expected acceptance inside vLLM's rejection
+    sampler: a failure costs the step the shortcut (vLLM's draw, the verdicts alone),
+    is counted with the proposers' failures, and is logged once, not every step."""
+    import torch
+
+    from specplugin.vllm_layer import verification
+
+    log = logging.getLogger("specplugin.test")
+    monkeypatch.setattr(verification, "DRAW_FAILURES",
+                        FailureCounter("recovered draw", log, fallback="vLLM's own draw"))
+    monkeypatch.setattr(verification, "EXPECTATION_FAILURES",
+                        FailureCounter("expected acceptance", log, fallback="the verdicts"))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(verification, "draw_recovered", broken)
+    monkeypatch.setattr(verification, "expected_acceptance", broken)
+    vllms = verification._listened(lambda *args, **kwargs: "vLLM's draw")
+    target = torch.softmax(torch.randn(3, 16), dim=-1)  # [num_tokens, vocab_size]
+    with caplog.at_level(logging.WARNING, logger="specplugin.test"):
+        for _ in range(5):
+            with verification.listening() as heard:
+                out = vllms(3, [3], torch.tensor([3]), torch.tensor([1, 2, 3]), target,
+                            target, SimpleNamespace(generators={}), "cpu")
+            assert out == "vLLM's draw" and heard.values is None
+    assert verification.failures() == {"recovered draw": 5, "expected acceptance": 5}
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages
+    assert any("vLLM's own draw takes over" in m for m in messages), messages

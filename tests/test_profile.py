@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -159,6 +160,38 @@ def test_coarse_timers_keep_vllms_rows_and_the_plugins_entry_points():
         if (owner, attribute) not in p.COARSE_PLUGIN_ROWS:  # reached from an entry point
             assert owner in kept_owners | {"Union", "NgramProposer", "SuffixProposer",
                                            "DraftCandidates", "StatsPublisher", None}, owner
+
+
+def test_the_plugins_work_inside_vllms_rejection_sampler_is_timed_as_its_own(monkeypatch):
+    """The expected acceptance and the recovered tokens' draw run inside vLLM's
+    ``rejection_sample`` (verification.py's wrapper): wrapped as the table says, a step's
+    ledger charges them to "plugin: verify", not to vLLM's sampling."""
+    import torch
+
+    from specplugin.profiling import is_plugin_phase
+    from specplugin.vllm_layer import profiling as p
+    from specplugin.vllm_layer import verification
+
+    rows = [row for row in p.WORKER_TIMED if row[0] == p._VERIFY]
+    assert {row[2] for row in rows} == {"expected_acceptance", "draw_recovered"}
+    for _, _, attribute, phase in rows:  # as _install_table wraps them, undone after
+        monkeypatch.setattr(verification, attribute,
+                            p._timed_function(phase, getattr(verification, attribute)))
+    vllms = verification._listened(lambda *args, **kwargs: None)
+    target = torch.softmax(torch.randn(3, 64), dim=-1)  # [num_tokens, vocab_size]
+    draft = torch.softmax(torch.randn(3, 64), dim=-1)
+    p.CLOCK.take()
+    p.CLOCK.begin_step()
+    try:
+        with verification.listening() as heard:
+            recovered = vllms(3, [3], torch.tensor([3]), torch.tensor([1, 2, 3]), draft,
+                              target, SimpleNamespace(generators={}), "cpu")
+    finally:
+        p.CLOCK.end_step()
+    ledger = p.CLOCK.take()
+    assert recovered.shape == (3,) and heard.values.shape == (3,)
+    assert ledger.phases_s.get("plugin: verify", 0.0) > 0.0, ledger.phases_s
+    assert is_plugin_phase("plugin: verify")
 
 
 def test_overrides_parse_as_json_and_reach_plugin_methods_only():

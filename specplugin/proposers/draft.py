@@ -32,6 +32,9 @@ class DraftKVCursor:
 
     def __init__(self):
         self._written: dict[str, int] = {}  # req id -> context positions with draft KV
+        # req id -> positions past its written end whose draft KV the last run's decode
+        # passes wrote from the draft tokens sent for verification (see :meth:`drafted`)
+        self._ahead: dict[str, int] = {}
 
     def starts(self, req_ids: Sequence[str],  # [n] the rows that will draft
                num_tokens: np.ndarray,  # [n] context length, newest token included
@@ -55,9 +58,39 @@ class DraftKVCursor:
         for req_id, n in zip(req_ids, num_tokens.tolist()):
             self._written[req_id] = n
 
+    def drafted(self, req_ids: Sequence[str],  # [n] the rows the run drafted for
+                ahead: Sequence[int]) -> None:  # [n] see below
+        """After a run: decode pass ``j`` read draft token ``j`` at the position right
+        after the context's, so it wrote that position's draft KV just as a first pass
+        would if the target accepted the token. ``ahead[i]``: how many of row i's sent
+        draft tokens had a decode pass (``min(tokens sent, passes run)``; 0 where the
+        row verifies another proposer's tokens). Replaces the last run's."""
+        self._ahead = {r: a for r, a in zip(req_ids, ahead) if a > 0}
+
+    def accepted(self, req_ids: Sequence[str],  # [num_reqs]
+                 num_accepted: Sequence[int]) -> None:  # [num_reqs] of the step just verified
+        """The target verified the last run's drafts: each row's accepted ones that a
+        decode pass read already have their draft KV, and the next first pass starts
+        after them (it reads the newest token, plus any accepted beyond the passes run),
+        where vLLM's draft pass re-reads every verified token. Call once per verified
+        step, before :meth:`starts` or :meth:`behind`."""
+        ahead, self._ahead = self._ahead, {}
+        if not ahead:
+            return
+        written = self._written
+        for req_id, a in zip(req_ids, num_accepted):
+            n = ahead.get(req_id, 0)
+            if n and a > 0 and req_id in written:
+                written[req_id] += min(a, n)
+
+    def forget_pending(self) -> None:
+        """The last run's drafts will not be verified (the step failed or was skipped)."""
+        self._ahead = {}
+
     def forget(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
             self._written.pop(req_id, None)
+            self._ahead.pop(req_id, None)
 
 
 def sample_draft_tokens(

@@ -48,6 +48,7 @@ from specplugin.proposers.draft import (DraftCandidates, DraftKVCursor, confiden
                                         sample_draft_tokens)
 from specplugin.adaptive.union import StepPlan, Union, Verified
 from specplugin.vllm_layer.ranks import RankZeroClock, tensor_parallel_rank
+from specplugin.vllm_layer import verification
 
 logger = logging.getLogger("specplugin")
 
@@ -201,6 +202,7 @@ class PluginDraftProposer(DraftModelProposer):
         if plain:
             self._steps_since_run += 1
             self.outcomes.forget()
+            self.cursor.forget_pending()
             self.last_lengths = [0] * num_reqs
             if self.union is None:
                 self._count_step([0] * num_reqs)
@@ -282,6 +284,7 @@ class PluginDraftProposer(DraftModelProposer):
         """vLLM skipped drafting for a step: the drafts recorded before it were verified
         in that step, whose results never reach this drafter."""
         self.outcomes.forget()
+        self.cursor.forget_pending()
         self._observed = False
         if self.union is not None:
             self.union.forget_pending()
@@ -294,6 +297,7 @@ class PluginDraftProposer(DraftModelProposer):
         if self.union is not None:  # the union's counter "draft" adds to the drafter's own
             for f in self.union.failures:
                 failures[f.name] = failures.get(f.name, 0) + f.count
+        failures.update(verification.failures())
         return {**self.proposer_stats.as_dict(), "proposer_failures": failures,
                 "arbiter": None if arbiter is None else arbiter.stats()}
 
@@ -356,6 +360,8 @@ class PluginDraftProposer(DraftModelProposer):
         # [num_reqs] draft tokens each row had verified in that step, and accepted
         scheduled = list(context.num_scheduled_drafts[:num_reqs])
         num_accepted = _num_accepted(scheduled, rejected)
+        # accepted draft tokens whose draft KV the last run's decode passes wrote
+        self.cursor.accepted(context.req_ids[:num_reqs], num_accepted)
         rule = self._rule_for_this_step(context, num_accepted, rejected)
         sampled = _sampled_rows(sampling_metadata, num_reqs)
         # rows still in chunked prefill have no token to draft from yet
@@ -606,10 +612,25 @@ class PluginDraftProposer(DraftModelProposer):
             self.outcomes.record([batch.req_ids[r] for r in row_list], run)
         else:
             self.outcomes.forget()
+        self._note_ahead(run, rows, batch, lengths)
         self._note_drafts(run, lengths)
         self._count_step(lengths)
         token_ids, self._last_draft_probs = self._full_rows(run, rows, batch.num_reqs)
         return token_ids
+
+    def _note_ahead(self, run: DraftRun, rows: np.ndarray, batch: StepBatch,
+                    sent: list[int]) -> None:
+        """Tell the cursor which rows' decode passes read the draft tokens they send
+        (``sent``: [num_reqs] the draft's own tokens each row verifies), for
+        :meth:`DraftKVCursor.accepted`. Not with the batch-expanding scorer: a row's
+        emitted tokens may then be another candidate's."""
+        if not rows.size or self.plugin_runner.expander is not None:
+            self.cursor.forget_pending()
+            return
+        passes = run.num_positions - 1  # decode passes run (the first pass excluded)
+        row_list = rows.tolist()
+        self.cursor.drafted([batch.req_ids[r] for r in row_list],
+                            [min(sent[r], passes) for r in row_list])
 
     def _count_step(self, lengths: list[int]) -> None:  # [num_reqs] draft tokens per row
         """The draft model alone: its choices this step, for the metrics."""
@@ -773,7 +794,9 @@ class PluginDraftProposer(DraftModelProposer):
         # the scorer's decoy test (fault_injection.decoy_primary) put a decoy in place of
         # greedy rows' drafts, the draft model's included: those rows verify the decoy
         decoyed = self.union.decoy_primary & ~np.asarray(batch.sampled, dtype=bool)
-        return self._mixed_output(token_ids, draft_probs, drafts, draft_rows & ~decoyed)
+        verified = draft_rows & ~decoyed  # [num_reqs] the rows that verify the draft's tokens
+        self._note_ahead(run, rows, batch, [c if v else 0 for c, v in zip(chosen, verified)])
+        return self._mixed_output(token_ids, draft_probs, drafts, verified)
 
     def _finish_without_draft(self, batch: StepBatch, offers) -> list[list[int]]:
         """The union's step in which the draft model runs for no row: its choice among the
@@ -925,8 +948,15 @@ def _num_accepted(scheduled: list[int], rejected: list[int] | None) -> list[int]
 
 
 def _sampled_rows(sampling_metadata, num_reqs: int) -> list[bool]:  # [num_reqs]
+    """Which rows sample. A batch that is all greedy or all sampled (vLLM's flags: a
+    request samples when its temperature is at least ``_SAMPLING_EPS``) needs no look
+    at the temperatures (a device tensor; on CPU after the step's forward, ~35 us at
+    batch 1 for the comparison and its host copy, measured with the profile's fine
+    timers)."""
     if sampling_metadata.all_greedy:
         return [False] * num_reqs
+    if sampling_metadata.all_random:
+        return [True] * num_reqs
     return (sampling_metadata.temperature[:num_reqs] >= _SAMPLING_EPS).tolist()
 
 

@@ -27,6 +27,9 @@ Names (counters; ``proposer`` label where it applies):
   or plain;
 - ``vllm:specplugin_proposer_failures_total{proposer}``: failures caught (each cost its
   step's drafts, never a request); ``union`` is the drafting step as a whole;
+  ``recovered draw`` and ``expected acceptance`` (once they failed) are the plugin's
+  shortcuts inside vLLM's rejection sampler (each failure cost its step the shortcut:
+  vLLM's own draw, the verdicts alone);
 - ``vllm:specplugin_scorer_{extra_rows,extra_tokens,wins}_total``: the batch-expanding
   scorer's extra candidates, their query tokens, and how many beat the request's draft.
 
@@ -177,7 +180,9 @@ def metric_families(total: dict[str, Any]) -> list:
     for mode, key in (("speculative", "speculative_blocks"), ("plain", "plain_blocks")):
         blocks.add_metric([mode], total["arbiter"].get(key, 0))
     failures = family("proposer_failures", "Proposer failures caught (each cost one step's "
-                      "drafts, never a request).", ["proposer"])
+                      "drafts, never a request; the recovered draw's and expected "
+                      "acceptance's, vLLM's draw or the verdicts alone instead).",
+                      ["proposer"])
     for name, count in sorted(total["proposer_failures"].items()):
         failures.add_metric([name], count)
     scorer = []

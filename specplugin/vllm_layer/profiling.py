@@ -46,6 +46,7 @@ _RUNNER = "vllm.v1.worker.gpu_model_runner"
 _PLUGIN_RUNNER = "specplugin.vllm_layer.worker"
 _DRAFT = "specplugin.vllm_layer.draft_proposer"
 _UNION = "specplugin.adaptive.union"
+_VERIFY = "specplugin.vllm_layer.verification"
 
 # (module, class (None: a module-level function), attribute, phase). Phase names with a
 # "plugin:", "propose:", "draft:" or "scorer:" prefix are the plugin's own work.
@@ -116,6 +117,11 @@ WORKER_TIMED: Timed = (
     (_DRAFT, "PluginDraftProposer", "_finish_without_draft", "plugin: hand back"),
     (_DRAFT, "PluginDraftProposer", "_full_rows", "plugin: hand back"),
     (_DRAFT, "PluginDraftProposer", "_mixed_output", "plugin: hand back"),
+    # the plugin's code inside vLLM's rejection sampler (specplugin.vllm_layer.verification):
+    # the sampled draft tokens' expected acceptance, and the recovered tokens' draw that
+    # replaces vLLM's; untimed, both would be counted as vLLM's sampling
+    (_VERIFY, None, "expected_acceptance", "plugin: verify"),
+    (_VERIFY, None, "draw_recovered", "plugin: verify"),
     # the union (vLLM-free core)
     (_UNION, "Union", "step", "plugin: other"),
     (_UNION, "Union", "begin", "plugin: learn"),
@@ -144,6 +150,7 @@ COARSE_PLUGIN_ROWS = frozenset({
     ("PluginRunnerMixin", "propose_draft_token_ids"),
     ("Speculator", "propose"), ("PluginDraftProposer", "propose"),
     ("PluginDraftProposer", "_logits"),
+    (None, "expected_acceptance"), (None, "draw_recovered"),
 })
 # Modules whose draft-model forwards run inside ``with set_forward_context(...)``: the
 # with-block is the forward ("draft forward", counted), vLLM's draft_model and the plugin's.

@@ -30,6 +30,7 @@ from specplugin.proposers import MODEL_PROPOSERS, StepBatch, build_proposer
 from specplugin.adaptive.union import StepPlan, Union, Verified
 from specplugin.vllm_layer.ranks import tensor_parallel_rank
 from specplugin.vllm_layer.config_hook import plugin_config
+from specplugin.vllm_layer import verification
 
 logger = logging.getLogger("specplugin")
 
@@ -177,5 +178,6 @@ class Speculator:
         :mod:`specplugin.vllm_layer.metrics_export`)."""
         failures = {f.name: f.count for f in self.union.failures}
         failures[self.failures.name] = self.failures.count
+        failures.update(verification.failures())
         return {**self.union.stats.as_dict(), "proposer_failures": failures,
                 "arbiter": None if self.union.arbiter is None else self.union.arbiter.stats()}

@@ -40,11 +40,25 @@ from collections.abc import Iterator
 
 import torch
 
+from specplugin.metrics import FailureCounter
 from specplugin.proposers.draft import draft_uniforms
 from specplugin.scorers.rejection import draw_recovered, expected_acceptance
 from specplugin.vllm_layer import patches
 
 logger = logging.getLogger("specplugin")
+
+# The two shortcuts' failures (a bug, an unforeseen input): each costs the step the
+# shortcut, never a request; counted with the proposers' (``proposer_failures``) and
+# logged once in full, then periodically, not once per step.
+DRAW_FAILURES = FailureCounter("recovered draw", logger, fallback="vLLM's own draw")
+EXPECTATION_FAILURES = FailureCounter("expected acceptance", logger,
+                                      fallback="learning from the verdicts alone")
+
+
+def failures() -> dict[str, int]:
+    """This process's counts, those above 0 (added to each drafter's
+    ``proposer_failures``: the metric names a shortcut only once it failed)."""
+    return {f.name: f.count for f in (DRAW_FAILURES, EXPECTATION_FAILURES) if f.count}
 
 
 class Heard:
@@ -110,13 +124,14 @@ def _listened(original):
                 heard.cu_num_draft_tokens = cu_num_draft_tokens
             except Exception:  # the learners fall back to the verdicts; never the request
                 heard.values = heard.cu_num_draft_tokens = None
+                EXPECTATION_FAILURES.record()
         if _recovering and target_probs.device.type == "cpu" and not _seeded(args, kwargs):
             try:
                 uniform = draft_uniforms((draft_token_ids.shape[0], 1), target_probs.device)
                 return draw_recovered(draft_token_ids, draft_probs, target_probs,
                                       uniform).to(draft_token_ids.dtype)
             except Exception:  # vLLM's draw instead: a bug here costs speed, never a request
-                logger.exception("specplugin: the recovered-token draw failed; vLLM's draws")
+                DRAW_FAILURES.record()
         return original(max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids,
                         draft_probs, target_probs, *args, **kwargs)
 
