@@ -173,7 +173,8 @@ def test_the_plugins_work_inside_vllms_rejection_sampler_is_timed_as_its_own(mon
     from specplugin.vllm_layer import verification
 
     rows = [row for row in p.WORKER_TIMED if row[0] == p._VERIFY]
-    assert {row[2] for row in rows} == {"expected_acceptance", "draw_recovered"}
+    assert {row[2] for row in rows} == {"expected_acceptance", "draw_recovered",
+                                        "verify_greedy"}
     for _, _, attribute, phase in rows:  # as _install_table wraps them, undone after
         monkeypatch.setattr(verification, attribute,
                             p._timed_function(phase, getattr(verification, attribute)))

@@ -77,6 +77,9 @@ def test_drafts_are_verified_and_accepted(request, union):
         steps = run.plugin_steps
         assert steps["steps_without_draft_model"] >= steps["steps"] - steps["steps_without_drafts"] > 0, steps
     assert run.num_draft_tokens <= K * run.num_drafts
+    # every speculative step of these greedy requests (one at a time: one draft a step) was
+    # verified by the plugin's greedy shortcut, not vLLM's rejection sampler
+    assert run.plugin_steps["steps_verified_greedy"] == run.num_drafts, run.plugin_steps
 
 
 def test_plain_steps_skip_drafting_and_speculation_resumes(full_union):

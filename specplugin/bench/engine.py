@@ -109,7 +109,7 @@ def with_token_ids(llm, cell: dict[str, Any]) -> dict[str, Any]:
 
 ATTRIBUTED = ("drafts", "draft_tokens", "accepted_tokens", "chosen")
 STEP_COUNTERS = ("steps", "steps_without_drafts", "steps_skipped", "steps_peeked",
-                 "steps_without_draft_model")
+                 "steps_without_draft_model", "steps_verified_greedy")
 
 
 def plugin_counters(llm) -> tuple[dict[str, dict[str, int]] | None, dict[str, int] | None]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specplugin.proposers.draft import inverse_cdf_draw
@@ -335,3 +336,36 @@ def draw_recovered(
     else:
         residual = (target_probs - draft_probs).clamp_min_(0.0)
     return inverse_cdf_draw(residual, uniform)
+
+
+def greedy_verify(
+    logits: torch.Tensor,  # [num_draft_tokens_total + num_reqs, vocab_size] on CPU
+    draft_token_ids: torch.Tensor,  # [num_draft_tokens_total] on CPU
+    num_draft_tokens: Sequence[int],  # [num_reqs]
+) -> torch.Tensor:  # [num_reqs, max(num_draft_tokens) + 1] int32
+    """Greedy verification of a batch in which every request is greedy: each request
+    keeps its draft tokens while they equal the target's argmax, then emits the argmax at
+    the first mismatch (or after the last draft, the bonus position's). ``logits`` holds
+    each request's rows in turn, one per draft token and then its bonus row (vLLM's
+    layout of the sampled positions); slots past a request's emitted tokens hold
+    :data:`PLACEHOLDER_TOKEN_ID`.
+
+    What vLLM's rejection sampler computes for such a batch, without what it runs for
+    any batch (a bonus-token sampler, float32 copies of the target rows, a kernel
+    launch), on the host: numpy's argmax took a tenth of torch's on this project's CPU
+    (vocabulary 6,144: 6 against 88 us for 9 rows, 43 against 531 us for 72), and the
+    few dozen integers after it are compared in Python. Ties go to the lowest index, as
+    torch's argmax breaks them."""
+    best = logits.detach().numpy().argmax(axis=-1).tolist()  # [num_rows]
+    drafts = draft_token_ids.tolist()  # [num_draft_tokens_total]
+    output = np.full((len(num_draft_tokens), max(num_draft_tokens, default=0) + 1),
+                     PLACEHOLDER_TOKEN_ID, dtype=np.int32)  # [num_reqs, max_k + 1]
+    row = first_draft = 0  # the request's first row of logits, its first draft token
+    for r, k in enumerate(num_draft_tokens):
+        accepted = 0
+        while accepted < k and drafts[first_draft + accepted] == best[row + accepted]:
+            accepted += 1
+        # the accepted drafts are the argmax there; then the correction or the bonus token
+        output[r, :accepted + 1] = best[row:row + accepted + 1]
+        row, first_draft = row + k + 1, first_draft + k
+    return torch.from_numpy(output)

@@ -122,6 +122,8 @@ WORKER_TIMED: Timed = (
     # replaces vLLM's; untimed, both would be counted as vLLM's sampling
     (_VERIFY, None, "expected_acceptance", "plugin: verify"),
     (_VERIFY, None, "draw_recovered", "plugin: verify"),
+    # an all-greedy batch verified by the plugin instead of vLLM's rejection sampler
+    (_VERIFY, None, "verify_greedy", "plugin: verify"),
     # the union (vLLM-free core)
     (_UNION, "Union", "step", "plugin: other"),
     (_UNION, "Union", "begin", "plugin: learn"),
@@ -150,7 +152,7 @@ COARSE_PLUGIN_ROWS = frozenset({
     ("PluginRunnerMixin", "propose_draft_token_ids"),
     ("Speculator", "propose"), ("PluginDraftProposer", "propose"),
     ("PluginDraftProposer", "_logits"),
-    (None, "expected_acceptance"), (None, "draw_recovered"),
+    (None, "expected_acceptance"), (None, "draw_recovered"), (None, "verify_greedy"),
 })
 # Modules whose draft-model forwards run inside ``with set_forward_context(...)``: the
 # with-block is the forward ("draft forward", counted), vLLM's draft_model and the plugin's.

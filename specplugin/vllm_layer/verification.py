@@ -29,6 +29,17 @@ request (measured on this CPU, batch 8, vocabulary 6,144: 1.1 ms of a ~1.4 ms
 batch 16). Both are exact draws from the residual: the output's distribution is the
 target's either way. Seeded requests keep vLLM's draw (their seed's random stream is
 vLLM's to define), as does every engine without the plugin's runner.
+
+A batch in which every request is greedy and asks for nothing that moves the argmax
+(no penalties, logit bias, minimum tokens, allowed or bad words, thinking budget) nor
+for logprobs is verified by :func:`verify_greedy` instead of vLLM's rejection sampler:
+the same tokens (:func:`~specplugin.scorers.rejection.greedy_verify`), without the
+sampler's fixed costs: ``specplugin profile --zoo validation --workload complete
+--batch-size 1 --temperature 0 --methods vllm-suffix,plugin-union --timers fine``
+measured vLLM's sampling at 0.590 ms of vllm-suffix's speculative step, the union's
+sampling and this shortcut at 0.153 ms of its own (vLLM's greedy rejection sampler
+alone, warm, on this CPU: 0.46 ms at batch 1, 1.27 ms at batch 8 with 8 draft tokens
+each, against 0.016 and 0.061 ms).
 """
 
 from __future__ import annotations
@@ -42,7 +53,7 @@ import torch
 
 from specplugin.metrics import FailureCounter
 from specplugin.proposers.draft import draft_uniforms
-from specplugin.scorers.rejection import draw_recovered, expected_acceptance
+from specplugin.scorers.rejection import draw_recovered, expected_acceptance, greedy_verify
 from specplugin.vllm_layer import patches
 
 logger = logging.getLogger("specplugin")
@@ -53,12 +64,15 @@ logger = logging.getLogger("specplugin")
 DRAW_FAILURES = FailureCounter("recovered draw", logger, fallback="vLLM's own draw")
 EXPECTATION_FAILURES = FailureCounter("expected acceptance", logger,
                                       fallback="learning from the verdicts alone")
+GREEDY_FAILURES = FailureCounter("greedy verification", logger,
+                                 fallback="vLLM's rejection sampler")
 
 
 def failures() -> dict[str, int]:
     """This process's counts, those above 0 (added to each drafter's
     ``proposer_failures``: the metric names a shortcut only once it failed)."""
-    return {f.name: f.count for f in (DRAW_FAILURES, EXPECTATION_FAILURES) if f.count}
+    return {f.name: f.count for f in (DRAW_FAILURES, EXPECTATION_FAILURES, GREEDY_FAILURES)
+            if f.count}
 
 
 class Heard:
@@ -81,6 +95,7 @@ class Heard:
 
 _listener: Heard | None = None
 _recovering = False
+_greedy_steps = 0
 
 
 @contextlib.contextmanager
@@ -136,6 +151,60 @@ def _listened(original):
                         draft_probs, target_probs, *args, **kwargs)
 
     return sample_recovered_tokens
+
+
+def verify_greedy(logits: torch.Tensor, metadata, sampling_metadata, rejection_sampler):
+    """vLLM's ``SamplerOutput`` for a speculative step whose requests are all plainly
+    greedy (see the module's docstring), verified on the host; None where vLLM's
+    rejection sampler must run (another batch, another device, or a failure here, which
+    costs the step this shortcut, never a request). ``logits``: [num_draft_tokens_total
+    + num_reqs, vocab_size], ``metadata``: vLLM's ``SpecDecodeMetadata``."""
+    if logits.device.type != "cpu" or not _plainly_greedy(sampling_metadata, rejection_sampler):
+        return None
+    from vllm.v1.outputs import SamplerOutput
+
+    global _greedy_steps
+    try:
+        token_ids = greedy_verify(logits, metadata.draft_token_ids, metadata.num_draft_tokens)
+    except Exception:
+        GREEDY_FAILURES.record()
+        return None
+    _greedy_steps += 1
+    return SamplerOutput(sampled_token_ids=token_ids, logprobs_tensors=None)
+
+
+def greedy_steps() -> int:
+    """Speculative steps this process verified with :func:`verify_greedy` (published as
+    ``steps_verified_greedy``)."""
+    return _greedy_steps
+
+
+def _plainly_greedy(sampling_metadata, rejection_sampler) -> bool:
+    """Every request greedy, and nothing that vLLM's samplers apply before the argmax
+    or return beside it in use."""
+    m = sampling_metadata
+    if not (m.all_greedy and m.no_penalties and m.max_num_logprobs is None
+            and not m.logprob_token_ids and m.allowed_token_ids_mask is None
+            and not m.bad_words_token_ids
+            and not getattr(rejection_sampler, "synthetic_mode", True)):
+        return False
+    holder = m.thinking_budget_state_holder
+    if holder is not None and holder.has_tracked_requests():
+        return False
+    return all(_leaves_argmax(p) for p in m.logitsprocs.non_argmax_invariant)
+
+
+def _leaves_argmax(processor) -> bool:
+    """vLLM's built-in processors that can move the argmax, while no request uses them
+    (logit bias, minimum tokens); any other processor might."""
+    from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor,
+                                                         MinTokensLogitsProcessor)
+
+    if isinstance(processor, LogitBiasLogitsProcessor):
+        return not processor.biases
+    if isinstance(processor, MinTokensLogitsProcessor):
+        return not processor.min_toks
+    return False
 
 
 def _seeded(args, kwargs) -> bool:

@@ -257,8 +257,9 @@ class PluginRunnerMixin:
                     dict(zip(knots, (round(float(t) * 1e3, 2) for t in seconds))))
 
     def plugin_stats(self) -> dict:
-        """The drafter's counters, and the scorer's under ``"scorer"`` when it is on."""
-        stats = self.drafter.stats()
+        """The drafter's counters, the speculative steps verified without vLLM's rejection
+        sampler, and the scorer's under ``"scorer"`` when it is on."""
+        stats = {**self.drafter.stats(), "steps_verified_greedy": verification.greedy_steps()}
         if self.expander is not None:
             stats["scorer"] = {**self.expander.stats.as_dict(), **self.expander.describe()}
         return stats
@@ -286,6 +287,14 @@ class PluginRunnerMixin:
                 sampler_output = super()._sample(logits, spec_decode_metadata)
             self.expander.resolve(self, sampler_output)
             return sampler_output
+        if spec_decode_metadata is not None:
+            self.input_batch.update_async_output_token_ids()  # (as vLLM's _sample)
+            output = verification.verify_greedy(logits, spec_decode_metadata,
+                                                self.input_batch.sampling_metadata,
+                                                self.rejection_sampler)
+            if output is not None:
+                self._heard = None  # (no sampled request: nothing to hear)
+                return output
         with verification.listening() as self._heard:
             return super()._sample(logits, spec_decode_metadata)
 
