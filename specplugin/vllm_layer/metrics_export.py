@@ -30,8 +30,9 @@ Names (counters; ``proposer`` label where it applies):
 - ``vllm:specplugin_proposer_failures_total{proposer}``: failures caught (each cost its
   step's drafts, never a request); ``union`` is the drafting step as a whole;
   ``recovered draw`` and ``expected acceptance`` (once they failed) are the plugin's
-  shortcuts inside vLLM's rejection sampler (each failure cost its step the shortcut:
-  vLLM's own draw, the verdicts alone);
+  shortcuts inside vLLM's rejection sampler, ``greedy verification`` the one in its place
+  (each failure cost its step the shortcut: vLLM's own draw, the verdicts alone, vLLM's
+  rejection sampler);
 - ``vllm:specplugin_scorer_{extra_rows,extra_tokens,wins}_total``: the batch-expanding
   scorer's extra candidates, their query tokens, and how many beat the request's draft.
 
