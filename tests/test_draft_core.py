@@ -33,6 +33,7 @@ from specplugin.proposers.draft import (
     sample_draft_tokens,
     truncate_rows,
 )
+from specplugin.bench.verify_bench import greedy_sampling_metadata, spec_decode_metadata
 from specplugin.stats import chi_square_gof
 
 
@@ -622,41 +623,6 @@ def test_sampled_rows_read_vllms_batch_flags_before_the_temperatures():
     assert _sampled_rows(mixed, 3) == [False, True, True]
 
 
-def _greedy_metadata(num_reqs: int, **changes):
-    """vLLM's ``SamplingMetadata`` of an all-greedy batch asking for nothing else."""
-    import dataclasses
-
-    from vllm.v1.sample.logits_processor import LogitsProcessors
-    from vllm.v1.sample.metadata import SamplingMetadata
-
-    plain = SamplingMetadata(
-        temperature=None, all_greedy=True, all_random=False, top_p=None, top_k=None,
-        generators={}, max_num_logprobs=None, no_penalties=True, prompt_token_ids=None,
-        frequency_penalties=torch.zeros(num_reqs), presence_penalties=torch.zeros(num_reqs),
-        repetition_penalties=torch.ones(num_reqs), output_token_ids=[[] for _ in range(num_reqs)],
-        allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
-    return dataclasses.replace(plain, **changes)
-
-
-def _spec_metadata(drafts: list[list[int]]):
-    """vLLM's ``SpecDecodeMetadata`` for rows of ``drafts``, each row's logits laid out as
-    vLLM's runner lays them out: one per draft token, then the bonus position's
-    (``make_dummy`` leaves every index 0)."""
-    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
-
-    counts = np.array([len(d) for d in drafts])
-    ends = np.cumsum(counts + 1)  # one row past each bonus row
-    target = np.concatenate([np.arange(e - k - 1, e - 1) for e, k in zip(ends, counts)])
-    return SpecDecodeMetadata(
-        draft_token_ids=torch.tensor([t for d in drafts for t in d], dtype=torch.int32),
-        num_draft_tokens=counts.tolist(),
-        cu_num_draft_tokens=torch.from_numpy(np.cumsum(counts).astype(np.int32)),
-        cu_num_sampled_tokens=torch.from_numpy(ends.astype(np.int32)),
-        target_logits_indices=torch.from_numpy(target.astype(np.int32)),
-        bonus_logits_indices=torch.from_numpy((ends - 1).astype(np.int32)),
-        logits_indices=torch.arange(int(ends[-1]), dtype=torch.int32))
-
-
 def _idle_processor(cls, state: str, value):
     processor = object.__new__(cls)  # (no engine config: only its state is read)
     setattr(processor, state, value)
@@ -697,8 +663,8 @@ def test_the_greedy_shortcut_emits_what_vllms_rejection_sampler_does():
                            else int(torch.randint(vocab, (1,), generator=generator))
                            for j in range(k)])
             row += k + 1
-        metadata = _spec_metadata(drafts)
-        sampling = _greedy_metadata(num_reqs, logitsprocs=idle)
+        metadata = spec_decode_metadata(drafts)
+        sampling = greedy_sampling_metadata(num_reqs, logitsprocs=idle)
         want = vllms(metadata, None, logits.clone(), sampling).sampled_token_ids
         got = verification.verify_greedy(logits, metadata, sampling, vllms)
         assert got is not None and got.logprobs_tensors is None
@@ -720,10 +686,11 @@ def test_the_greedy_shortcut_leaves_to_vllm_every_batch_it_does_not_cover():
 
     from specplugin.vllm_layer import verification
 
-    metadata = _spec_metadata([[1, 2], [3]])
+    metadata = spec_decode_metadata([[1, 2], [3]])
     logits = torch.randn(5, 8)
     sampler = SimpleNamespace(synthetic_mode=False)
-    assert verification.verify_greedy(logits, metadata, _greedy_metadata(2), sampler) is not None
+    assert verification.verify_greedy(logits, metadata, greedy_sampling_metadata(2),
+                                      sampler) is not None
 
     class Custom:
         pass
@@ -737,14 +704,14 @@ def test_the_greedy_shortcut_leaves_to_vllm_every_batch_it_does_not_cover():
             {"bad_words_token_ids": {0: [[1]]}},
             {"logitsprocs": LogitsProcessors(
                 [_idle_processor(LogitBiasLogitsProcessor, "biases", {0: {1: 5.0}})])},
-            {"logitsprocs": LogitsProcessors(
-                [_idle_processor(MinTokensLogitsProcessor, "min_toks", {0: (4, [], set(), False)})])},
+            {"logitsprocs": LogitsProcessors([_idle_processor(
+                MinTokensLogitsProcessor, "min_toks", {0: (4, [], set(), False)})])},
     ):
         assert verification.verify_greedy(
-            logits, metadata, _greedy_metadata(2, **changes), sampler) is None, changes
+            logits, metadata, greedy_sampling_metadata(2, **changes), sampler) is None, changes
     unknown = LogitsProcessors()
     unknown.non_argmax_invariant.append(Custom())
     assert verification.verify_greedy(
-        logits, metadata, _greedy_metadata(2, logitsprocs=unknown), sampler) is None
-    assert verification.verify_greedy(logits, metadata, _greedy_metadata(2),
+        logits, metadata, greedy_sampling_metadata(2, logitsprocs=unknown), sampler) is None
+    assert verification.verify_greedy(logits, metadata, greedy_sampling_metadata(2),
                                       SimpleNamespace(synthetic_mode=True)) is None

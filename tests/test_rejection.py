@@ -231,16 +231,21 @@ def test_batched_equals_reference(num_draft_tokens, vocab_size, one_hot_drafts, 
     num_draft_tokens=st.lists(st.integers(0, 5), min_size=1, max_size=6),
     vocab_size=st.integers(2, 9),
     tied=st.booleans(),
+    bfloat16=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_greedy_verify_emits_what_the_reference_does(num_draft_tokens, vocab_size, tied, seed):
+def test_greedy_verify_emits_what_the_reference_does(num_draft_tokens, vocab_size, tied,
+                                                     bfloat16, seed):
     """The all-greedy shortcut (the plugin's runner uses it instead of vLLM's rejection
     sampler) emits, per request, exactly the greedy reference's tokens: drafts while they
-    are the argmax, then the argmax; ties (integer logits) broken at the lowest index."""
+    are the argmax, then the argmax; ties (integer logits) broken at the lowest index;
+    bfloat16 logits (a model's dtype; numpy has none) as well."""
     generator = torch.Generator().manual_seed(seed)
     num_reqs, total = len(num_draft_tokens), sum(num_draft_tokens)
     logits = (torch.randint(0, 3, (total + num_reqs, vocab_size), generator=generator).float()
               if tied else torch.randn(total + num_reqs, vocab_size, generator=generator))
+    if bfloat16:
+        logits = logits.to(torch.bfloat16)
     rows = torch.tensor([r for i, k in enumerate(num_draft_tokens)  # each draft's logits row
                          for r in range(sum(num_draft_tokens[:i]) + i,
                                         sum(num_draft_tokens[:i]) + i + k)], dtype=torch.long)
@@ -254,8 +259,8 @@ def test_greedy_verify_emits_what_the_reference_does(num_draft_tokens, vocab_siz
     first_row = first_draft = 0
     for i, k in enumerate(num_draft_tokens):
         expected = reference_verify(draft_token_ids[first_draft:first_draft + k], None,
-                                    logits[first_row:first_row + k + 1].softmax(-1), None,
-                                    greedy=True).tolist()
+                                    logits[first_row:first_row + k + 1].float().softmax(-1),
+                                    None, greedy=True).tolist()
         assert out[i, :len(expected)].tolist() == expected
         assert (out[i, len(expected):] == PLACEHOLDER_TOKEN_ID).all()
         first_row, first_draft = first_row + k + 1, first_draft + k

@@ -7,7 +7,9 @@ argmax alone costs ~10x numpy's. The plugin's runner verifies such batches itsel
 (:func:`specplugin.vllm_layer.verification.verify_greedy`). This prints both, per
 batch size and draft length, warm caches (inside an engine both cost more):
 
-    .venv/bin/python scripts/verify_bench.py
+    .venv/bin/python -m specplugin.bench.verify_bench
+
+The two builders of vLLM's metadata are the tests' too (``tests/test_draft_core.py``).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import numpy as np
 import torch
 
 
-def _metadata(drafts: list[list[int]]):
+def spec_decode_metadata(drafts: list[list[int]]):
     """vLLM's ``SpecDecodeMetadata``, each row's logits laid out as vLLM's runner lays them
-    out: one per draft token, then the bonus position's."""
+    out: one per draft token, then the bonus position's (vLLM's ``make_dummy`` leaves
+    every index 0)."""
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
     counts = np.array([len(d) for d in drafts])
@@ -37,16 +40,21 @@ def _metadata(drafts: list[list[int]]):
         logits_indices=torch.arange(int(ends[-1]), dtype=torch.int32))
 
 
-def _greedy_sampling(num_reqs: int):
+def greedy_sampling_metadata(num_reqs: int, **changes):
+    """vLLM's ``SamplingMetadata`` of an all-greedy batch asking for nothing else
+    (``changes``: fields to set otherwise)."""
+    import dataclasses
+
     from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.sample.metadata import SamplingMetadata
 
-    return SamplingMetadata(
+    plain = SamplingMetadata(
         temperature=None, all_greedy=True, all_random=False, top_p=None, top_k=None,
         generators={}, max_num_logprobs=None, no_penalties=True, prompt_token_ids=None,
         frequency_penalties=torch.zeros(num_reqs), presence_penalties=torch.zeros(num_reqs),
         repetition_penalties=torch.ones(num_reqs), output_token_ids=[[] for _ in range(num_reqs)],
         allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+    return dataclasses.replace(plain, **changes)
 
 
 def _ms(call, repeats: int) -> float:
@@ -74,7 +82,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for batch, k in ((1, 3), (1, 8), (8, 4), (8, 8), (16, 2)):
         drafts = rng.integers(0, args.vocab_size, size=(batch, k)).tolist()
-        metadata, sampling = _metadata(drafts), _greedy_sampling(batch)
+        metadata, sampling = spec_decode_metadata(drafts), greedy_sampling_metadata(batch)
         logits = torch.randn(batch * (k + 1), args.vocab_size)  # [num_sampled, vocab_size]
         theirs = _ms(lambda: vllms(metadata, None, logits, sampling), args.repeats)
         ours = _ms(lambda: verify_greedy(logits, metadata, sampling, vllms), args.repeats)
