@@ -715,3 +715,26 @@ def test_the_greedy_shortcut_leaves_to_vllm_every_batch_it_does_not_cover():
         logits, metadata, greedy_sampling_metadata(2, logitsprocs=unknown), sampler) is None
     assert verification.verify_greedy(logits, metadata, greedy_sampling_metadata(2),
                                       SimpleNamespace(synthetic_mode=True)) is None
+
+
+def test_a_failing_greedy_shortcut_falls_back_to_vllms_sampler(monkeypatch):
+    """Metadata the shortcut cannot read (a field vLLM renamed) or a failing verification
+    costs the step the shortcut, never the request: ``verify_greedy`` returns None (the
+    runner then calls vLLM's rejection sampler) and the failure is counted."""
+    import logging
+    from types import SimpleNamespace
+
+    from specplugin.metrics import FailureCounter
+    from specplugin.vllm_layer import verification
+
+    counter = FailureCounter("greedy verification", logging.getLogger("specplugin.test"),
+                             fallback="vLLM's rejection sampler")
+    monkeypatch.setattr(verification, "GREEDY_FAILURES", counter)
+    metadata, logits = spec_decode_metadata([[1, 2], [3]]), torch.randn(5, 8)
+    sampler = SimpleNamespace(synthetic_mode=False)
+    renamed = SimpleNamespace(all_greedy=True)  # none of the other fields
+    assert verification.verify_greedy(logits, metadata, renamed, sampler) is None
+    monkeypatch.setattr(verification, "greedy_verify", lambda *a: 1 / 0)
+    assert verification.verify_greedy(logits, metadata, greedy_sampling_metadata(2),
+                                      sampler) is None
+    assert counter.count == 2

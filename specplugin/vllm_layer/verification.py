@@ -159,18 +159,21 @@ def verify_greedy(logits: torch.Tensor, metadata, sampling_metadata, rejection_s
     rejection sampler must run (another batch, another device, or a failure here, which
     costs the step this shortcut, never a request). ``logits``: [num_draft_tokens_total
     + num_reqs, vocab_size], ``metadata``: vLLM's ``SpecDecodeMetadata``."""
-    if logits.device.type != "cpu" or not _plainly_greedy(sampling_metadata, rejection_sampler):
-        return None
-    from vllm.v1.outputs import SamplerOutput
-
     global _greedy_steps
-    try:
+    if logits.device.type != "cpu":
+        return None
+    try:  # (vLLM's metadata read here too: a field renamed by vLLM costs the shortcut)
+        if not _plainly_greedy(sampling_metadata, rejection_sampler):
+            return None
+        from vllm.v1.outputs import SamplerOutput
+
         token_ids = greedy_verify(logits, metadata.draft_token_ids, metadata.num_draft_tokens)
+        output = SamplerOutput(sampled_token_ids=token_ids, logprobs_tensors=None)
     except Exception:
         GREEDY_FAILURES.record()
         return None
     _greedy_steps += 1
-    return SamplerOutput(sampled_token_ids=token_ids, logprobs_tensors=None)
+    return output
 
 
 def greedy_steps() -> int:
