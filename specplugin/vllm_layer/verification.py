@@ -37,9 +37,9 @@ the same tokens (:func:`~specplugin.scorers.rejection.greedy_verify`), without t
 sampler's fixed costs: ``specplugin profile --zoo validation --workload complete
 --batch-size 1 --temperature 0 --methods vllm-suffix,plugin-union --timers fine``
 measured vLLM's sampling at 0.590 ms of vllm-suffix's speculative step, the union's
-sampling and this shortcut at 0.153 ms of its own (vLLM's greedy rejection sampler
-alone, warm, on this CPU: 0.46 ms at batch 1, 1.27 ms at batch 8 with 8 draft tokens
-each, against 0.016 and 0.061 ms).
+sampling and this shortcut at 0.153 ms of its own (``python -m
+specplugin.bench.verify_bench``, warm, on this CPU: vLLM's rejection sampler 0.466 ms at
+batch 1, 1.240 ms at batch 8, 8 draft tokens each, against 0.051 and 0.104 ms).
 """
 
 from __future__ import annotations
