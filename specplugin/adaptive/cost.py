@@ -219,9 +219,12 @@ class StepCostModel:
             table[:min(knots[0], len(table))] = [f[0]] * min(knots[0], len(table))
         for j in range(max(i - 1, 1), min(i + 2, len(knots))):  # segments [knots[j-1], knots[j]]
             lo, hi = knots[j - 1], knots[j]
+            end = min(hi + 1, len(table))
+            if end <= lo:
+                break
             f_lo, slope = f[j - 1], (f[j] - f[j - 1]) / (hi - lo)
-            for n in range(lo, min(hi + 1, len(table))):
-                table[n] = f_lo + slope * (n - lo)
+            # (one slice, not one store per entry: this runs on every speculative step)
+            table[lo:end] = [f_lo + slope * d for d in range(end - lo)]
         if i >= len(knots) - 2:  # past the last knot F follows the last two: it moved
             for n in range(knots[-1], len(table)):
                 table[n] = self.forward_one(n)

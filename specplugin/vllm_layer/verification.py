@@ -165,10 +165,8 @@ def verify_greedy(logits: torch.Tensor, metadata, sampling_metadata, rejection_s
     try:  # (vLLM's metadata read here too: a field renamed by vLLM costs the shortcut)
         if not _plainly_greedy(sampling_metadata, rejection_sampler):
             return None
-        from vllm.v1.outputs import SamplerOutput
-
         token_ids = greedy_verify(logits, metadata.draft_token_ids, metadata.num_draft_tokens)
-        output = SamplerOutput(sampled_token_ids=token_ids, logprobs_tensors=None)
+        output = _vllm_classes()[0](sampled_token_ids=token_ids, logprobs_tensors=None)
     except Exception:
         GREEDY_FAILURES.record()
         return None
@@ -200,14 +198,24 @@ def _plainly_greedy(sampling_metadata, rejection_sampler) -> bool:
 def _leaves_argmax(processor) -> bool:
     """vLLM's built-in processors that can move the argmax, while no request uses them
     (logit bias, minimum tokens); any other processor might."""
-    from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor,
-                                                         MinTokensLogitsProcessor)
-
+    _, LogitBiasLogitsProcessor, MinTokensLogitsProcessor = _vllm_classes()
     if isinstance(processor, LogitBiasLogitsProcessor):
         return not processor.biases
     if isinstance(processor, MinTokensLogitsProcessor):
         return not processor.min_toks
     return False
+
+
+@functools.cache
+def _vllm_classes() -> tuple[type, type, type]:
+    """vLLM's ``SamplerOutput`` and the two built-in processors :func:`_leaves_argmax`
+    knows, imported once, on first use (not at import: this module loads with the plugin,
+    in processes that never verify)."""
+    from vllm.v1.outputs import SamplerOutput
+    from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor,
+                                                         MinTokensLogitsProcessor)
+
+    return SamplerOutput, LogitBiasLogitsProcessor, MinTokensLogitsProcessor
 
 
 def _seeded(args, kwargs) -> bool:

@@ -288,7 +288,8 @@ class PluginRunnerMixin:
             self.expander.resolve(self, sampler_output)
             return sampler_output
         if spec_decode_metadata is not None:
-            self.input_batch.update_async_output_token_ids()  # (as vLLM's _sample)
+            # (No update_async_output_token_ids() first: the shortcut takes only batches
+            # that read no output tokens; vLLM's _sample makes that call on fallback.)
             output = verification.verify_greedy(logits, spec_decode_metadata,
                                                 self.input_batch.sampling_metadata,
                                                 self.rejection_sampler)
