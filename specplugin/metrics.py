@@ -27,6 +27,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+# The plugin's whole-engine step counters (keys of a drafter's ``stats()``), each with the
+# help text of its Prometheus counter ``vllm:specplugin_<name>_total``: one table for the
+# exporter (:mod:`specplugin.vllm_layer.metrics_export`) and the benchmarks, so that a new
+# counter is published and measured everywhere once it is added here.
+STEP_COUNTERS: dict[str, str] = {
+    "steps": "Engine steps the plugin drafted for (or chose not to).",
+    "steps_without_drafts": "Steps in which no request verified a draft.",
+    "steps_skipped": "Of those, steps whose drafting was skipped altogether (a plain step "
+                     "decoded on vLLM's non-speculative path).",
+    "steps_peeked": "Plain steps that the n-gram peek turned speculative (copied text in "
+                    "sight while the step arbiter kept decoding plain).",
+    "steps_without_draft_model": "Steps in which the draft model's machinery did not run at "
+                                 "all (vLLM's preparation of its inputs included): its drafts "
+                                 "were not needed.",
+    "steps_verified_greedy": "Speculative steps of all-greedy batches verified by the plugin "
+                             "instead of vLLM's rejection sampler (the same tokens, without "
+                             "its fixed costs).",
+}
+
+
 @dataclass
 class ProposerStats:
     """Counters for metrics: per proposer, per draft position, and the controller's choices.

@@ -253,6 +253,35 @@ def test_the_plain_step_ab_compares_trimmed_means_of_one_engines_two_arms():
     assert plain_ab_summary(None, 4) is None and _plain_ab({}) == "-"
 
 
+def test_the_paired_plain_step_ratio_sees_through_a_drifting_machine():
+    """Pooled, the on arm's settled plain steps (from the runs where the union did not
+    speculate) meet every bypassed run; on a machine whose speed drifts run to run, that
+    compares moments, not paths. Paired by batch, a plugin that adds 2% reads 2%."""
+    from specplugin.bench.profile import plain_ab_summary
+
+    def run(step_ms, speculated=0):
+        steps = ([(0.01, 8, 4, 1)] * speculated  # speculative steps first: not settled
+                 + [(ms / 1e3, 4, 0, 0) for ms in step_ms])
+        engine = Ledger(len(steps), sum(s[0] for s in steps), {REST: 1.0}, {}, steps)
+        return {"engine": engine.as_dict(), "worker": Ledger().as_dict()}
+
+    # four batches on a machine that slows down; the union speculated through the first
+    # three, and decoded the slow last one plainly
+    speeds = [5.0, 5.0, 5.0, 8.0]
+    on = [run([v * 1.02] * (2 if v == 5.0 else 40), speculated=30) for v in speeds]
+    bypassed = [run([v] * 40) for v in speeds]
+    ab = plain_ab_summary({"on": on, "bypassed": bypassed}, 4)
+    assert ab["settled_ratio_median"] > 1.3  # the pooled figure sees the slow batch
+    assert ab["paired_ratio"] == pytest.approx(1.02) and ab["paired_runs"] == 1
+    assert "paired by batch: 1.020x (1 of 4 pairs)" in _plain_ab_text(ab)
+
+
+def _plain_ab_text(ab):
+    from specplugin.bench.profile import _plain_ab
+
+    return _plain_ab({"plain_ab": ab})
+
+
 # ------------------------------------------------------------------ inside real vLLM
 
 # A built-in without a draft model, and a union with the draft model and one token-level

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from specplugin.config import SPECULATOR_CLASS
+from specplugin.metrics import STEP_COUNTERS
 
 _COUNTERS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
@@ -108,8 +109,6 @@ def with_token_ids(llm, cell: dict[str, Any]) -> dict[str, Any]:
 
 
 ATTRIBUTED = ("drafts", "draft_tokens", "accepted_tokens", "chosen")
-STEP_COUNTERS = ("steps", "steps_without_drafts", "steps_skipped", "steps_peeked",
-                 "steps_without_draft_model", "steps_verified_greedy")
 
 
 def plugin_counters(llm) -> tuple[dict[str, dict[str, int]] | None, dict[str, int] | None]:

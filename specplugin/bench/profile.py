@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import statistics
 import subprocess
@@ -296,7 +297,9 @@ def plain_ab_summary(ledgers: Mapping[str, Sequence] | None,
                     plugin_ms[arm][phase] = plugin_ms[arm].get(phase, 0.0) + seconds * 1e3 / num_steps
     mean = {arm: trimmed_mean(ms) for arm, ms in steps.items()}
     median = {arm: statistics.median(ms) for arm, ms in steps.items()}
+    paired, paired_runs = paired_settled_ratio(combined["on"], combined["bypassed"], batch_size)
     return {"runs": len(ledgers["on"]), "steps": {a: len(ms) for a, ms in steps.items()},
+            "paired_ratio": paired, "paired_runs": paired_runs,
             "mean_ms": mean, "median_ms": median, "plugin_ms": plugin_ms,
             "ratio_mean": mean["on"] / mean["bypassed"],
             "ratio_median": median["on"] / median["bypassed"],
@@ -304,6 +307,38 @@ def plain_ab_summary(ledgers: Mapping[str, Sequence] | None,
             "settled_ratio_mean": trimmed_mean(settled) / mean["bypassed"] if settled else None,
             "settled_ratio_median": (statistics.median(settled) / median["bypassed"]
                                      if settled else None)}
+
+
+# settled plain steps a run of the on arm needs for its pair to count (paired_settled_ratio)
+MIN_PAIRED_STEPS = 5
+
+
+def paired_settled_ratio(on: Sequence, bypassed: Sequence,
+                         batch_size: int) -> tuple[float | None, int]:
+    """(ratio, pairs): the on arm's settled plain step against the bypassed arm's plain
+    step, batch by batch: for each batch (``on[i]`` and ``bypassed[i]`` ran the same
+    prompts one right after the other), the ratio of the two runs' median plain steps,
+    then their geometric mean weighted by the on run's settled steps. Runs whose on arm
+    has fewer than :data:`MIN_PAIRED_STEPS` settled steps are left out.
+
+    Why: the pooled ratios above set the on arm's steps against every bypassed run, but
+    the on arm's settled plain steps come from the few runs in which the union chose not
+    to speculate, while this machine's speed drifts from run to run by more than the
+    bound (medians of one engine's bypassed runs of 5.3 to 7.8 ms, validation pair, b1/t1,
+    2026-11-27): pooled, they compare two moments of the machine, not two paths."""
+    from specplugin.profiling import plain_steps_ms
+
+    logs, weights = [], []
+    for one, other in zip(on, bypassed):
+        mine = plain_steps_ms(one, batch_size, settled=SETTLED)
+        theirs = plain_steps_ms(other, batch_size)
+        if len(mine) < MIN_PAIRED_STEPS or not theirs:
+            continue
+        logs.append(math.log(statistics.median(mine) / statistics.median(theirs)))
+        weights.append(len(mine))
+    if not logs:
+        return None, 0
+    return math.exp(sum(x * w for x, w in zip(logs, weights)) / sum(weights)), len(logs)
 
 
 def trimmed_mean(values: Sequence[float], cut: float = 0.1) -> float:
@@ -503,6 +538,9 @@ def _plain_ab(result: Mapping[str, Any]) -> str:
         text += (f"; {SETTLED}+ steps after speculating: "
                  f"{ab['settled_ratio_mean']:.3f}x mean, "
                  f"{ab['settled_ratio_median']:.3f}x median ({ab['settled_steps']} steps)")
+    if ab.get("paired_ratio") is not None:
+        text += (f"; paired by batch: {ab['paired_ratio']:.3f}x "
+                 f"({ab['paired_runs']} of {ab['runs']} pairs)")
     return text
 
 

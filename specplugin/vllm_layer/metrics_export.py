@@ -22,9 +22,11 @@ Names (counters; ``proposer`` label where it applies):
 - ``vllm:specplugin_chosen_total{proposer}``: how often the controller sent its candidate;
 - ``vllm:specplugin_k_total{k}``: requests per step by the draft length chosen (0: none);
 - ``vllm:specplugin_steps_total``, ``vllm:specplugin_steps_without_drafts_total``,
-  ``vllm:specplugin_steps_skipped_total``, ``vllm:specplugin_steps_without_draft_model_total``,
+  ``vllm:specplugin_steps_skipped_total``, ``vllm:specplugin_steps_peeked_total``,
+  ``vllm:specplugin_steps_without_draft_model_total``,
   ``vllm:specplugin_steps_verified_greedy_total`` (speculative steps of all-greedy batches
-  verified by the plugin, not vLLM's rejection sampler: see verification.py);
+  verified by the plugin, not vLLM's rejection sampler: see verification.py); one table,
+  :data:`specplugin.metrics.STEP_COUNTERS`, names them and their help texts;
 - ``vllm:specplugin_arbiter_blocks_total{mode}``: blocks the step arbiter ran speculating
   or plain;
 - ``vllm:specplugin_proposer_failures_total{proposer}``: failures caught (each cost its
@@ -54,6 +56,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+
+from specplugin.metrics import STEP_COUNTERS
 
 logger = logging.getLogger("specplugin")
 PUBLISH_EVERY_S = 0.5
@@ -116,17 +120,12 @@ SCORER_COUNTERS = {
 
 def merge(snapshots: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """The sum of several workers' snapshots (data-parallel engines each publish one)."""
-    total: dict[str, Any] = {"steps": 0, "steps_without_drafts": 0, "steps_skipped": 0,
-                             "steps_without_draft_model": 0, "steps_verified_greedy": 0,
-                             "k_histogram": Counter(),
+    total: dict[str, Any] = {**dict.fromkeys(STEP_COUNTERS, 0), "k_histogram": Counter(),
                              "proposers": {}, "proposer_failures": Counter(),
                              "arbiter": Counter(), "scorer": Counter()}
     for snap in snapshots:
-        total["steps"] += snap.get("steps", 0)
-        total["steps_without_drafts"] += snap.get("steps_without_drafts", 0)
-        total["steps_skipped"] += snap.get("steps_skipped", 0)
-        total["steps_without_draft_model"] += snap.get("steps_without_draft_model", 0)
-        total["steps_verified_greedy"] += snap.get("steps_verified_greedy", 0)
+        for key in STEP_COUNTERS:
+            total[key] += snap.get(key, 0)
         total["k_histogram"].update(snap.get("k_histogram", {}))
         total["proposer_failures"].update(snap.get("proposer_failures", {}))
         total["arbiter"].update(snap.get("arbiter") or {})
@@ -169,21 +168,10 @@ def metric_families(total: dict[str, Any]) -> list:
     k = family("k", "Requests per step by the draft length chosen (0: no speculation).", ["k"])
     for value, count in sorted(total["k_histogram"].items(), key=lambda kv: int(kv[0])):
         k.add_metric([str(value)], count)
-    steps = family("steps", "Engine steps the plugin drafted for (or chose not to).", [])
-    steps.add_metric([], total["steps"])
-    idle = family("steps_without_drafts", "Steps in which no request verified a draft.", [])
-    idle.add_metric([], total["steps_without_drafts"])
-    skipped = family("steps_skipped", "Of those, steps whose drafting was skipped altogether "
-                     "(a plain step decoded on vLLM's non-speculative path).", [])
-    skipped.add_metric([], total["steps_skipped"])
-    no_draft = family("steps_without_draft_model", "Steps in which the draft model's "
-                      "machinery did not run at all (vLLM's preparation of its inputs "
-                      "included): its drafts were not needed.", [])
-    no_draft.add_metric([], total["steps_without_draft_model"])
-    greedy = family("steps_verified_greedy", "Speculative steps of all-greedy batches "
-                    "verified by the plugin instead of vLLM's rejection sampler (the same "
-                    "tokens, without its fixed costs).", [])
-    greedy.add_metric([], total["steps_verified_greedy"])
+    steps = []
+    for key, doc in STEP_COUNTERS.items():
+        steps.append(family(key, doc, []))
+        steps[-1].add_metric([], total[key])
     blocks = family("arbiter_blocks", "Blocks of steps the step arbiter ran, by mode.", ["mode"])
     for mode, key in (("speculative", "speculative_blocks"), ("plain", "plain_blocks")):
         blocks.add_metric([mode], total["arbiter"].get(key, 0))
@@ -197,8 +185,7 @@ def metric_families(total: dict[str, Any]) -> list:
     for key, doc in SCORER_COUNTERS.items():
         scorer.append(family(f"scorer_{key}", doc, []))
         scorer[-1].add_metric([], total["scorer"].get(key, 0))
-    return [*per_proposer.values(), *per_pos.values(), k, steps, idle, skipped, no_draft,
-            greedy, blocks, failures, *scorer]
+    return [*per_proposer.values(), *per_pos.values(), k, *steps, blocks, failures, *scorer]
 
 
 class _Collector:
