@@ -257,7 +257,7 @@ def test_the_paired_plain_step_ratio_sees_through_a_drifting_machine():
     """Pooled, the on arm's settled plain steps (from the runs where the union did not
     speculate) meet every bypassed run; on a machine whose speed drifts run to run, that
     compares moments, not paths. Paired by batch, a plugin that adds 2% reads 2%."""
-    from specplugin.bench.profile import plain_ab_summary
+    from specplugin.bench.profile import _plain_ab, plain_ab_summary
 
     def run(step_ms, speculated=0):
         steps = ([(0.01, 8, 4, 1)] * speculated  # speculative steps first: not settled
@@ -273,13 +273,7 @@ def test_the_paired_plain_step_ratio_sees_through_a_drifting_machine():
     ab = plain_ab_summary({"on": on, "bypassed": bypassed}, 4)
     assert ab["settled_ratio_median"] > 1.3  # the pooled figure sees the slow batch
     assert ab["paired_ratio"] == pytest.approx(1.02) and ab["paired_runs"] == 1
-    assert "paired by batch: 1.020x (1 of 4 pairs)" in _plain_ab_text(ab)
-
-
-def _plain_ab_text(ab):
-    from specplugin.bench.profile import _plain_ab
-
-    return _plain_ab({"plain_ab": ab})
+    assert "paired by batch: 1.020x (1 of 4 pairs)" in _plain_ab({"plain_ab": ab})
 
 
 # ------------------------------------------------------------------ inside real vLLM

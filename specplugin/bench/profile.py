@@ -278,15 +278,17 @@ def plain_ab_summary(ledgers: Mapping[str, Sequence] | None,
         return None
     combined = {arm: [combine(Ledger.from_dict(run["engine"]), Ledger.from_dict(run["worker"]))
                       for run in runs] for arm, runs in ledgers.items()}
-    steps = {arm: [ms for ledger in runs for ms in plain_steps_ms(ledger, batch_size)]
-             for arm, runs in combined.items()}
+    per_run = {arm: [plain_steps_ms(ledger, batch_size) for ledger in runs]
+               for arm, runs in combined.items()}  # [runs][plain steps]
+    steps = {arm: [ms for run in runs for ms in run] for arm, runs in per_run.items()}
     if not steps["on"] or not steps["bypassed"]:
         return None
     # the on arm's plain steps of steady plain decoding: SETTLED steps or more after the
     # last one that speculated (those right after it carry its aftermath: learning from
     # its verification, caches the draft model took)
-    settled = [ms for ledger in combined["on"]
-               for ms in plain_steps_ms(ledger, batch_size, settled=SETTLED)]
+    settled_per_run = [plain_steps_ms(ledger, batch_size, settled=SETTLED)
+                       for ledger in combined["on"]]
+    settled = [ms for run in settled_per_run for ms in run]
     # each arm's plugin phases, ms per step (all steps): what the bypass left out
     plugin_ms = {arm: {} for arm in combined}
     for arm, runs in combined.items():
@@ -297,7 +299,7 @@ def plain_ab_summary(ledgers: Mapping[str, Sequence] | None,
                     plugin_ms[arm][phase] = plugin_ms[arm].get(phase, 0.0) + seconds * 1e3 / num_steps
     mean = {arm: trimmed_mean(ms) for arm, ms in steps.items()}
     median = {arm: statistics.median(ms) for arm, ms in steps.items()}
-    paired, paired_runs = paired_settled_ratio(combined["on"], combined["bypassed"], batch_size)
+    paired, paired_runs = paired_settled_ratio(settled_per_run, per_run["bypassed"])
     return {"runs": len(ledgers["on"]), "steps": {a: len(ms) for a, ms in steps.items()},
             "paired_ratio": paired, "paired_runs": paired_runs,
             "mean_ms": mean, "median_ms": median, "plugin_ms": plugin_ms,
@@ -313,11 +315,12 @@ def plain_ab_summary(ledgers: Mapping[str, Sequence] | None,
 MIN_PAIRED_STEPS = 5
 
 
-def paired_settled_ratio(on: Sequence, bypassed: Sequence,
-                         batch_size: int) -> tuple[float | None, int]:
+def paired_settled_ratio(on: Sequence[Sequence[float]],
+                         bypassed: Sequence[Sequence[float]]) -> tuple[float | None, int]:
     """(ratio, pairs): the on arm's settled plain step against the bypassed arm's plain
-    step, batch by batch: for each batch (``on[i]`` and ``bypassed[i]`` ran the same
-    prompts one right after the other), the ratio of the two runs' median plain steps,
+    step, batch by batch (``on[i]``: ms of run i's settled plain steps, ``bypassed[i]``:
+    of the bypassed run of the same prompts, one right after the other): the ratio of
+    the two runs' median plain steps,
     then their geometric mean weighted by the on run's settled steps. Runs whose on arm
     has fewer than :data:`MIN_PAIRED_STEPS` settled steps are left out.
 
@@ -326,12 +329,8 @@ def paired_settled_ratio(on: Sequence, bypassed: Sequence,
     to speculate, while this machine's speed drifts from run to run by more than the
     bound (medians of one engine's bypassed runs of 5.3 to 7.8 ms, validation pair, b1/t1,
     2026-11-27): pooled, they compare two moments of the machine, not two paths."""
-    from specplugin.profiling import plain_steps_ms
-
     logs, weights = [], []
-    for one, other in zip(on, bypassed):
-        mine = plain_steps_ms(one, batch_size, settled=SETTLED)
-        theirs = plain_steps_ms(other, batch_size)
+    for mine, theirs in zip(on, bypassed):
         if len(mine) < MIN_PAIRED_STEPS or not theirs:
             continue
         logs.append(math.log(statistics.median(mine) / statistics.median(theirs)))

@@ -151,6 +151,14 @@ def metric_families(total: dict[str, Any]) -> list:
     def family(name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
         return CounterMetricFamily(PREFIX + name, doc, labels=labels)
 
+    def scalars(table: dict[str, str], values: dict[str, Any], prefix: str = "") -> list:
+        """One unlabelled counter per entry of ``table`` (name -> help text)."""
+        out = []
+        for key, doc in table.items():
+            out.append(family(prefix + key, doc, []))
+            out[-1].add_metric([], values.get(key, 0))
+        return out
+
     per_proposer = {key: family(key, doc, ["proposer"]) for key, doc in (
         ("drafts", "Drafts verified (one request's candidate in one step), per proposer."),
         ("draft_tokens", "Draft tokens verified, per proposer."),
@@ -168,10 +176,6 @@ def metric_families(total: dict[str, Any]) -> list:
     k = family("k", "Requests per step by the draft length chosen (0: no speculation).", ["k"])
     for value, count in sorted(total["k_histogram"].items(), key=lambda kv: int(kv[0])):
         k.add_metric([str(value)], count)
-    steps = []
-    for key, doc in STEP_COUNTERS.items():
-        steps.append(family(key, doc, []))
-        steps[-1].add_metric([], total[key])
     blocks = family("arbiter_blocks", "Blocks of steps the step arbiter ran, by mode.", ["mode"])
     for mode, key in (("speculative", "speculative_blocks"), ("plain", "plain_blocks")):
         blocks.add_metric([mode], total["arbiter"].get(key, 0))
@@ -181,11 +185,8 @@ def metric_families(total: dict[str, Any]) -> list:
                       ["proposer"])
     for name, count in sorted(total["proposer_failures"].items()):
         failures.add_metric([name], count)
-    scorer = []
-    for key, doc in SCORER_COUNTERS.items():
-        scorer.append(family(f"scorer_{key}", doc, []))
-        scorer[-1].add_metric([], total["scorer"].get(key, 0))
-    return [*per_proposer.values(), *per_pos.values(), k, *steps, blocks, failures, *scorer]
+    return [*per_proposer.values(), *per_pos.values(), k, *scalars(STEP_COUNTERS, total),
+            blocks, failures, *scalars(SCORER_COUNTERS, total["scorer"], "scorer_")]
 
 
 class _Collector:
