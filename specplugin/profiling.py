@@ -33,6 +33,10 @@ DRAFT_TOKENS = "draft_tokens"  # draft tokens the scheduler sent for verificatio
 DRAFTED = "drafted"  # the step handed drafts (maybe empty) to the scheduler: drafting ran
 SYNC_PREFIX = "syncs:"  # + phase: .cpu()/.item()/.tolist() calls made inside that phase
 TIMER_CALLS = "timer_calls"  # phases closed (the timers' own cost is this times one pair's)
+# plain steps this many steps or more after the last one that verified or handed back
+# drafts are steady plain decoding (those right after carry the speculative block's
+# aftermath: learning from its verification, caches the draft model took)
+SETTLED = 4
 
 
 class PhaseClock:

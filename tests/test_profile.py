@@ -7,6 +7,7 @@ import sys
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from specplugin.profiling import (DRAFT_FORWARDS, IPC, REST, SYNC_PREFIX, TIMER_CALLS, WORKER,
@@ -227,53 +228,35 @@ def test_the_plain_step_is_compared_with_nones_round_by_round():
     assert _plain_rounds(none, {"none": none}) == "-"
 
 
-def test_the_plain_step_ab_compares_trimmed_means_of_one_engines_two_arms():
-    """--plain-pairs: the same engine's plain decode steps with the plugin's plain-step
-    path on and bypassed; trimmed means (a peek every few steps counts, one disturbance
-    of the machine does not) and medians, the ratio on / bypassed."""
-    from specplugin.bench.profile import _plain_ab, plain_ab_summary, trimmed_mean
+def test_the_step_ab_pairs_neighbouring_steps_and_sees_a_small_cost_on_a_drifting_machine():
+    """--step-ab: each recorded plugin step against the vllm step recorded right after it
+    in the same run of plain steps. The machine's speed swings by 2x between runs and
+    within them; a plugin that adds 2% reads 2%, and the interval is narrow enough to
+    tell it from 3%. Steps of different runs, or in the wrong order, are not paired; a
+    step that ran the other arm's code voids the measurement."""
+    from specplugin.bench.profile import _step_ab, step_ab_summary
 
-    assert trimmed_mean([1.0] * 8 + [0.0, 100.0]) == pytest.approx(1.0)
-    assert trimmed_mean([2.0, 4.0]) == pytest.approx(3.0)
-
-    def run(step_ms, plugin_s=0.0):
-        steps = [(ms / 1e3, 4, 0, 0) for ms in step_ms] + [(0.05, 100, 0, 0)]  # + a prefill
-        phases = {REST: sum(s[0] for s in steps)} | ({"plugin: plain step": plugin_s}
-                                                    if plugin_s else {})
-        engine = Ledger(len(steps), sum(s[0] for s in steps), phases, {}, steps)
-        return {"engine": engine.as_dict(), "worker": Ledger().as_dict()}
-
-    on = [5.0] * 9 + [5.5] + [40.0]  # one peek in ten steps, one disturbance
-    ab = plain_ab_summary({"on": [run(on, 0.001)] * 2, "bypassed": [run([5.0] * 11)] * 2}, 4)
-    assert ab["runs"] == 2 and ab["steps"] == {"on": 22, "bypassed": 22}
-    assert ab["ratio_median"] == pytest.approx(1.0)
-    assert ab["ratio_mean"] == pytest.approx((5.0 * 16 + 5.5 * 2) / 18 / 5.0)  # 2 cut per end
-    assert ab["plugin_ms"]["bypassed"] == {} and ab["plugin_ms"]["on"]["plugin: plain step"] > 0
-    assert _plain_ab({"plain_ab": ab}).startswith("1.011x mean, 1.000x median")
-    assert plain_ab_summary(None, 4) is None and _plain_ab({}) == "-"
-
-
-def test_the_paired_plain_step_ratio_sees_through_a_drifting_machine():
-    """Pooled, the on arm's settled plain steps (from the runs where the union did not
-    speculate) meet every bypassed run; on a machine whose speed drifts run to run, that
-    compares moments, not paths. Paired by batch, a plugin that adds 2% reads 2%."""
-    from specplugin.bench.profile import _plain_ab, plain_ab_summary
-
-    def run(step_ms, speculated=0):
-        steps = ([(0.01, 8, 4, 1)] * speculated  # speculative steps first: not settled
-                 + [(ms / 1e3, 4, 0, 0) for ms in step_ms])
-        engine = Ledger(len(steps), sum(s[0] for s in steps), {REST: 1.0}, {}, steps)
-        return {"engine": engine.as_dict(), "worker": Ledger().as_dict()}
-
-    # four batches on a machine that slows down; the union speculated through the first
-    # three, and decoded the slow last one plainly
-    speeds = [5.0, 5.0, 5.0, 8.0]
-    on = [run([v * 1.02] * (2 if v == 5.0 else 40), speculated=30) for v in speeds]
-    bypassed = [run([v] * 40) for v in speeds]
-    ab = plain_ab_summary({"on": on, "bypassed": bypassed}, 4)
-    assert ab["settled_ratio_median"] > 1.3  # the pooled figure sees the slow batch
-    assert ab["paired_ratio"] == pytest.approx(1.02) and ab["paired_runs"] == 1
-    assert "paired by batch: 1.020x (1 of 4 pairs)" in _plain_ab({"plain_ab": ab})
+    rng = np.random.default_rng(0)
+    records = []
+    for segment in range(40):
+        base = 5.0 * (1.0 + segment % 2)  # the machine: 5 or 10 ms a step, run by run
+        for _ in range(10):
+            base *= 1.0 + rng.normal(0.0, 0.01)  # drifting within the run
+            noise = rng.normal(0.0, 0.01, size=2)
+            records.append(["plugin", base * 1.02 * (1 + noise[0]) / 1e3, segment, True])
+            records.append(["vllm", base * (1 + noise[1]) / 1e3, segment, False])
+    ab = step_ab_summary(records)
+    assert ab["pairs"] == 400 and ab["wrong_arm"] == 0
+    assert ab["low"] < 1.02 < ab["high"] < 1.03
+    assert ab["ratio"] == pytest.approx(1.02, abs=0.003)
+    assert _step_ab({"step_ab": ab}).startswith("1.02")
+    # across runs, or vllm first: no pair
+    apart = [["plugin", 0.005, 0, True], ["vllm", 0.004, 1, False],
+             ["vllm", 0.004, 1, False], ["plugin", 0.005, 1, True]]
+    assert step_ab_summary(apart) is None and step_ab_summary(None) is None
+    broken = step_ab_summary(records + [["vllm", 0.005, 41, True]])
+    assert broken == {"pairs": 0, "wrong_arm": 1}
+    assert _step_ab({"step_ab": broken}).startswith("broken: 1 steps")
 
 
 # ------------------------------------------------------------------ inside real vLLM
@@ -292,7 +275,7 @@ def profiled(tmp_path_factory):
     path = out / "profile.json"
     cmd = [sys.executable, "-m", "specplugin.cli", "profile", "--quick", "--eager",
            "--methods", ",".join(E2E_METHODS), "--batch-size", "4", "--overhead-pairs", "1",
-           "--plain-pairs", "1",
+           "--step-ab", "2",
            # speculative and plain blocks take turns: both kinds of step are measured
            # (and the draft model runs wherever a row could use it, whatever it measured)
            "--set", 'fault_injection={"alternate_blocks": true, "draft_always": true}',
@@ -338,17 +321,16 @@ def test_plain_steps_that_skip_drafting_are_told_apart(profiled):
 
 
 @pytest.mark.vllm
-def test_the_plain_step_ab_bypasses_the_plugins_decision_in_the_same_engine(profiled):
-    """--plain-pairs: the bypassed arm decodes plainly without asking the drafter (no
-    plain-step decision, no drafting), the other arm as usual; built-ins have no arm."""
+def test_the_step_ab_runs_every_other_settled_plain_step_as_vllms_own_runner(profiled):
+    """--step-ab: in steady plain decoding, pairs of the plugin's plain step and vLLM's
+    own runner's (class and speculative config swapped out for the step: none of the
+    plugin's runner code runs, which each record checks); built-ins have no arm."""
     builtin, plugin = (profiled[0]["methods"][n] for n in E2E_METHODS)
-    assert builtin["plain_ab"] is None
-    ab = plugin["plain_ab"]
-    assert ab["runs"] >= 1 and ab["steps"]["on"] > 0 and ab["steps"]["bypassed"] > 0
-    assert "plugin: plain step" in ab["plugin_ms"]["on"]
-    bypassed = ab["plugin_ms"]["bypassed"]
-    assert not [p for p in bypassed if p.startswith(("plugin: plain", "propose:", "draft:"))]
-    assert "plain step, plugin on / bypassed" in profiled[1]
+    assert builtin["step_ab"] is None
+    ab = plugin["step_ab"]
+    assert ab["wrong_arm"] == 0 and ab["pairs"] >= 1, ab
+    assert 0.5 < ab["ratio"] < 2.0 and ab["median_ms"]["vllm"] > 0
+    assert "plain step, plugin / vLLM's runner, step by step" in profiled[1]
 
 
 @pytest.mark.vllm

@@ -121,6 +121,9 @@ MODEL_MARGIN = 1.25
 ENGINE_WARMUP_BLOCKS = 2
 # a block whose steps were not counted runs on, to at most this many times block_steps
 MAX_BLOCK_FACTOR = 2
+# alternate_blocks (tests): a plain block is this many times block_steps, so that a test
+# engine also decodes plainly long enough to settle (``specplugin profile --step-ab``)
+ALTERNATE_PLAIN_FACTOR = 3
 
 
 def batch_bucket(num_reqs: int) -> int:
@@ -247,8 +250,10 @@ class StepArbiter:
     def _block_done(self) -> bool:
         """The running block has ``block_steps`` counted steps, or has run
         ``MAX_BLOCK_FACTOR`` times as many steps in all."""
-        return (self._counted >= self.block_steps
-                or self._steps >= MAX_BLOCK_FACTOR * self.block_steps)
+        steps = self.block_steps
+        if self.alternate and self._choice == PLAIN:
+            steps *= ALTERNATE_PLAIN_FACTOR
+        return self._counted >= steps or self._steps >= MAX_BLOCK_FACTOR * steps
 
     def predicted(self, rate: float) -> None:
         """The union planned the running step to emit ``rate`` tokens per second."""

@@ -287,36 +287,25 @@ def run_profile(llm, job: dict[str, Any], emit: Emit) -> None:
         _profile_rpc(llm, "stop")
         emit({"event": "cell", **result, "ledger": ledger, "front_end_s": front_end.take(),
               "timer_cost_s": timer_cost_s, "device": device, "overhead_tok_s": rates,
-              "plain_ab": plain_ab(llm, cell, job.get("plain_pairs", 0))})
+              "step_ab": step_ab(llm, cell, job.get("step_ab", 0))})
 
 
-def plain_ab(llm, cell: dict[str, Any], pairs: int) -> dict[str, list] | None:
-    """``pairs`` passes over the cell in which every batch of its prompts runs twice in a
-    row, once with the plugin's plain-step path bypassed and once with it on
-    (``specplugin_profile`` actions ``bypass`` / ``unbypass``), the order flipping from
-    one batch to the next (ABBA: a machine that drifts during the pass slows both arms
-    alike; whole runs of the cell one after the other differed by 5-8% on this VM in one
-    engine), each with the timers on: the ledgers (rank 0's worker and the engine core)
-    per arm, from which a plain step's cost with the plugin is compared with the same
-    engine's without it. None when the engine's runner is not the plugin's (no
-    plain-step path to bypass)."""
-    if pairs <= 0 or not all(r["worker"] for r in _profile_rpc(llm, "bypass")):
-        _profile_rpc(llm, "unbypass")
+def step_ab(llm, cell: dict[str, Any], passes: int) -> list | None:
+    """``passes`` runs of the cell, timers off, with rank 0's worker running every other
+    pair of settled plain steps as vLLM's own runner
+    (:class:`~specplugin.vllm_layer.profiling.PlainStepAB`): its records. None when the
+    engine's runner is not the plugin's."""
+    if passes <= 0:
         return None
-    ledgers: dict[str, list] = {"bypassed": [], "on": []}
-    turn = 0
+    if not _profile_rpc(llm, "step_ab_on")[0]["worker"]:
+        _profile_rpc(llm, "step_ab_off")
+        return None
     try:
-        for _ in range(pairs):
-            for batch, params in _batches(cell):
-                for arm in (("bypassed", "on") if turn % 2 == 0 else ("on", "bypassed")):
-                    _profile_rpc(llm, "bypass" if arm == "bypassed" else "unbypass")
-                    _profile_rpc(llm, "start")
-                    _generate(llm, batch, params)
-                    ledgers[arm].append(_profile_rpc(llm, "stop")[0])
-                turn += 1
+        for _ in range(passes):
+            run_cell(llm, cell, return_token_ids=False)
     finally:
-        _profile_rpc(llm, "unbypass")
-    return ledgers
+        records = _profile_rpc(llm, "step_ab_off")[0]["worker"]
+    return records
 
 
 # what a job's cells are -> how the child runs them

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from specplugin import trace
+from specplugin.profiling import SETTLED
 
 DEFAULT_METHODS = "none,vllm-suffix,vllm-draft,plugin-suffix,plugin-union"
 DEFAULT_OUT_DIR = "bench-out/profile"
@@ -67,13 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overhead-pairs", type=int, default=3,
                         help="timers-off/on runs per method after the profiled run, to "
                              "measure the timers' own cost (0: skip)")
-    parser.add_argument("--plain-pairs", type=int, default=2,
-                        help="plugin methods: passes over the cell after the profiled run in "
-                             "which each batch runs twice in a row, with the plugin's "
-                             "plain-step path bypassed and on (order flipping per batch): "
-                             "its plain decode step against the same engine's without the "
-                             "plugin's decision, free of the engine-to-engine noise that "
-                             "--rounds fights (0: skip)")
+    parser.add_argument("--step-ab", type=int, default=0, metavar="PASSES",
+                        help="plugin methods: passes over the cell after the profiled run, "
+                             "timers off, in which every other pair of steady plain decode "
+                             "steps runs as vLLM's own runner (the plugin's class and "
+                             "speculative config swapped out for the step): a plain step "
+                             "with the plugin against one without it, a step apart in the "
+                             "same engine (0: skip)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a plugin setting for every plugin method of the run (value as "
                              "JSON, e.g. --set step_arbiter=false); repeatable")
@@ -123,10 +124,10 @@ def run(args: argparse.Namespace) -> int:
             kwargs = spec.engine_kwargs(models, settings_for(spec, args.overrides))
             _check_plugin_settings(kwargs)
         if (args.batch_size < 1 or args.overhead_pairs < 0 or args.rounds < 1
-                or args.plain_pairs < 0):
+                or args.step_ab < 0):
             raise ValueError("--batch-size and --rounds must be >= 1 and --overhead-pairs and "
-                             f"--plain-pairs >= 0; got {args.batch_size}, {args.rounds}, "
-                             f"{args.overhead_pairs} and {args.plain_pairs}.")
+                             f"--step-ab >= 0; got {args.batch_size}, {args.rounds}, "
+                             f"{args.overhead_pairs} and {args.step_ab}.")
         if args.py_spy:
             _check_py_spy()
         cell = Cell(args.workload, args.batch_size, args.temperature)
@@ -222,7 +223,7 @@ def profile_method(spec, models, prompts, args, out_dir: Path,
                     engine_kwargs=spec.engine_kwargs(models, settings_for(spec, args.overrides)),
                     cells=(cell_payload(prompts),),
                     kind="profile", eager=args.eager, overhead_pairs=args.overhead_pairs,
-                    plain_pairs=args.plain_pairs, env=env)
+                    step_ab=args.step_ab, env=env)
     spy = PySpy(out_dir / f"flame-{spec.name}.svg") if args.py_spy else None
     try:
         result = run_job(job, out_dir / "logs", spy.on_event if spy else lambda e: None)
@@ -249,7 +250,7 @@ def profile_method(spec, models, prompts, args, out_dir: Path,
         "overhead": overhead(off, on, summary["timer_calls_per_step"] * cell["timer_cost_s"]
                              * 1e3, summary["step_ms"]),
         "flame_graph": str(spy.path) if spy and spy.path.exists() else None,
-        "plain_ab": plain_ab_summary(cell.get("plain_ab"), prompts.cell.batch_size),
+        "step_ab": step_ab_summary(cell.get("step_ab")),
         # the timed cell's part of the trace: its steps come first after the warm-up's
         # forget (the overhead and plain-step checks run after it)
         "trace": (trace.summarize(trace.after_last_forget(trace.read(trace_dir)),
@@ -259,93 +260,39 @@ def profile_method(spec, models, prompts, args, out_dir: Path,
     return summary
 
 
-# plain steps this many steps or more after the last speculative one are steady plain
-# decoding (plain_ab_summary)
-SETTLED = 4
 
 
-def plain_ab_summary(ledgers: Mapping[str, Sequence] | None,
-                     batch_size: int) -> dict[str, Any] | None:
-    """The same engine's plain decode steps (the whole batch, no draft) with the plugin's
-    plain-step path on and bypassed (``--plain-pairs``): their trimmed means (10% off each
-    end: a plain step's cost is its average, the steps that peek included, and one
-    disturbance of the machine must not be it) and medians, each arm's runs pooled, and
-    the ratios on / bypassed: issue 19's bound, a plain step within 3% of a plain step of
-    an engine without speculation, for the plugin's part of it."""
-    from specplugin.profiling import Ledger, combine, is_plugin_phase, plain_steps_ms
-
-    if not ledgers or not ledgers.get("on") or not ledgers.get("bypassed"):
+def step_ab_summary(records: Sequence[Sequence] | None) -> dict[str, Any] | None:
+    """``--step-ab``'s steps (:class:`~specplugin.vllm_layer.profiling.PlainStepAB`:
+    ``[arm, seconds, segment, plugin_ran]`` in step order, arms ``plugin`` and ``vllm``)
+    as pairs: each recorded ``plugin`` step with the next recorded step of the same run of
+    plain steps if that is a ``vllm`` one (two steps later: the same moment of the
+    machine). The ratio plugin / vllm is the geometric mean over pairs, with a 95%
+    interval from the spread of the pairs' log ratios (normal approximation); the bound
+    (issue 19) is met where the interval's top is under 1.03. None without a pair. If any
+    step ran the other arm's code (the swap is broken), no pairs: only their count,
+    ``wrong_arm``."""
+    records = records or []
+    wrong = sum(1 for r in records if r[3] != (r[0] == "plugin"))
+    if wrong:
+        return {"pairs": 0, "wrong_arm": wrong}
+    pairs, i = [], 0
+    while i < len(records) - 1:
+        (arm, seconds, segment, _), (next_arm, next_seconds, next_segment, _) = records[i:i + 2]
+        if arm == "plugin" and next_arm == "vllm" and segment == next_segment:
+            pairs.append((seconds * 1e3, next_seconds * 1e3))
+            i += 2
+        else:
+            i += 1
+    if not pairs:
         return None
-    combined = {arm: [combine(Ledger.from_dict(run["engine"]), Ledger.from_dict(run["worker"]))
-                      for run in runs] for arm, runs in ledgers.items()}
-    per_run = {arm: [plain_steps_ms(ledger, batch_size) for ledger in runs]
-               for arm, runs in combined.items()}  # [runs][plain steps]
-    steps = {arm: [ms for run in runs for ms in run] for arm, runs in per_run.items()}
-    if not steps["on"] or not steps["bypassed"]:
-        return None
-    # the on arm's plain steps of steady plain decoding: SETTLED steps or more after the
-    # last one that speculated (those right after it carry its aftermath: learning from
-    # its verification, caches the draft model took)
-    settled_per_run = [plain_steps_ms(ledger, batch_size, settled=SETTLED)
-                       for ledger in combined["on"]]
-    settled = [ms for run in settled_per_run for ms in run]
-    # each arm's plugin phases, ms per step (all steps): what the bypass left out
-    plugin_ms = {arm: {} for arm in combined}
-    for arm, runs in combined.items():
-        num_steps = max(1, sum(ledger.num_steps for ledger in runs))
-        for ledger in runs:
-            for phase, seconds in ledger.phases_s.items():
-                if is_plugin_phase(phase):
-                    plugin_ms[arm][phase] = plugin_ms[arm].get(phase, 0.0) + seconds * 1e3 / num_steps
-    mean = {arm: trimmed_mean(ms) for arm, ms in steps.items()}
-    median = {arm: statistics.median(ms) for arm, ms in steps.items()}
-    paired, paired_runs = paired_settled_ratio(settled_per_run, per_run["bypassed"])
-    return {"runs": len(ledgers["on"]), "steps": {a: len(ms) for a, ms in steps.items()},
-            "paired_ratio": paired, "paired_runs": paired_runs,
-            "mean_ms": mean, "median_ms": median, "plugin_ms": plugin_ms,
-            "ratio_mean": mean["on"] / mean["bypassed"],
-            "ratio_median": median["on"] / median["bypassed"],
-            "settled_steps": len(settled),
-            "settled_ratio_mean": trimmed_mean(settled) / mean["bypassed"] if settled else None,
-            "settled_ratio_median": (statistics.median(settled) / median["bypassed"]
-                                     if settled else None)}
-
-
-# settled plain steps a run of the on arm needs for its pair to count (paired_settled_ratio)
-MIN_PAIRED_STEPS = 5
-
-
-def paired_settled_ratio(on: Sequence[Sequence[float]],
-                         bypassed: Sequence[Sequence[float]]) -> tuple[float | None, int]:
-    """(ratio, pairs): the on arm's settled plain step against the bypassed arm's plain
-    step, batch by batch (``on[i]``: ms of run i's settled plain steps, ``bypassed[i]``:
-    of the bypassed run of the same prompts, one right after the other): the ratio of
-    the two runs' median plain steps,
-    then their geometric mean weighted by the on run's settled steps. Runs whose on arm
-    has fewer than :data:`MIN_PAIRED_STEPS` settled steps are left out.
-
-    Why: the pooled ratios above set the on arm's steps against every bypassed run, but
-    the on arm's settled plain steps come from the few runs in which the union chose not
-    to speculate, while this machine's speed drifts from run to run by more than the
-    bound (medians of one engine's bypassed runs of 5.3 to 7.8 ms, validation pair, b1/t1,
-    2026-11-27): pooled, they compare two moments of the machine, not two paths."""
-    logs, weights = [], []
-    for mine, theirs in zip(on, bypassed):
-        if len(mine) < MIN_PAIRED_STEPS or not theirs:
-            continue
-        logs.append(math.log(statistics.median(mine) / statistics.median(theirs)))
-        weights.append(len(mine))
-    if not logs:
-        return None, 0
-    return math.exp(sum(x * w for x, w in zip(logs, weights)) / sum(weights)), len(logs)
-
-
-def trimmed_mean(values: Sequence[float], cut: float = 0.1) -> float:
-    """The mean of ``values`` without the lowest and highest ``cut`` share of them."""
-    ordered = sorted(values)
-    drop = int(len(ordered) * cut)
-    kept = ordered[drop: len(ordered) - drop] or ordered
-    return sum(kept) / len(kept)
+    logs = [math.log(mine / theirs) for mine, theirs in pairs]
+    mean = statistics.fmean(logs)
+    half = 1.96 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else math.inf
+    return {"pairs": len(pairs), "wrong_arm": 0, "ratio": math.exp(mean),
+            "low": math.exp(mean - half), "high": math.exp(mean + half),
+            "median_ms": {"plugin": statistics.median(p for p, _ in pairs),
+                          "vllm": statistics.median(v for _, v in pairs)}}
 
 
 def overhead(off: Sequence[float], on: Sequence[float], timers_ms: float,
@@ -399,7 +346,7 @@ def ledger_rows(results: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, lis
         ("plain decode step ms (median; steps)", [_plain(r, results) for r in rs]),
         ("  of them drafting skipped too", [_plain(r, results, "skipped") for r in rs]),
         ("  skipped / none's, per round (median)", [_plain_rounds(r, results) for r in rs]),
-        ("plain step, plugin on / bypassed, same engine", [_plain_ab(r) for r in rs]),
+        ("plain step, plugin / vLLM's runner, step by step", [_step_ab(r) for r in rs]),
         ("engine busy (steps / wall)", [f"{r['busy_share']:.0%}" for r in rs]),
         ("front end ms / step (alongside)", [f"{r['front_end_ms_per_step']:.3f}" for r in rs]),
         ("timer overhead: measured", [_pct(r["overhead"]["measured"]) for r in rs]),
@@ -526,21 +473,14 @@ def _plain_rounds(result: Mapping[str, Any], results: Mapping[str, Mapping[str, 
             + (f" ({statistics.median(ratios):.3f}x)" if len(ratios) > 1 else ""))
 
 
-def _plain_ab(result: Mapping[str, Any]) -> str:
-    ab = result.get("plain_ab")
+def _step_ab(result: Mapping[str, Any]) -> str:
+    ab = result.get("step_ab")
     if not ab:
         return "-"
-    text = (f"{ab['ratio_mean']:.3f}x mean, {ab['ratio_median']:.3f}x median "
-            f"({ab['mean_ms']['on']:.3f} / {ab['mean_ms']['bypassed']:.3f} ms; "
-            f"{ab['steps']['on']} / {ab['steps']['bypassed']} steps)")
-    if ab.get("settled_ratio_mean") is not None:
-        text += (f"; {SETTLED}+ steps after speculating: "
-                 f"{ab['settled_ratio_mean']:.3f}x mean, "
-                 f"{ab['settled_ratio_median']:.3f}x median ({ab['settled_steps']} steps)")
-    if ab.get("paired_ratio") is not None:
-        text += (f"; paired by batch: {ab['paired_ratio']:.3f}x "
-                 f"({ab['paired_runs']} of {ab['runs']} pairs)")
-    return text
+    if ab["wrong_arm"]:
+        return f"broken: {ab['wrong_arm']} steps ran the other arm's code"
+    return (f"{ab['ratio']:.3f}x (95%: {ab['low']:.3f}-{ab['high']:.3f}; {ab['pairs']} pairs; "
+            f"median {ab['median_ms']['plugin']:.3f} / {ab['median_ms']['vllm']:.3f} ms)")
 
 
 def _pct(value: float | None) -> str:
@@ -587,7 +527,7 @@ def _meta(args, models, cell, prompts) -> dict[str, Any]:
     return {**run_environment(), "models": asdict(models), "cell": cell.key,
             "num_requests": len(prompts.prompts), "max_tokens": prompts.max_tokens,
             "eager": args.eager, "engine_defaults": engine_kwargs({}, args.eager),
-            "overhead_pairs": args.overhead_pairs, "plain_pairs": args.plain_pairs,
+            "overhead_pairs": args.overhead_pairs, "step_ab": args.step_ab,
             "overrides": args.overrides, "timers": args.timers}
 
 

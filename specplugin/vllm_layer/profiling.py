@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from specplugin.profiling import (DRAFT_FORWARDS, DRAFT_TOKENS, DRAFTED, QUERY_TOKENS, WORKER,
-                                  PhaseClock)
-from specplugin.vllm_layer import patches
+from specplugin.profiling import (DRAFT_FORWARDS, DRAFT_TOKENS, DRAFTED, QUERY_TOKENS, SETTLED,
+                                  WORKER, PhaseClock)
+from specplugin.vllm_layer import draft_handoff, patches
 
 ENV = "SPECPLUGIN_PROFILE"  # "1" in specplugin profile's engine children only
 # "coarse": the worker times the plugin at its entry points only (see COARSE_PLUGIN_ROWS)
@@ -342,9 +342,135 @@ def install_worker(runner) -> None:
         CLOCK.sync = torch.cuda.synchronize
 
 
+class PlainStepAB:
+    """``specplugin profile --step-ab``: in steady plain decoding, every other pair of
+    steps runs without the plugin, so that a plain step's cost with the plugin can be set
+    against vLLM's own plain step in the same engine, one step apart.
+
+    Installed on one worker's model runner (instance attributes over its
+    ``execute_model`` and ``sample_tokens``). A step is *eligible* when it decodes every
+    request with one token and no draft (no request joins, leaves or resumes) and the
+    :data:`~specplugin.profiling.SETTLED` steps before it neither verified nor
+    handed back drafts. Eligible steps in a row go in blocks of :data:`BLOCK`, arms
+    alternating (``plugin``, ``vllm``, ``plugin``, ...). In a ``vllm`` step the runner
+    *is* vLLM's runner: its class is the one the plugin's mixin was put in front of and its
+    speculative config is None, exactly vLLM's plain step, none of the plugin's code
+    runs; the output carries no drafts, as a plugin plain step's (the engine core then
+    asks no worker for drafts, :mod:`.draft_handoff`). Only each block's last step is
+    recorded: its predecessor ran the same code, so one arm's aftermath (caches, the
+    arbiter's next peek) does not land in the other's. A ``plugin`` step that handed
+    back drafts was no plain step and is not recorded.
+
+    Records: ``[arm, seconds, segment, plugin_ran]``, ``seconds`` the worker's wall time of
+    the step (``execute_model`` plus ``sample_tokens``; the engine core's side of a plain
+    step is the same code in both arms), ``segment`` numbering runs of eligible steps, so
+    that pairs are only made within one run
+    (:func:`specplugin.bench.profile.step_ab_summary`), ``plugin_ran`` whether the
+    plugin's runner saw the step (it must not in a ``vllm`` one).
+    The drafter's step clock restarts after a ``vllm`` step (it did not see that step).
+    """
+
+    BLOCK = 2
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.plugin_class = type(runner)
+        self.vllm_class = _vllm_runner_class(self.plugin_class)
+        self.records: list[list] = []
+        self._quiet = 0  # steps in a row that neither verified nor handed back drafts
+        self._run = 0  # eligible steps in a row
+        self._segment = 0
+        self._arm: str | None = None
+        self._recorded = self._verifies = False
+        self._execute_s = 0.0
+        self._spec = self._scheduled = None
+
+    def install(self) -> None:
+        self.runner.execute_model = self.execute_model
+        self.runner.sample_tokens = self.sample_tokens
+
+    def uninstall(self) -> list[list]:
+        self._restore()
+        for name in ("execute_model", "sample_tokens"):
+            self.runner.__dict__.pop(name, None)
+        return self.records
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        runner = self.runner
+        if self._quiet >= SETTLED and _plain_decode(scheduler_output):
+            self._arm = "vllm" if (self._run // self.BLOCK) % 2 else "plugin"
+            self._recorded = self._run % self.BLOCK == self.BLOCK - 1
+            self._run += 1
+        else:
+            self._arm, self._recorded = None, False
+            if self._run:
+                self._segment, self._run = self._segment + 1, 0
+        self._verifies = any(scheduler_output.scheduled_spec_decode_tokens.values())
+        self._scheduled = scheduler_output
+        if self._arm == "vllm":
+            self._spec, runner.speculative_config = runner.speculative_config, None
+            runner.__class__ = self.vllm_class
+        start = time.perf_counter()
+        try:
+            output = type(runner).execute_model(runner, scheduler_output, *args, **kwargs)
+        except BaseException:
+            self._restore()
+            raise
+        self._execute_s = time.perf_counter() - start
+        if output is not None:  # no sampling call follows (nothing was scheduled)
+            self._restore()
+            self._arm = None
+        return output
+
+    def sample_tokens(self, grammar_output):
+        runner = self.runner
+        start = time.perf_counter()
+        try:
+            output = type(runner).sample_tokens(runner, grammar_output)
+        finally:
+            seconds = self._execute_s + time.perf_counter() - start
+            vllm_step = self._arm == "vllm"
+            self._restore()
+        if vllm_step:
+            draft_handoff.attach(output, None)  # as a plugin plain step's output
+            timer = getattr(runner.drafter, "timer", None)
+            if timer is not None:
+                timer.reset()
+        drafted = getattr(output, draft_handoff.ATTRIBUTE, None) is not None
+        self._quiet = 0 if drafted or self._verifies else self._quiet + 1
+        if self._recorded and not drafted:
+            # whether the plugin's runner saw the step (its _update_states keeps the
+            # scheduler output): the check that a ``vllm`` step ran none of its code
+            plugin_ran = runner.__dict__.get("step_scheduler_output") is self._scheduled
+            self.records.append([self._arm, seconds, self._segment, plugin_ran])
+        self._scheduled = None
+        return output
+
+    def _restore(self) -> None:
+        if self.runner.__class__ is self.vllm_class:
+            self.runner.__class__ = self.plugin_class
+            self.runner.speculative_config = self._spec
+
+
+def _vllm_runner_class(plugin_class: type) -> type:
+    """The vLLM runner class the plugin's mixin was put in front of."""
+    from specplugin.vllm_layer.worker import PluginRunnerMixin
+
+    return next(c for c in plugin_class.__mro__ if not issubclass(c, PluginRunnerMixin))
+
+
+def _plain_decode(scheduler_output) -> bool:
+    """Every scheduled request decodes one token, no draft; none joins, leaves or resumes."""
+    so = scheduler_output
+    return (not so.scheduled_new_reqs and not so.finished_req_ids
+            and not so.scheduled_cached_reqs.resumed_req_ids
+            and not any(so.scheduled_spec_decode_tokens.values())
+            and so.total_num_scheduled_tokens == len(so.num_scheduled_tokens) > 0)
+
+
 def _act(action: str, install) -> Any:
     """One process's part of an RPC action."""
-    if action in ("bypass", "unbypass"):  # the worker's business (worker_rpc)
+    if action in ("step_ab_on", "step_ab_off"):  # the worker's business (worker_rpc)
         return None
     if action == "start":
         install()
@@ -362,25 +488,40 @@ def _act(action: str, install) -> Any:
     if action == "device":
         return "cuda (timers synchronise)" if CLOCK.sync is not None else "synchronous"
     raise ValueError(f"{RPC}: unknown action {action!r}; one of start, stop, pause, resume, "
-                     "timer_cost, device, bypass, unbypass.")
+                     "timer_cost, device, step_ab_on, step_ab_off.")
 
 
 def worker_rpc(worker, action: str) -> Any:
-    """Sent by the engine core to every worker (vLLM's executor pickles it). ``bypass``
-    / ``unbypass``: the plugin runner's plain-step path off / on (see
-    :attr:`PluginRunnerMixin.plugin_bypass
-    <specplugin.vllm_layer.worker.PluginRunnerMixin.plugin_bypass>`); answers whether
-    the runner has one."""
-    if action in ("bypass", "unbypass"):
-        runner = worker.model_runner
-        if not hasattr(runner, "plugin_bypass"):
-            return False
-        runner.plugin_bypass = action == "bypass"
-        return True
+    """Sent by the engine core to every worker (vLLM's executor pickles it).
+    ``step_ab_on`` / ``step_ab_off``: :class:`PlainStepAB` on this worker's runner
+    (:func:`_step_ab`)."""
+    if action in ("step_ab_on", "step_ab_off"):
+        return _step_ab(worker.model_runner, action == "step_ab_on")
     if action == "device":
         return ("cuda (timers synchronise)" if worker.model_runner.device.type == "cuda"
                 else "cpu (every phase synchronous)")
     return _act(action, lambda: install_worker(worker.model_runner))
+
+
+def _step_ab(runner, on: bool) -> bool | list[list]:
+    """``step_ab_on``: install :class:`PlainStepAB` (False: the runner is not the plugin's,
+    or decodes under tensor parallelism, where every step takes the full path);
+    ``step_ab_off``: remove it, its records (None if it was not on)."""
+    ab = runner.__dict__.get("_specplugin_step_ab")
+    if not on:
+        if ab is None:
+            return None
+        del runner.__dict__["_specplugin_step_ab"]
+        return ab.uninstall()
+    from specplugin.vllm_layer.worker import PluginRunnerMixin
+
+    if (not isinstance(runner, PluginRunnerMixin)
+            or runner.parallel_config.tensor_parallel_size > 1):
+        return False
+    if ab is None:
+        ab = runner.__dict__["_specplugin_step_ab"] = PlainStepAB(runner)
+        ab.install()
+    return True
 
 
 def engine_rpc(original, engine_core, method, timeout=None, args=(), kwargs=None):

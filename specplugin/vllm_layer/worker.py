@@ -88,11 +88,6 @@ class StepContext:
 class PluginRunnerMixin:
     """Mixed in front of vLLM's ``GPUModelRunner`` or ``CPUModelRunner``."""
 
-    # ``specplugin profile`` only (its ``bypass`` action): every step takes the plain path
-    # without asking the drafter, so that a plain step's cost with the plugin can be
-    # compared with the same engine's without the plugin's decision (--plain-pairs)
-    plugin_bypass = False
-
     def _install_plugin_drafter(self) -> None:
         from specplugin.vllm_layer.draft_proposer import PluginDraftProposer
 
@@ -280,6 +275,10 @@ class PluginRunnerMixin:
         return self.expander.forward(self, forward, input_ids, positions, **kwargs)
 
     def _sample(self, logits, spec_decode_metadata):
+        if spec_decode_metadata is None and self.expander is None:
+            # a plain step: no rejection sampler runs, there is nothing to hear or recover
+            self._heard = None
+            return super()._sample(logits, None)
         if self.expander is not None:
             self.expander.keep_target_logits(logits, spec_decode_metadata)
             self._heard = None  # (its extra rows are not the batch's: verdicts only)
@@ -373,12 +372,8 @@ class PluginRunnerMixin:
         says the next one decodes plainly too (:meth:`_skip_drafting`), vLLM samples on
         its non-speculative path (no drafting call, no draft copies, no draft-model
         preparation) and the step hands back no drafts."""
-        so = self.step_scheduler_output
-        bypass = self.plugin_bypass and not (so is not None
-                                             and any(so.scheduled_spec_decode_tokens.values()))
-        if not bypass:
-            self._note_new_requests()
-        if bypass or self._skip_drafting():
+        self._note_new_requests()
+        if self._skip_drafting():
             spec, self.speculative_config = self.speculative_config, None
             try:
                 output = super().sample_tokens(grammar_output)
