@@ -249,7 +249,11 @@ def test_the_step_ab_pairs_neighbouring_steps_and_sees_a_small_cost_on_a_driftin
     assert ab["pairs"] == 400 and ab["wrong_arm"] == 0
     assert ab["low"] < 1.02 < ab["high"] < 1.03
     assert ab["ratio"] == pytest.approx(1.02, abs=0.003)
-    assert _step_ab({"step_ab": ab}).startswith("1.02")
+    # what the plugin adds, in ms: 2% of steps of 5 and 10 ms, and against a 10 ms step
+    assert ab["excess_low_ms"] < 0.15 < ab["excess_high_ms"]
+    text = _step_ab({"step_ab": ab, "plain_step_ms": 10.0})
+    assert text.startswith("1.02") and "+1.5% of a plain step" in text and "400 pairs" in text
+    assert " ms (+0.1" in _step_ab({"step_ab": ab})  # no plain step to set it against: ms
     # across runs, or vllm first: no pair
     apart = [["plugin", 0.005, 0, True], ["vllm", 0.004, 1, False],
              ["vllm", 0.004, 1, False], ["plugin", 0.005, 1, True]]

@@ -26,6 +26,7 @@ import contextlib
 import functools
 import importlib
 import os
+import random
 import time
 from typing import Any
 
@@ -343,23 +344,26 @@ def install_worker(runner) -> None:
 
 
 class PlainStepAB:
-    """``specplugin profile --step-ab``: in steady plain decoding, every other pair of
-    steps runs without the plugin, so that a plain step's cost with the plugin can be set
-    against vLLM's own plain step in the same engine, one step apart.
+    """``specplugin profile --step-ab``: in steady plain decoding, blocks of steps run
+    without the plugin, so that a plain step's cost with the plugin can be set against
+    vLLM's own plain step in the same engine, a few steps apart.
 
     Installed on one worker's model runner (instance attributes over its
     ``execute_model`` and ``sample_tokens``). A step is *eligible* when it decodes every
     request with one token and no draft (no request joins, leaves or resumes) and the
-    :data:`~specplugin.profiling.SETTLED` steps before it neither verified nor
-    handed back drafts. Eligible steps in a row go in blocks of :data:`BLOCK`, arms
-    alternating (``plugin``, ``vllm``, ``plugin``, ...). In a ``vllm`` step the runner
-    *is* vLLM's runner: its class is the one the plugin's mixin was put in front of and its
-    speculative config is None, exactly vLLM's plain step, none of the plugin's code
-    runs; the output carries no drafts, as a plugin plain step's (the engine core then
-    asks no worker for drafts, :mod:`.draft_handoff`). Only each block's last step is
-    recorded: its predecessor ran the same code, so one arm's aftermath (caches, the
-    arbiter's next peek) does not land in the other's. A ``plugin`` step that handed
-    back drafts was no plain step and is not recorded.
+    :data:`~specplugin.profiling.SETTLED` steps before it neither verified nor handed
+    back drafts. Eligible steps in a row go in blocks of 2 or 3 steps (drawn at random),
+    arms alternating (``plugin``, ``vllm``, ``plugin``, ...). In a ``vllm`` step the
+    runner *is* vLLM's runner: its class is the one the plugin's mixin was put in front of
+    and its speculative config is None, exactly vLLM's plain step, none of the plugin's
+    code runs; the output carries no drafts, as a plugin plain step's (the engine core
+    then asks no worker for drafts, :mod:`.draft_handoff`). Only each block's last step
+    is recorded: its predecessor ran the same code, so one arm's aftermath does not land
+    in the other's. The blocks' lengths are random because the plugin's own plain steps
+    are not all alike (the union peeks every few plain steps, its arbiter closes a block
+    every few): a fixed length could record the same places of that cycle every time. A
+    ``plugin`` step that handed back drafts was no plain step and is not recorded. The
+    drafter's step clock restarts after a ``vllm`` step (it did not see that step).
 
     Records: ``[arm, seconds, segment, plugin_ran]``, ``seconds`` the worker's wall time of
     the step (``execute_model`` plus ``sample_tokens``; the engine core's side of a plain
@@ -367,19 +371,21 @@ class PlainStepAB:
     that pairs are only made within one run
     (:func:`specplugin.bench.profile.step_ab_summary`), ``plugin_ran`` whether the
     plugin's runner saw the step (it must not in a ``vllm`` one).
-    The drafter's step clock restarts after a ``vllm`` step (it did not see that step).
     """
 
-    BLOCK = 2
+    BLOCKS = (2, 3)  # steps per block, drawn
 
-    def __init__(self, runner):
+    def __init__(self, runner, seed: int = 0):
         self.runner = runner
         self.plugin_class = type(runner)
         self.vllm_class = _vllm_runner_class(self.plugin_class)
         self.records: list[list] = []
+        self._rng = random.Random(seed)
         self._quiet = 0  # steps in a row that neither verified nor handed back drafts
-        self._run = 0  # eligible steps in a row
+        self._left = 0  # steps left in the running block
+        self._block_arm = "vllm"  # the running block's (the first block is the plugin's)
         self._segment = 0
+        self._in_run = False  # the last step was eligible
         self._arm: str | None = None
         self._recorded = self._verifies = False
         self._execute_s = 0.0
@@ -398,13 +404,17 @@ class PlainStepAB:
     def execute_model(self, scheduler_output, *args, **kwargs):
         runner = self.runner
         if self._quiet >= SETTLED and _plain_decode(scheduler_output):
-            self._arm = "vllm" if (self._run // self.BLOCK) % 2 else "plugin"
-            self._recorded = self._run % self.BLOCK == self.BLOCK - 1
-            self._run += 1
+            if not self._left:  # the next block, the other arm
+                self._block_arm = "plugin" if self._block_arm == "vllm" else "vllm"
+                self._left = self._rng.choice(self.BLOCKS)
+            self._left -= 1
+            self._arm, self._recorded = self._block_arm, not self._left
+            self._in_run = True
         else:
             self._arm, self._recorded = None, False
-            if self._run:
-                self._segment, self._run = self._segment + 1, 0
+            if self._in_run:  # a run of eligible steps ended
+                self._segment += 1
+            self._left, self._block_arm, self._in_run = 0, "vllm", False
         self._verifies = any(scheduler_output.scheduled_spec_decode_tokens.values())
         self._scheduled = scheduler_output
         if self._arm == "vllm":
@@ -434,7 +444,7 @@ class PlainStepAB:
         if vllm_step:
             draft_handoff.attach(output, None)  # as a plugin plain step's output
             timer = getattr(runner.drafter, "timer", None)
-            if timer is not None:
+            if timer is not None:  # its next lap would hold this step: it measures none
                 timer.reset()
         drafted = getattr(output, draft_handoff.ATTRIBUTE, None) is not None
         self._quiet = 0 if drafted or self._verifies else self._quiet + 1
