@@ -325,10 +325,11 @@ def test_plain_steps_that_skip_drafting_are_told_apart(profiled):
 
 
 @pytest.mark.vllm
-def test_the_step_ab_runs_every_other_settled_plain_step_as_vllms_own_runner(profiled):
-    """--step-ab: in steady plain decoding, pairs of the plugin's plain step and vLLM's
-    own runner's (class and speculative config swapped out for the step: none of the
-    plugin's runner code runs, which each record checks); built-ins have no arm."""
+def test_the_step_ab_runs_blocks_of_settled_plain_steps_as_vllms_own_runner(profiled):
+    """--step-ab: in steady plain decoding, blocks of the plugin's plain steps and of
+    vLLM's own runner's take turns (class and speculative config swapped out for the
+    step: none of the plugin's runner code runs, which each record checks), paired;
+    built-ins have no arm."""
     builtin, plugin = (profiled[0]["methods"][n] for n in E2E_METHODS)
     assert builtin["step_ab"] is None
     ab = plugin["step_ab"]

@@ -291,8 +291,8 @@ def run_profile(llm, job: dict[str, Any], emit: Emit) -> None:
 
 
 def step_ab(llm, cell: dict[str, Any], passes: int) -> list | None:
-    """``passes`` runs of the cell, timers off, with rank 0's worker running every other
-    pair of settled plain steps as vLLM's own runner
+    """``passes`` runs of the cell, timers off, with rank 0's worker running blocks of
+    settled plain steps as vLLM's own runner, the arms taking turns
     (:class:`~specplugin.vllm_layer.profiling.PlainStepAB`): its records. None when the
     engine's runner is not the plugin's."""
     if passes <= 0:

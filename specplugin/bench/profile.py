@@ -70,11 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "measure the timers' own cost (0: skip)")
     parser.add_argument("--step-ab", type=int, default=0, metavar="PASSES",
                         help="plugin methods: passes over the cell after the profiled run, "
-                             "timers off, in which every other pair of steady plain decode "
-                             "steps runs as vLLM's own runner (the plugin's class and "
-                             "speculative config swapped out for the step): a plain step "
-                             "with the plugin against one without it, a step apart in the "
-                             "same engine (0: skip)")
+                             "timers off, in which blocks of 2-3 steady plain decode steps "
+                             "run as vLLM's own runner, the arms taking turns (the plugin's "
+                             "class and speculative config swapped out for the step): a "
+                             "plain step with the plugin against one without it, a few "
+                             "steps apart in the same engine (0: skip)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a plugin setting for every plugin method of the run (value as "
                              "JSON, e.g. --set step_arbiter=false); repeatable")

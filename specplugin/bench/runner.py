@@ -126,8 +126,8 @@ class EngineJob:
     return_token_ids: bool = False
     return_texts: bool = False  # decoded after the timed calls, so timing is unchanged
     overhead_pairs: int = 0  # "profile" jobs: timers-off/on runs after the ledger's run
-    # "profile" jobs: passes over the cell with every other pair of settled plain steps
-    # run by vLLM's own runner (PlainStepAB)
+    # "profile" jobs: passes over the cell in which blocks of settled plain steps run as
+    # vLLM's own runner, the arms taking turns (PlainStepAB)
     step_ab: int = 0
     env: Mapping[str, str] = field(default_factory=dict)  # the child's, over child_env()
     timeout_s: float = 3600.0
