@@ -175,25 +175,17 @@ def is_plugin_phase(phase: str) -> bool:
     return phase.split(":", 1)[0] in ("plugin", "propose", "draft", "scorer")
 
 
-def plain_steps_ms(ledger: Ledger, batch_size: int, skipped: bool = False,
-                   settled: int = 0) -> list[float]:
+def plain_steps_ms(ledger: Ledger, batch_size: int, skipped: bool = False) -> list[float]:
     """Wall ms of the steps that decoded the whole batch plainly: ``batch_size`` query
     tokens and no draft. An engine without speculation has only such decode steps; the
     plugin has them where it decided not to speculate. ``skipped``: only those in which
     no drafting ran either (the plugin's plain steps that skip drafting; every plain
     step of an engine without speculation). Their medians, side by side, say what a
-    plain step costs with the plugin on (issue 19: within 3% of none's). ``settled``:
-    only plain steps at least that many steps after the last one that verified drafts or
-    drafted (steady plain decoding, apart from the steps that still carry a speculative
-    block's aftermath)."""
-    out, since = [], settled
+    plain step costs with the plugin on (issue 19: within 3% of none's)."""
+    out = []
     for s in ledger.steps:
         drafted = len(s) > 3 and bool(s[3])
-        if s[2] > 0 or drafted:
-            since = 0
-        since += 1
-        if (s[1] == batch_size and s[2] == 0 and not (skipped and drafted)
-                and (not settled or since > settled)):
+        if s[1] == batch_size and s[2] == 0 and not (skipped and drafted):
             out.append(s[0] * 1e3)
     return out
 

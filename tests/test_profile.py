@@ -119,20 +119,6 @@ def test_plain_decode_steps_are_the_whole_batch_without_drafts():
     assert [s[1:] for s in clock.take().steps] == [(8, 0, 0), (8, 0, 1)]
 
 
-def test_settled_plain_steps_are_those_well_after_the_last_speculative_one():
-    """The steps right after a speculative one carry its aftermath (learning from its
-    verification, caches the draft model took): ``settled`` keeps the plain steps at
-    least that many steps after the last step that verified drafts or drafted."""
-    from specplugin.profiling import plain_steps_ms
-
-    walls = [(0.001 * (i + 1), 4, 0, 0) for i in range(10)]
-    walls[2] = (0.003, 8, 4, 1)  # verified drafts
-    walls[6] = (0.007, 4, 0, 1)  # drafted, verified none
-    ledger = Ledger(10, 0.1, {REST: 0.1}, {}, walls)
-    assert plain_steps_ms(ledger, 4, settled=3) == pytest.approx([1.0, 2.0, 6.0, 10.0])
-    assert len(plain_steps_ms(ledger, 4)) == 9
-
-
 def test_every_timed_method_exists_in_this_vllm_and_plugin():
     """A method renamed under the table would otherwise fail only inside an engine."""
     from specplugin.vllm_layer import profiling as p

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from specplugin import trace
-from specplugin.profiling import SETTLED
 
 DEFAULT_METHODS = "none,vllm-suffix,vllm-draft,plugin-suffix,plugin-union"
 DEFAULT_OUT_DIR = "bench-out/profile"
@@ -258,8 +257,6 @@ def profile_method(spec, models, prompts, args, out_dir: Path,
                   if env.get(trace.ENV) else None),
     })
     return summary
-
-
 
 
 def step_ab_summary(records: Sequence[Sequence] | None) -> dict[str, Any] | None:
