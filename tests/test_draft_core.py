@@ -486,12 +486,14 @@ def test_first_passes_of_alike_sizes_are_priced_through_their_mean():
     assert costs.first_pass_price(False, 0.0)[0] == pytest.approx(0.003 + 0.009 / 6)
 
 
-def test_the_decode_passes_inputs_are_vllms_update_pass_after_pass():
+@pytest.mark.parametrize("max_model_len", [40, 400])
+def test_the_decode_passes_inputs_are_vllms_update_pass_after_pass(max_model_len):
     """The run's decode passes take their positions, slots and sequence lengths from one
     computation (``decode_passes``) in place of vLLM's update per pass: the same values,
     pass after pass; a row that runs past ``max_model_len`` reads position 0 into the
     padding slot with a sequence of 1 from then on (vLLM's update, which restarts such a
-    row from position 1, is compared only before that)."""
+    row from position 1, is compared only before that). With a long ``max_model_len``
+    no row reaches it (the usual case, computed without the limit's masks)."""
     from vllm.platforms import current_platform
     from vllm.v1.spec_decode.llm_base_proposer import PADDING_SLOT_ID
     from vllm.v1.spec_decode.utils import eagle_step_update_slot_mapping_and_metadata
@@ -500,9 +502,11 @@ def test_the_decode_passes_inputs_are_vllms_update_pass_after_pass():
 
     from specplugin.vllm_layer.draft_proposer import decode_passes
 
-    block_size, max_model_len, num_passes = 4, 40, 6
+    block_size, num_passes = 4, 6
     rng = np.random.default_rng(0)
-    block_table = torch.from_numpy(rng.permutation(200)[:30].reshape(3, 10).astype(np.int32))
+    max_blocks = max_model_len // block_size  # (vLLM's: enough for max_model_len)
+    block_table = torch.from_numpy(
+        rng.permutation(2000)[:3 * max_blocks].reshape(3, max_blocks).astype(np.int32))
     ends = np.array([5, 17, 37])  # the last row passes max_model_len at its 4th pass
     passes = decode_passes(block_table, ends, num_passes, block_size, max_model_len)
     positions = torch.from_numpy(ends - 1)
@@ -520,6 +524,9 @@ def test_the_decode_passes_inputs_are_vllms_update_pass_after_pass():
         assert passes.seq_lens[j, live].tolist() == seq_lens[live].tolist(), j
         assert passes.seq_lens_cpu[j].tolist() == passes.seq_lens[j].tolist()
     past = ends[2] - 1 + np.arange(1, num_passes + 1) >= max_model_len
+    if max_model_len > 100:
+        assert not past.any()
+        return
     assert past.any() and not past.all()
     assert passes.slots[past, 2].eq(PADDING_SLOT_ID).all()
     assert passes.positions[past, 2].eq(0).all() and passes.seq_lens[past, 2].eq(1).all()

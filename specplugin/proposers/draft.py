@@ -139,8 +139,7 @@ def draft_uniforms(shape: tuple[int, ...], device,
                    generator: torch.Generator | None = None) -> torch.Tensor:
     """Uniforms in (0, 1] (float64), as :func:`sample_draft_tokens` reads them: 0 would
     land on the first token even when its probability is 0."""
-    uniform = torch.rand(shape, dtype=torch.float64, device=device, generator=generator)
-    return uniform.neg_().add_(1.0)
+    return 1.0 - torch.rand(shape, dtype=torch.float64, device=device, generator=generator)
 
 
 def inverse_cdf_draw(weights: torch.Tensor,  # [num_rows, vocab_size] >= 0, unnormalised
