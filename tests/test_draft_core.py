@@ -745,3 +745,28 @@ def test_a_failing_greedy_shortcut_falls_back_to_vllms_sampler(monkeypatch):
     assert verification.verify_greedy(logits, metadata, greedy_sampling_metadata(2),
                                       sampler) is None
     assert counter.count == 2
+
+
+def test_vllms_padding_is_kept_per_token_count_only_without_data_parallelism():
+    """``_padding``: vLLM's padding of a draft forward is a function of the token count
+    when one data-parallel rank runs (asked once per count); with several, the ranks
+    agree on it every time, so it is asked every time."""
+    from types import SimpleNamespace
+
+    from specplugin.vllm_layer.draft_proposer import PluginDraftProposer
+
+    for data_parallel_size, expected_calls in ((1, [8, 3]), (2, [8, 8, 3])):
+        calls = []
+
+        def determine(num_tokens):
+            calls.append(num_tokens)
+            return ("none", num_tokens + 1, None)
+
+        drafter = SimpleNamespace(
+            vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(
+                data_parallel_size=data_parallel_size)),
+            _paddings={}, _determine_batch_execution_and_padding=determine)
+        assert PluginDraftProposer._padding(drafter, 8) == ("none", 9, None)
+        assert PluginDraftProposer._padding(drafter, 8) == ("none", 9, None)
+        assert PluginDraftProposer._padding(drafter, 3) == ("none", 4, None)
+        assert calls == expected_calls, data_parallel_size
