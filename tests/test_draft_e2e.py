@@ -85,28 +85,26 @@ from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
 from specplugin.vllm_layer.draft_proposer import PluginDraftProposer as P
 
 PAD, state, pad_checks = 3, {"decode": False}, []
-orig_switch, orig_pad, orig_forward = (P._switch_to_decode,
-    P._determine_batch_execution_and_padding, P._forward)
+orig_switch, orig_pad, orig_forward = P._switch_to_decode, P._padding, P._forward
 
 def switch(self, *args):
     orig_switch(self, *args)
     state["decode"] = True
 
-def padded(self, num_tokens, *args, **kwargs):
-    mode, num_input, across = orig_pad(self, num_tokens, *args, **kwargs)
+def padded(self, num_tokens):
+    mode, num_input, across = orig_pad(self, num_tokens)
     if state["decode"]:
         state["decode"] = False
         return mode, num_input + PAD, across
     return mode, num_input, across
 
-def forward_pass(self, cad, num_tokens, draft_index, padding=None):
+def forward_pass(self, cad, num_tokens, draft_index, padding=None, *args):
     if draft_index > 0:
         rows = self._slot_mapping_buffer[num_tokens : padding[1]]
         pad_checks.append(padding[1] == num_tokens + PAD and bool((rows == PADDING_SLOT_ID).all()))
-    return orig_forward(self, cad, num_tokens, draft_index, padding)
+    return orig_forward(self, cad, num_tokens, draft_index, padding, *args)
 
-P._switch_to_decode, P._determine_batch_execution_and_padding, P._forward = (
-    switch, padded, forward_pass)
+P._switch_to_decode, P._padding, P._forward = switch, padded, forward_pass
 
 # The draft runs only for rows that use it: force odd rows to skip every third step and
 # record what each first pass re-reads, per request: [start, end) position ranges.

@@ -420,6 +420,9 @@ class PluginDraftProposer(DraftModelProposer):
             passes = self._decode_pass_inputs(cad, ends, run.rule.k_max - 1, padding[1])
         else:  # (M-RoPE positions: vLLM's update, one pass at a time)
             positions = self.positions[last]
+        # the same buffer views every pass, taken once
+        inputs = self._decode_inputs(padding[1])
+        input_ids = self.input_ids[:num_rows]
         for draft_index in range(1, run.rule.k_max):
             start = time.perf_counter()
             if self._one_dim_positions:
@@ -427,9 +430,11 @@ class PluginDraftProposer(DraftModelProposer):
             else:
                 positions = self._update_positions_dependent_metadata(
                     positions, cad, num_rows, padding[1], self.block_size)
-            self.input_ids[:num_rows].copy_(run.token_ids[-1])  # (int64 -> int32 in the copy)
-            hidden = self._forward(cad, num_rows, draft_index, padding)
-            more = self._sample_into(run, hidden[:num_rows], temperature, mode, uniforms)
+            input_ids.copy_(run.token_ids[-1])  # (int64 -> int32 in the copy)
+            hidden = self._forward(cad, num_rows, draft_index, padding, inputs)
+            if hidden.shape[0] != num_rows:  # (padded)
+                hidden = hidden[:num_rows]
+            more = self._sample_into(run, hidden, temperature, mode, uniforms)
             self._observe_forward(time.perf_counter() - start)
             if not more:
                 return
@@ -488,7 +493,8 @@ class PluginDraftProposer(DraftModelProposer):
         ~0.08 ms here, most of a pass's glue outside the forward. The padding rows of the
         slot mapping (up to ``num_padded``) get the padding slot once: nothing else writes
         them during the run."""
-        self._slot_mapping_buffer[ends.size:num_padded].fill_(PADDING_SLOT_ID)
+        if num_padded > ends.size:
+            self._slot_mapping_buffer[ends.size:num_padded].fill_(PADDING_SLOT_ID)
         return decode_passes(cad.block_table_tensor, ends, num_passes, self.block_size,
                              self.max_model_len)
 
@@ -556,11 +562,12 @@ class PluginDraftProposer(DraftModelProposer):
         return step_seconds, draft_seconds or 0.0
 
     def _forward(self, cad, num_tokens: int, draft_index: int,
-                 padding: tuple | None = None) -> torch.Tensor:
+                 padding: tuple | None = None, inputs: tuple | None = None) -> torch.Tensor:
         """One draft-model forward over ``num_tokens`` query tokens on the paged cache;
         ``draft_index`` 0 is the first pass (many tokens per request), then one each.
         ``padding``: vLLM's (cudagraph mode, padded token count, tokens across DP ranks)
-        for this pass, computed here when not given."""
+        for this pass, computed here when not given; ``inputs``: a decode pass's
+        :meth:`_decode_inputs`, taken here when not given."""
         if self._forward_fault is not None:
             self._forward_fault.tick()
         _, attn_metadata = self.build_per_group_and_layer_attn_metadata(cad, draft_index)
@@ -571,14 +578,19 @@ class PluginDraftProposer(DraftModelProposer):
                 num_tokens, num_input_tokens, None)
             slot_mapping = self._get_slot_mapping(slot_size, cad.slot_mapping)
         else:
-            kwargs = {"input_ids": self.input_ids[:num_input_tokens],
-                      "positions": self._get_positions(num_input_tokens),
-                      "inputs_embeds": None}
-            slot_mapping = self._get_slot_mapping(num_input_tokens)
+            kwargs, slot_mapping = inputs or self._decode_inputs(num_input_tokens)
         with set_forward_context(attn_metadata, self.vllm_config, num_tokens=num_input_tokens,
                                  num_tokens_across_dp=across_dp,
                                  cudagraph_runtime_mode=mode, slot_mapping=slot_mapping):
             return self.model(**kwargs)
+
+    def _decode_inputs(self, num_input_tokens: int) -> tuple[dict, dict]:
+        """A decode pass's model inputs and slot mapping over ``num_input_tokens`` (padded):
+        views of the proposer's buffers, which every pass of a run rewrites in place, so
+        one run takes them once."""
+        kwargs = {"input_ids": self.input_ids[:num_input_tokens],
+                  "positions": self._get_positions(num_input_tokens), "inputs_embeds": None}
+        return kwargs, self._get_slot_mapping(num_input_tokens)
 
     def _padding(self, num_tokens: int) -> tuple:
         """vLLM's (cudagraph mode, padded token count, tokens across DP ranks) for a
