@@ -12,15 +12,17 @@ most one line). The records (``kind``):
 
 - ``step``: a step the union observed: ``ms`` its wall time (None: it read prompts, or the
   engine's first), ``query_tokens``, ``emitted``, ``speculative`` (it verified drafts),
-  ``draft_ms`` (the draft model's run inside it), ``trial`` (one of the draft's
-  optimistic trials);
+  ``draft_ms`` (the draft model's run inside it), ``unrated`` (its time is not in the
+  step arbiter's rate: one of the draft's optimistic trials, or the draft's catch-up
+  right after plain steps);
 - ``block``: a block the step arbiter closed: ``choice`` (``spec`` or ``plain``),
   ``num_reqs``, ``sampled``, ``steps``, ``rate`` (tok/s measured), ``predicted`` (mean
   tok/s the union predicted for its steps, None for plain blocks), ``counted`` (False: an
   engine's first speculative blocks, not measured);
 - ``draft_plan``: the union's call on the draft model for a step: ``forwards`` (0: it
   does not run), ``rate`` and ``rate_without`` (predicted tok/s with and without it),
-  ``trial``, and the prices in ms (``forward_ms``, ``run_ms``, ``overhead_ms``);
+  ``trial``, ``catch_up`` (the run catches up right after plain steps), and the prices in
+  ms (``forward_ms``, ``run_ms``, ``overhead_ms``);
 - ``forget``: the union forgot what it learned (``specplugin bench`` and ``profile`` do so
   after their warm-up; what follows is what a fresh engine decides).
 

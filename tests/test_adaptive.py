@@ -564,6 +564,38 @@ def test_a_draft_trials_step_is_not_a_rate_the_step_arbiter_weighs():
     assert arbiter._seconds == pytest.approx(0.01)
 
 
+def test_a_draft_runs_catch_up_right_after_plain_steps_is_not_a_rate_the_arbiter_weighs():
+    """The draft run of a step that speculates right after plain steps first reads every
+    token decoded plainly: the price of switching, paid once per switch, not the rate of
+    speculating, so that step's time is not in the block's rate; a catch-up with no plain
+    step before it (a skipped row's), and the steps after, are."""
+    arbiter = StepArbiter()
+    decisions = iter([False, True, True, True])
+    arbiter.speculate = lambda num_reqs, sampled=False: next(decisions)
+    union = _union(Fixed("ngram", [], 0.5), Fixed("draft", [], 0.5))
+    union.arbiter = arbiter
+    union._draft_trials = 0  # past its optimistic trials
+    _teach(union, 1, 0.95)  # a draft known to be good: it runs, catch-up and all
+    one = _batch(["a"])
+
+    def run_draft():
+        k = union.plan_draft(one, [], 1, np.array([8]), forward_seconds=0.001,
+                             catch_up_seconds=[0.004], remaining_tokens=[2000])
+        assert k[0] > 0
+        return k[0]
+
+    assert not union.plain_step(0.01, 1, 1, sampled=False)  # a plain step
+    assert union.plain_step(0.01, 1, 1, sampled=False)  # then one that speculates
+    assert union.begin(None, 1, sampled=False)
+    k = run_draft()  # right after the plain step: catches up on it
+    counted = arbiter._seconds
+    assert union.begin(Verified(("a",), [k], [k + 1], 0.05, k + 1), 1, sampled=False)
+    assert arbiter._seconds == counted  # the switch's step: not counted
+    k = run_draft()  # behind again (a skipped row), but no plain step before it
+    assert union.begin(Verified(("a",), [k], [k + 1], 0.03, k + 1), 1, sampled=False)
+    assert arbiter._seconds == pytest.approx(counted + 0.03)
+
+
 def test_draft_always_runs_the_draft_wherever_a_row_could_use_it():
     """fault_injection.draft_always (the profile's tests): the draft runs in every
     speculative step for every row that may use it, however much evidence or price says

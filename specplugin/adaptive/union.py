@@ -204,9 +204,12 @@ class Union:
         self._peek_gap = 1  # plain steps from one peek to the next (see MAX_PEEK_GAP)
         self._steps_to_peek = 0  # plain steps until the next peek
         self._draft_trials = DRAFT_TRIALS  # optimistic draft runs left (see plan_draft)
-        # this step runs one of them: its time is the draft's exploration, not a rate of
-        # speculating that the step arbiter should weigh (see _observe)
-        self._trial_step = False
+        # this step's time is not a rate of speculating that the step arbiter should weigh
+        # (see _observe): it runs one of the draft's optimistic trials (its exploration),
+        # or the draft's catch-up over the tokens decoded plainly just before it
+        self._unrated_step = False
+        self._plain_run = 0  # steps decided plain in a row, up to the last decision
+        self._after_plain = False  # this step speculates right after plain ones
         # verdicts not yet in the estimator: (sent, tokens judged, tokens accepted), and
         # the steps of decay it has not yet applied (see flush_learning)
         self._unlearned: list[tuple[_Pending, list]] = []
@@ -249,15 +252,16 @@ class Union:
         self._estimated, self._plan_without = {}, None
         self._step_histories = None
         observed, self._observed = self._observed, False
-        trial, self._trial_step = self._trial_step, False
+        unrated, self._unrated_step = self._unrated_step, False
         if verified is not None:
-            self._learn(verified, observe=not observed, trial=trial)
+            self._learn(verified, observe=not observed, unrated=unrated)
         self._undecayed_steps += 1 + self._skipped_steps
         self._skipped_steps = 0
         if self._undecayed_steps >= self.learn_every or self._learned_tokens < COLD_TOKENS:
             self.flush_learning()
         if self.arbiter is not None and not observed:
             self.speculating = self.arbiter.speculate(num_reqs, sampled)
+            self._note_decision()
         if not self.speculating:
             self._count_plain_step(num_reqs)
         return self.speculating
@@ -287,9 +291,9 @@ class Union:
         proved optimistic (sampled text) must not undo the arbiter's measurements."""
         if self.arbiter is None or self._pending or self._pending_extras:
             return True
-        trial, self._trial_step = self._trial_step, False
+        unrated, self._unrated_step = self._unrated_step, False
         self._observe(seconds, num_query_tokens, num_reqs, speculative=False,
-                      draft_seconds=draft_seconds, trial=trial, read_prompts=read_prompts,
+                      draft_seconds=draft_seconds, unrated=unrated, read_prompts=read_prompts,
                       num_reqs=num_reqs)
         self.speculating = self.arbiter.speculate(num_reqs, sampled)
         if not self.speculating and peek is not None and self._peek_due():
@@ -301,6 +305,7 @@ class Union:
             else:
                 self._peek_gap = min(2 * self._peek_gap, self.max_peek_gap)
             self._steps_to_peek = self._peek_gap - 1
+        self._note_decision()
         if self.speculating:
             self._observed = True
         else:
@@ -308,6 +313,14 @@ class Union:
             self._count_plain_step(num_reqs)
             self.stats.steps_skipped += 1
         return self.speculating
+
+    def _note_decision(self) -> None:
+        """After this step's arbiter decision: whether it speculates right after plain
+        steps (see :meth:`plan_draft`'s catch-up)."""
+        if self.speculating:
+            self._after_plain, self._plain_run = self._plain_run > 0, 0
+        else:
+            self._after_plain, self._plain_run = False, self._plain_run + 1
 
     def _peek_due(self) -> bool:
         """Whether this plain step peeks (every ``_peek_gap`` plain steps; see
@@ -399,18 +412,28 @@ class Union:
         self.stats.k_histogram[0] += num_reqs
 
     def _observe(self, seconds: float | None, num_query_tokens: int, num_emitted: int,
-                 speculative: bool, draft_seconds: float = 0.0, trial: bool = False,
+                 speculative: bool, draft_seconds: float = 0.0, unrated: bool = False,
                  read_prompts: bool = False, num_reqs: int = 1) -> None:
         """A step's wall time, to the cost model (without ``draft_seconds``, the draft
         model's forwards: :meth:`plan_draft` prices them itself, and counted in ``T(n)``
         they would be paid twice and make plain steps look dearer) and the step arbiter
-        (all of it: what a block of such steps really emits per second), except a step
-        that ran one of the draft's optimistic trials (``trial``, see :meth:`plan_draft`):
-        what it costs is the price of learning the draft's worth, paid once per engine,
-        not the rate of speculating (measured on the validation pair, edit/b1/t0, fresh
-        engine: with the trials' steps counted, the cell's first two speculative blocks
-        measured 232 and 367 tok/s against 688 for plain decoding, which then ran for 100
-        steps, while speculation later measured 1,000-2,000 tok/s).
+        (all of it: what a block of such steps really emits per second), except an
+        ``unrated`` step (see :meth:`plan_draft`), whose cost is not the rate of
+        speculating:
+
+        - a step that ran one of the draft's optimistic trials: the price of learning the
+          draft's worth, paid once per engine (measured on the validation pair,
+          edit/b1/t0, fresh engine: with the trials' steps counted, the cell's first two
+          speculative blocks measured 232 and 367 tok/s against 688 for plain decoding,
+          which then ran for 100 steps, while speculation later measured 1,000-2,000
+          tok/s);
+        - a step whose draft run caught up, right after plain steps, on the tokens decoded
+          plainly: the price of switching, paid once per switch, where the block that
+          re-checks speculation after plain blocks is a single block (measured on the
+          validation pair, complete/b1/t1, fresh engine: the 11 draft runs right after a
+          plain step took 21.0 ms a step, median, against 17.1 for the other 111, for
+          2.55 against 2.66 tokens; such re-checks lost to plain decoding for most of the
+          run's first half).
 
         A step that read prompt tokens (``read_prompts``: one fact of the step,
         which the runner hands every observer) teaches the cost model and the arbiter
@@ -428,7 +451,7 @@ class Union:
             trace.TRACE.write("step", ms=seconds * 1e3 if timed else None,
                               query_tokens=num_query_tokens, emitted=num_emitted,
                               num_reqs=num_reqs, speculative=speculative,
-                              draft_ms=draft_seconds * 1e3, trial=trial)
+                              draft_ms=draft_seconds * 1e3, unrated=unrated)
         if read_prompts:
             seconds = None  # (the arbiter counts the step, not its time)
         if seconds is None:
@@ -439,7 +462,7 @@ class Union:
         else:  # a plain step: learned with the next ones of its size (StepSums)
             self.cost.observe_plain(num_query_tokens, seconds)
         if self.arbiter is not None:
-            self.arbiter.observe(num_emitted, None if trial else seconds)
+            self.arbiter.observe(num_emitted, None if unrated else seconds)
 
     def ask(self, batch: StepBatch, proposers: Sequence[int]) -> list[tuple[int, int, Candidate]]:
         if not self.speculating:
@@ -556,8 +579,10 @@ class Union:
                 reach[j] += 1
         best, best_rate = 0, kept / kept_seconds
         overhead = spec_overhead + run_seconds
+        catch_up = False  # the run catches up right after plain steps (see _observe)
         if catch_up_seconds is not None:  # the first pass's catch-up, for the draft's rows
             behind = [r for r, (c, kr) in enumerate(zip(catch_up_seconds, k)) if kr and c > 0.0]
+            catch_up = self._after_plain and bool(behind)
             kept_on = (set() if remaining_tokens is None or not behind
                        else self._draft_kept_on(acceptance, behind, draft_index, batch,
                                                 histories))
@@ -576,13 +601,14 @@ class Union:
         if trace.TRACE is not None:
             trace.TRACE.write("draft_plan", forwards=best, rate=best_rate,
                               rate_without=kept / kept_seconds, trial=trial,
+                              catch_up=catch_up,
                               forward_ms=forward_seconds * 1e3, run_ms=run_seconds * 1e3,
                               overhead_ms=overhead * 1e3)
         if not best:
             return [0] * batch.num_reqs
         self._draft_price = (forward_seconds, run_seconds, best)  # (m: until choose knows)
         self._draft_trials -= trial
-        self._trial_step = trial
+        self._unrated_step = trial or catch_up
         return k
 
     def _draft_kept_on(self, acceptance, rows: list[int], draft_index: int, batch: StepBatch,
@@ -803,16 +829,16 @@ class Union:
         if outcome.winner is not None and outcome.winner < len(extras):
             self.stats.won(self.proposers[extras[outcome.winner].proposer].name, emitted)
 
-    def _learn(self, verified: Verified, observe: bool = True, trial: bool = False) -> None:
+    def _learn(self, verified: Verified, observe: bool = True, unrated: bool = False) -> None:
         """One estimator update for every judged token of the step just verified
-        (``observe``: its wall time too, unless :meth:`plain_step` already did; ``trial``:
-        it ran one of the draft's optimistic trials, see :meth:`_observe`)."""
+        (``observe``: its wall time too, unless :meth:`plain_step` already did;
+        ``unrated``: its time is not a rate of speculating, see :meth:`_observe`)."""
         scheduled_drafts = as_list(verified.num_scheduled_drafts)  # [num_reqs]
         num_emitted = as_list(verified.num_emitted)  # [num_reqs]
         if observe:
             self._observe(verified.seconds, verified.num_query_tokens, sum(num_emitted),
                           any(k > 0 for k in scheduled_drafts), verified.draft_seconds,
-                          trial=trial, read_prompts=verified.read_prompts,
+                          unrated=unrated, read_prompts=verified.read_prompts,
                           num_reqs=len(num_emitted))
         pending, self._pending = self._pending, {}
         pending_extras, self._pending_extras = self._pending_extras, {}
