@@ -15,8 +15,9 @@ its plain path). A block's rate is the tokens its steps emitted over their wall
 time (a step's time runs from one drafting call to the next, so it holds the
 drafting the block decided and the verification of those drafts). Steps that are not
 counted (the step that read new prompts, a step that ran one of the draft's optimistic
-trials or the draft's catch-up right after plain steps, an idle gap) do not fill a block: it runs on until ``block_steps`` steps were
-counted, at most ``MAX_BLOCK_FACTOR`` times as many steps in all (measured on the
+trials or the draft's catch-up right after plain steps, an idle gap) do not fill a
+block: it runs on until ``block_steps`` steps were counted, at most
+``MAX_BLOCK_FACTOR`` times as many steps in all (measured on the
 validation pair, fresh engine, edit/b1/t0: four of the first block's steps ran trials,
 and the one counted step left, a request's first, set the bucket's speculative rate at
 148 tok/s; with the next block's 311 against plain's 265-288, the bucket decoded

@@ -208,8 +208,8 @@ class Union:
         # (see _observe): it runs one of the draft's optimistic trials (its exploration),
         # or the draft's catch-up over the tokens decoded plainly just before it
         self._unrated_step = False
-        self._plain_run = 0  # steps decided plain in a row, up to the last decision
-        self._after_plain = False  # this step speculates right after plain ones
+        self._last_plain = False  # the last decision kept its step plain
+        self._after_plain = False  # this step speculates right after a plain one
         # verdicts not yet in the estimator: (sent, tokens judged, tokens accepted), and
         # the steps of decay it has not yet applied (see flush_learning)
         self._unlearned: list[tuple[_Pending, list]] = []
@@ -317,10 +317,8 @@ class Union:
     def _note_decision(self) -> None:
         """After this step's arbiter decision: whether it speculates right after plain
         steps (see :meth:`plan_draft`'s catch-up)."""
-        if self.speculating:
-            self._after_plain, self._plain_run = self._plain_run > 0, 0
-        else:
-            self._after_plain, self._plain_run = False, self._plain_run + 1
+        self._after_plain = self.speculating and self._last_plain
+        self._last_plain = not self.speculating
 
     def _peek_due(self) -> bool:
         """Whether this plain step peeks (every ``_peek_gap`` plain steps; see
