@@ -33,6 +33,17 @@ def test_replacement_applies_replace_from_to():
     assert got.tolist() == [1.0, 1.0, 0.5, 0.5, 0.5, 1.0]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32, torch.int64])
+def test_the_numpy_path_and_the_torch_path_expand_alike(dtype):
+    """numpy's dtypes take the host path, bfloat16 the torch ops: the same expansion, with
+    rows of no tokens, a replaced value, and the output's tail left alone."""
+    cu = torch.tensor([0, 3, 3, 4, 6], dtype=torch.int32)  # row lengths 0, 3, 0, 1, 2
+    values = torch.tensor([4, -1, 2, -1, 8]).to(dtype)
+    out = torch.full((8,), 5, dtype=dtype)
+    expand_kernel_impl(out, values, cu, -1, 1)
+    assert out.tolist() == [1, 1, 1, 1, 8, 8, 5, 5]
+
+
 def test_vllm_fallback_is_still_wrong_for_floats():
     """When this fails vLLM fixed its kernel: drop the patch in plugin.register()."""
     from vllm.platforms import current_platform

@@ -27,6 +27,7 @@ from specplugin.adaptive.draft_rule import (
 )
 from specplugin.proposers.draft import (
     DraftKVCursor,
+    UniformPool,
     confidence_of,
     draft_uniforms,
     greedy_draft_tokens,
@@ -369,6 +370,22 @@ def test_a_draw_at_either_end_of_its_uniforms_lands_on_a_token_that_can_be_drawn
     uniforms = draft_uniforms((1000, 1), "cpu", torch.Generator().manual_seed(3))
     torch.testing.assert_close(uniforms, 1 - torch.rand(
         (1000, 1), dtype=torch.float64, generator=torch.Generator().manual_seed(3)))
+
+
+def test_the_uniform_pool_hands_out_each_value_once_and_draws_again_when_it_runs_out():
+    """A draft run's uniforms are slices of a block drawn ahead: no value is handed out
+    twice (draws that shared a uniform would not be independent), in the block's order,
+    and a block that runs out is replaced by a fresh one."""
+    pool = UniformPool("cpu", size=10, generator=torch.Generator().manual_seed(5))
+    want = 1 - torch.rand((10,), dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    first, second = pool.take((2, 3, 1)), pool.take((4,))
+    assert first.shape == (2, 3, 1) and second.shape == (4,)
+    torch.testing.assert_close(torch.cat([first.flatten(), second]), want)
+    third = pool.take((3,))  # 3 more than the block has left: a new block
+    assert not any(v in want.tolist() for v in third.tolist())
+    big = pool.take((25,))  # more than a block: a block of that size
+    assert big.shape == (25,) and bool(((big > 0) & (big <= 1)).all())
+    assert len(set(big.tolist()) | set(third.tolist())) == 28
 
 
 def test_greedy_rows_draft_the_argmax_beside_sampled_rows():

@@ -9,6 +9,8 @@ request drafts is policy, the decider's: :mod:`specplugin.adaptive.draft_rule`.
 """
 from __future__ import annotations
 
+import math
+
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -140,6 +142,29 @@ def draft_uniforms(shape: tuple[int, ...], device,
     """Uniforms in (0, 1] (float64), as :func:`sample_draft_tokens` reads them: 0 would
     land on the first token even when its probability is 0."""
     return 1.0 - torch.rand(shape, dtype=torch.float64, device=device, generator=generator)
+
+
+class UniformPool:
+    """Uniforms in (0, 1] (float64, :func:`draft_uniforms`'s) handed out as slices of one
+    block drawn ahead. Every value is handed out once, so the draws stay independent; a
+    draft run then takes its uniforms with a view, where drawing them fresh (``torch.rand``
+    and a subtraction) was, by py-spy, a few percent of the plugin's own work at batch 1
+    (after the target's forward every torch call costs several microseconds of cold
+    caches). The block is drawn again when it runs out."""
+
+    def __init__(self, device, size: int = 1 << 14,
+                 generator: torch.Generator | None = None):
+        self.device, self.size, self.generator = device, size, generator
+        self._block: torch.Tensor | None = None  # [size] float64
+        self._next = 0  # the first value not handed out yet
+
+    def take(self, shape: tuple[int, ...]) -> torch.Tensor:  # [*shape] float64 in (0, 1]
+        count = math.prod(shape)
+        if self._block is None or self._next + count > self._block.numel():
+            self._block = draft_uniforms((max(self.size, count),), self.device, self.generator)
+            self._next = 0
+        start, self._next = self._next, self._next + count
+        return self._block[start:self._next].view(shape)
 
 
 def inverse_cdf_draw(weights: torch.Tensor,  # [num_rows, vocab_size] >= 0, unnormalised

@@ -43,8 +43,8 @@ from specplugin.metrics import FailureCounter, ProposerStats
 from specplugin.proposers import MODEL_PROPOSERS, StepBatch, build_proposer
 from specplugin.adaptive.draft_rule import (AcceptanceCalibration, CostModel, DraftRun,
                                              OutcomeTracker, StopRule)
-from specplugin.proposers.draft import (DraftCandidates, DraftKVCursor, confidence_of,
-                                        draft_uniforms, greedy_draft_tokens,
+from specplugin.proposers.draft import (DraftCandidates, DraftKVCursor, UniformPool,
+                                        confidence_of, greedy_draft_tokens,
                                         sample_draft_tokens)
 from specplugin.adaptive.union import StepPlan, Union, Verified
 from specplugin.vllm_layer.ranks import RankZeroClock, tensor_parallel_rank
@@ -96,6 +96,8 @@ class PluginDraftProposer(DraftModelProposer):
         self._forward_fault = None if every is None else EveryNth("draft forward", every)
         # where each request's draft KV ends: the draft runs only for rows that use it
         self.cursor = DraftKVCursor()
+        self.uniforms = UniformPool(device)  # the draws' uniforms, one per row and position
+        self._token_arange_cpu = torch.from_numpy(self.token_arange_np)  # [max_num_tokens]
         # [num_reqs] draft tokens kept per row of the last propose(); the runner cuts
         # the rows of the returned [num_reqs, positions] tensor to these lengths.
         self.last_lengths: list[int] | None = None
@@ -405,8 +407,8 @@ class PluginDraftProposer(DraftModelProposer):
             (self.plugin_runner.input_batch.temperature_cpu[rows] == 1.0).all())
         mode = (all_sampled, unit)
         # one uniform per row and position, drawn once for the run
-        uniforms = None if temperature is None else draft_uniforms(
-            (run.rule.k_max, num_rows, 1), self.input_ids.device)
+        uniforms = (None if temperature is None
+                    else self.uniforms.take((run.rule.k_max, num_rows, 1)))
         more = self._sample_into(run, hidden[last], temperature, mode, uniforms)
         self._observe_first_pass(time.perf_counter() - start, num_tokens - num_rows)
         if not more:
@@ -610,7 +612,9 @@ class PluginDraftProposer(DraftModelProposer):
         cad.num_actual_tokens = num_rows
         cad.max_query_len = 1
         cad.query_start_loc = self.arange[: num_rows + 1]
-        cad.query_start_loc_cpu = torch.from_numpy(self.token_arange_np[: num_rows + 1]).clone()
+        # a view of vLLM's 0..max_num_tokens, which nothing writes (vLLM's own switch
+        # copies it, a call more after each first pass)
+        cad.query_start_loc_cpu = self._token_arange_cpu[: num_rows + 1]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, vocab_size]
         """The draft model's LM head (its own method so that the profile counts it as the
@@ -914,7 +918,7 @@ def decode_passes(block_table: torch.Tensor,  # [num_rows, max_blocks] the rows'
     past ``max_model_len`` (a row that stopped drafting, still computed), position 0
     into the padding slot with a sequence of 1."""
     num_rows, max_blocks = block_table.shape
-    step = np.arange(1, num_passes + 1, dtype=np.int64)[:, None]  # [num_passes, 1]
+    step = _arange(num_passes + 1)[1:, None]  # [num_passes, 1]: 1..num_passes
     raw = ends.astype(np.int64)[None, :] - 1 + step  # [num_passes, num_rows]
     table = _host(block_table)
     # One int64 array holds positions and slots ([2, num_passes, num_rows]): one
@@ -923,7 +927,7 @@ def decode_passes(block_table: torch.Tensor,  # [num_rows, max_blocks] the rows'
     out = np.empty((2, num_passes, num_rows), dtype=np.int64)
     if int(ends.max()) - 1 + num_passes < max_model_len:  # (the usual case) no row passes it
         out[0] = raw
-        np.multiply(table[np.arange(num_rows)[None, :], raw // block_size], block_size,
+        np.multiply(table[_arange(num_rows)[None, :], raw // block_size], block_size,
                     out=out[1], dtype=np.int64)
         out[1] += raw % block_size
         seq_lens = (raw + 1).astype(np.int32)
@@ -932,7 +936,7 @@ def decode_passes(block_table: torch.Tensor,  # [num_rows, max_blocks] the rows'
         positions = np.where(over, 0, raw)
         seq_lens = np.where(over, 1, np.minimum(raw + 1, max_model_len)).astype(np.int32)
         blocks = np.minimum(positions // block_size, max_blocks - 1)
-        block_ids = table[np.arange(num_rows)[None, :], blocks]  # [num_passes, num_rows]
+        block_ids = table[_arange(num_rows)[None, :], blocks]  # [num_passes, num_rows]
         out[0] = positions
         out[1] = np.where(over, PADDING_SLOT_ID,
                           block_ids.astype(np.int64) * block_size + positions % block_size)
@@ -940,6 +944,14 @@ def decode_passes(block_table: torch.Tensor,  # [num_rows, max_blocks] the rows'
     both = torch.from_numpy(out).to(device)
     seq_lens_cpu = torch.from_numpy(seq_lens)
     return DecodePasses(both[0], both[1], seq_lens_cpu.to(device), seq_lens_cpu, max_model_len)
+
+
+@functools.lru_cache(maxsize=64)
+def _arange(n: int) -> np.ndarray:  # [n] int64 0..n-1, read-only
+    """``np.arange(n)`` kept per ``n`` (a draft run's sizes repeat step after step)."""
+    values = np.arange(n, dtype=np.int64)
+    values.flags.writeable = False
+    return values
 
 
 def _host(table: torch.Tensor) -> np.ndarray:

@@ -52,7 +52,7 @@ from collections.abc import Iterator
 import torch
 
 from specplugin.metrics import FailureCounter
-from specplugin.proposers.draft import draft_uniforms
+from specplugin.proposers.draft import UniformPool
 from specplugin.scorers.rejection import draw_recovered, expected_acceptance, greedy_verify
 from specplugin.vllm_layer import patches
 
@@ -95,6 +95,8 @@ class Heard:
 
 _listener: Heard | None = None
 _recovering = False
+# the recovered draws' uniforms (CPU only: the shortcut runs there), see UniformPool
+_recovered_uniforms = UniformPool("cpu")
 _greedy_steps = 0
 
 
@@ -142,7 +144,7 @@ def _listened(original):
                 EXPECTATION_FAILURES.record()
         if _recovering and target_probs.device.type == "cpu" and not _seeded(args, kwargs):
             try:
-                uniform = draft_uniforms((draft_token_ids.shape[0], 1), target_probs.device)
+                uniform = _recovered_uniforms.take((draft_token_ids.shape[0], 1))
                 return draw_recovered(draft_token_ids, draft_probs, target_probs,
                                       uniform).to(draft_token_ids.dtype)
             except Exception:  # vLLM's draw instead: a bug here costs speed, never a request
