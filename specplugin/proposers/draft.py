@@ -10,7 +10,6 @@ request drafts is policy, the decider's: :mod:`specplugin.adaptive.draft_rule`.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Iterable, Sequence
 
 import numpy as np
