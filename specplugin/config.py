@@ -67,9 +67,8 @@ class NgramSettings:
 @dataclass(frozen=True)
 class DraftSettings:
     """The draft proposer's stopping rule (``specplugin.adaptive.draft_rule``): each request
-    drafts one more token while the estimated chance that it gets accepted (every draft
-    token before it accepted, by the draft's confidence calibrated online, times the
-    next position's acceptance) stays >= ``min_acceptance``, up to
+    drafts while the estimated chance that all its draft tokens so far get accepted
+    stays >= ``min_acceptance`` (the draft's confidence, calibrated online), up to
     ``num_speculative_tokens``; ``k`` tokens until the calibration has evidence.
     ``min_acceptance`` defaults to the measured cost of a draft forward relative to
     the engine's time per emitted token; a number fixes it (0: always draft

@@ -150,14 +150,6 @@ class StepCostModel:
     def marginal_seconds(self, num_tokens: int, extra) -> np.ndarray:
         return self.forward_seconds(num_tokens + np.asarray(extra)) - self.forward_seconds(num_tokens)
 
-    def marginal_token_s(self, num_reqs: int, draft_tokens: int) -> float:
-        """What each of ``draft_tokens`` verified draft tokens adds to the forward of a
-        step of ``num_reqs`` requests, on average (0 until the curve is known)."""
-        if not self.calibrated or draft_tokens <= 0:
-            return 0.0
-        return (self.forward_one(num_reqs + draft_tokens)
-                - self.forward_one(num_reqs)) / draft_tokens
-
     def observe(self, num_tokens: int, seconds: float, speculative: bool = False) -> None:
         """One engine step's wall time (``speculative``: it verified drafts), learned now
         (after the plain steps :meth:`observe_plain` still holds). A step over 20x the

@@ -19,22 +19,15 @@ engine's own verification results, separately for greedy and sampled requests.
 **Rule** (:class:`StopRule`). With ``P[r, j] = prod(a[r, :j + 1])`` (``a_i`` the
 calibrated acceptance estimate of draft position i: ``P`` is the chance that every
 draft token of request r so far is accepted, which is the chance that one more could
-be used at all) and ``A[j + 1]`` the acceptance of position j + 1 whatever its
-confidence (:meth:`AcceptanceCalibration.position_rates`: the next token's confidence
-is unknown until it is drawn), the next token is expected to bring
-``P[r, j] * A[j + 1]`` tokens. Request r keeps drafting position j + 1 (0-based, up to
+be used at all), request r keeps drafting position j + 1 (0-based, up to
 ``k_max`` = vLLM's ``num_speculative_tokens``) while::
 
-    P[r, j] * A[j + 1] >= row_threshold
+    P[r, j] >= row_threshold
 
 and the batch runs that position's forward only while the drafting rows together
 pay for it::
 
-    sum over drafting rows r of (P[r, j] * A[j + 1] - row_threshold) >= pass_threshold
-
-(``P[r, j]`` alone, the chance that the next token could be used, overstates what it
-brings by ``1 / A``: at temperature 1, where ``A`` is about 0.5-0.75 on this project's
-pairs, it drafted about a token further than pays.)
+    sum over drafting rows r of (P[r, j] - row_threshold) >= pass_threshold
 
 Both come from :class:`CostModel`, measured on the running engine: an extra draft
 token costs the row ``v`` seconds of target verification, an extra batched draft
@@ -83,16 +76,12 @@ class CostModel:
     sampling, timed directly (None until :data:`WARMUP_FORWARDS` forwards were timed: the
     caller then prices a forward from a model of its own; a plain mean over the first
     ones, then an exponential average); and per engine step (the wall time between two
-    drafting calls) its seconds and emitted tokens, whose ratio is ``token_s`` (t),
-    seconds per emitted token. :meth:`thresholds` gives ``(v / t, c / t)``, with ``v``
-    the target's extra seconds per verified draft token as the step cost model's forward
-    curve says (timed at engine start, moved by the steps); the ``fallback`` pair until
-    ``warmup`` steps were seen. (``v`` was once fitted here as the slope of step seconds against verified draft
-    tokens: a step with drafts also pays the rejection sampler and the speculative
-    metadata whatever its length, and with plain steps and fixed-length drafts in the
-    fit that fixed cost landed on the slope: 1.9-4.0 ms a token where the target's
-    forward adds ~0.1-0.6, so that at temperature 1 the rule stopped every draft after one
-    token and the draft alone decoded 399 of 458 steps plainly.)
+    drafting calls) its seconds, emitted tokens, draft forwards and verified draft tokens.
+    From those: ``token_s`` (t), seconds per emitted token, and ``verify_s`` (v), the
+    target's extra seconds per verified draft token, fitted as the slope of
+    ``step seconds - c * forwards`` against verified draft tokens (exponentially
+    weighted least squares). :meth:`thresholds` gives ``(v / t, c / t)``; the
+    ``fallback`` pair until ``warmup`` steps were seen.
 
     And the draft run's first pass, timed whole (its inputs, the forward, the first
     draw), which costs what a forward costs only while the draft runs step after step:
@@ -115,6 +104,9 @@ class CostModel:
         self.token_s: float | None = None
         self._step_s: float | None = None
         self._step_tokens: float | None = None
+        # weighted averages of 1, x, y, xx, xy (floats: updated every step, where numpy's
+        # per-call cost on five numbers is most of the work)
+        self._moments = [0.0] * 5
         self._num_steps = 0
         self._plain_sums = StepSums()  # plain steps not learned yet (observe_plain_step)
         self._warm_first_s: float | None = None  # first passes right after a draft step
@@ -185,12 +177,14 @@ class CostModel:
             return None if self._warm_first_s is None else (self._warm_first_s, slope)
         return None if not self._cold_passes else (max(0.0, y - slope * x), slope)
 
-    def observe_step(self, seconds: float, num_tokens: int) -> None:
-        """One engine step: ``seconds`` of wall time, ``num_tokens`` emitted by the batch;
-        learned now (after the plain steps :meth:`observe_plain_step` still holds). A step
-        over 20x the average time per token is an idle gap, not a step, and is ignored."""
+    def observe_step(self, seconds: float, num_tokens: int, num_forwards: int,
+                     num_draft_tokens: int) -> None:
+        """One engine step: ``seconds`` of wall time, ``num_tokens`` emitted by the batch,
+        ``num_forwards`` draft forwards, ``num_draft_tokens`` drafts verified; learned
+        now (after the plain steps :meth:`observe_plain_step` still holds). A step over
+        20x the average time per token is an idle gap, not a step, and is ignored."""
         self._learn_sum(self._plain_sums.flush())
-        self._observe_step(seconds, num_tokens)
+        self._observe_step(seconds, num_tokens, num_forwards, num_draft_tokens)
 
     def observe_plain_step(self, seconds: float, num_tokens: int) -> None:
         """A step in which the draft model neither ran nor had drafts verified: summed
@@ -201,9 +195,10 @@ class CostModel:
     def _learn_sum(self, summed: tuple | None) -> None:
         if summed is not None:
             num_tokens, seconds, count = summed
-            self._observe_step(seconds, num_tokens, count)
+            self._observe_step(seconds, num_tokens, 0, 0, count)
 
-    def _observe_step(self, seconds: float, num_tokens: int, count: int = 1) -> None:
+    def _observe_step(self, seconds: float, num_tokens: int, num_forwards: int,
+                      num_draft_tokens: int, count: int = 1) -> None:
         """``seconds``: the mean of ``count`` equal such steps, learned as that many."""
         if num_tokens <= 0 or count < 1:
             return
@@ -215,15 +210,24 @@ class CostModel:
         self._step_s = self._ema(self._step_s, seconds, smoothing)
         self._step_tokens = self._ema(self._step_tokens, float(num_tokens), smoothing)
         self.token_s = self._step_s / self._step_tokens
+        x = float(num_draft_tokens)
+        y = seconds - (self.draft_forward_s or 0.0) * num_forwards
+        weight = smoothing if self._num_steps else 1.0
+        self._moments = [m + weight * (v - m)
+                         for m, v in zip(self._moments, (1.0, x, y, x * x, x * y))]
         self._num_steps += count
 
-    def thresholds(self, verify_s: float) -> tuple[float, float]:
-        """(row_threshold, pass_threshold) = (v / t, c / t); ``verify_s`` (v): what the
-        target's forward adds per verified draft token, from the step cost model's forward
-        curve (:meth:`~specplugin.adaptive.cost.StepCostModel.marginal_token_s`)."""
+    @property
+    def verify_s(self) -> float:
+        _, x, y, xx, xy = self._moments  # the weight moment is always 1
+        variance = xx - x * x
+        return max(0.0, (xy - x * y) / variance) if variance > 1e-9 else 0.0
+
+    def thresholds(self) -> tuple[float, float]:
+        """(row_threshold, pass_threshold) = (v / t, c / t)."""
         if self._num_steps < self.warmup or self.draft_forward_s is None:
             return self.fallback
-        return verify_s / self.token_s, self.draft_forward_s / self.token_s
+        return self.verify_s / self.token_s, self.draft_forward_s / self.token_s
 
 
 class AcceptanceCalibration:
@@ -244,12 +248,10 @@ class AcceptanceCalibration:
         self.accepted = np.tile(mids, (2, num_position_groups, 1))  # [2, groups, num_buckets]
         self.seen = np.ones((2, num_position_groups, num_buckets))
         self.num_observed = np.zeros(2, dtype=np.int64)  # [2] real observations per table
-        # accepted / seen, [2][groups][num_buckets], and per position group whatever the
-        # confidence, [groups][2], as Python lists, built once after each update: the
-        # draft loop looks up a few rows per position, where each numpy call costs several
-        # microseconds of cold caches
+        # accepted / seen, [2][groups][num_buckets], as Python lists, built once after each
+        # update: the draft loop looks up a few rows per position, where each numpy call
+        # costs several microseconds of cold caches
         self._rates: list | None = None
-        self._position_rates: list | None = None
 
     def estimate_rows(
         self,
@@ -265,26 +267,6 @@ class AcceptanceCalibration:
         n, top = self.num_buckets, self.num_buckets - 1
         return [rates[s][group][min(max(int(c * n), 0), top)]
                 for c, s in zip(confidence, sampled)]
-
-    def position_rates(self, position: int) -> list[float]:  # [2]: greedy, sampled
-        """Each table's acceptance at draft position ``position`` (0-based) whatever the
-        confidence: what a token not drafted yet is expected to bring, given that every
-        earlier one is accepted. A position group's verdicts are counted against a prior
-        of ``num_buckets`` observations at the group before's rate (the first group's: at
-        0.5), so that a position no draft has reached yet is expected to do as the one
-        before it: with a fixed prior of 0.5 the positions past the default length k never
-        paid for a forward, so no draft reached them and nothing ever said otherwise."""
-        if self._position_rates is None:
-            n = self.num_buckets
-            accepted = self.accepted.sum(axis=2) - n / 2  # [2, groups] real verdicts
-            seen = self.seen.sum(axis=2) - n  # [2, groups]
-            rates, before = [], [0.5, 0.5]
-            for g in range(self.num_position_groups):
-                before = [(float(accepted[t, g]) + n * before[t]) / (float(seen[t, g]) + n)
-                          for t in range(2)]
-                rates.append(before)
-            self._position_rates = rates
-        return self._position_rates[min(position, self.num_position_groups - 1)]
 
     def warm_tables(self) -> list[bool]:  # [2]: greedy, sampled
         """Whether each table has seen ``warmup`` verified positions."""
@@ -311,7 +293,7 @@ class AcceptanceCalibration:
             seen[cell] += 1.0
             total[cell] += float(a)
             observed[cell[0]] += 1
-        self._rates = self._position_rates = None
+        self._rates = None
 
 
 @dataclass(frozen=True)
@@ -327,19 +309,18 @@ class StopRule:
         assert 1 <= self.k <= self.k_max, (self.k, self.k_max)
         assert self.row_threshold >= 0.0 and self.pass_threshold >= 0.0, self
 
-    def keeps_drafting(self, position: int, expected: float, warm: bool) -> bool:
+    def keeps_drafting(self, position: int, cumulative: float, warm: bool) -> bool:
         """Whether a row drafts position j + 1 (``position`` j, 0-based, just drafted;
-        ``expected`` ``P[r, j] * A[j + 1]``, what that token is expected to bring;
-        ``warm``: the calibrated rule, else the default length k)."""
+        ``cumulative`` P[r, j]; ``warm``: the calibrated rule, else the default length k)."""
         if position + 1 >= self.k_max:
             return False
-        return expected >= self.row_threshold if warm else position + 1 < self.k
+        return cumulative >= self.row_threshold if warm else position + 1 < self.k
 
-    def surplus(self, expected: float, warm: bool) -> float:
+    def surplus(self, cumulative: float, warm: bool) -> float:
         """What a drafting row brings to one more batched forward beyond its own
         verification (a row in its default length counts as sure): the batch runs the
         forward while the drafting rows' surpluses reach ``pass_threshold``."""
-        return (expected if warm else 1.0) - self.row_threshold
+        return (cumulative if warm else 1.0) - self.row_threshold
 
 
 @dataclass
@@ -391,20 +372,16 @@ class DraftRun:
             self.draft_probs.append(draft_probs)
         calibration, rule = self.calibration, self.rule
         estimate = calibration.estimate_rows(confidence, self._modes, position)
-        # what the next position's token is worth before it is drawn: its table's
-        # acceptance at that position (the calibration knows no confidence for it yet)
-        ahead = calibration.position_rates(position + 1)
-        lengths, active, cumulative, warm, modes = (self._lengths, self._active,
-                                                    self._cumulative, self._warm, self._modes)
+        lengths, active, cumulative, warm = (self._lengths, self._active, self._cumulative,
+                                             self._warm)
         surplus, any_active = 0.0, False
         for r, cap in enumerate(self._caps):
             cumulative[r] *= estimate[r]
             if not active[r]:
                 continue
             lengths[r] += 1
-            expected = cumulative[r] * ahead[modes[r]]
-            if rule.keeps_drafting(position, expected, warm[r]) and lengths[r] < cap:
-                surplus += rule.surplus(expected, warm[r])
+            if rule.keeps_drafting(position, cumulative[r], warm[r]) and lengths[r] < cap:
+                surplus += rule.surplus(cumulative[r], warm[r])
                 any_active = True
             else:
                 active[r] = False

@@ -119,11 +119,6 @@ class PluginDraftProposer(DraftModelProposer):
                                max_candidates=plugin_config.max_candidates,
                                decoy_primary=plugin_config.fault_injection.decoy_primary,
                                draft_always=plugin_config.fault_injection.draft_always)
-        # the target's forward curve (timed at engine start): the union's, which its steps
-        # keep moving, or the draft alone's own
-        self.step_cost = (StepCostModel(max_tokens=max(2, vllm_config.scheduler_config
-                                                       .max_num_batched_tokens))
-                          if self.union is None else self.union.cost)
         self.memory = None if self.union is None else open_memory(
             self.union, plugin_config.state_dir, vllm_config.model_config.model,
             plugin_config.draft_model, k_max, writer=tensor_parallel_rank() == 0)
@@ -142,7 +137,8 @@ class PluginDraftProposer(DraftModelProposer):
 
     def calibrate(self, num_tokens: np.ndarray, seconds: np.ndarray) -> None:
         """Timed target forwards from engine start (see the worker)."""
-        self.step_cost.calibrate(num_tokens, seconds)
+        if self.union is not None:
+            self.union.cost.calibrate(num_tokens, seconds)
 
     def restart_requests(self, req_ids) -> None:
         """Resumed after preemption: the draft re-reads their whole context."""
@@ -184,12 +180,11 @@ class PluginDraftProposer(DraftModelProposer):
         if seconds is None:
             pass
         elif self._last_forwards or self._last_draft_tokens:
-            self.costs.observe_step(seconds, num_reqs)
+            self.costs.observe_step(seconds, num_reqs, self._last_forwards,
+                                    self._last_draft_tokens)
         else:  # the draft did not run: learned with the next plain steps (StepSums)
             self.costs.observe_plain_step(seconds, num_reqs)
         draft_seconds = self._last_draft_seconds
-        if self.union is None and seconds is not None:  # (a union observes its own)
-            self._observe_target(seconds, num_query_tokens, False, draft_seconds)
         self._last_forwards = self._last_draft_tokens = 0
         self._last_draft_seconds = 0.0
         try:
@@ -514,7 +509,7 @@ class PluginDraftProposer(DraftModelProposer):
         self.outcomes.resolve(context.req_ids, context.num_scheduled_drafts[:num_reqs], rejected,
                               context.expected_acceptance)
         if self._observed:  # skip_drafting timed this step already
-            return self._rule_with_thresholds(num_reqs)
+            return self._rule_with_thresholds()
         # wall time of the step just run (None: first step, or the last one failed)
         self._step_seconds = self.timer.lap()
         if self.clock.shared:
@@ -522,36 +517,16 @@ class PluginDraftProposer(DraftModelProposer):
                 self._step_seconds, self._last_draft_seconds)
         if self._step_seconds is not None and not context.read_prompts:  # (see skip_drafting)
             # every row emitted one token plus its accepted drafts
-            self.costs.observe_step(self._step_seconds, num_reqs + sum(num_accepted))
-            if self.union is None:  # (a union observes its own)
-                verified = sum(context.num_scheduled_drafts[:num_reqs])
-                self._observe_target(self._step_seconds, num_reqs + verified, verified > 0,
-                                     self._last_draft_seconds)
-        return self._rule_with_thresholds(num_reqs)
+            self.costs.observe_step(self._step_seconds, num_reqs + sum(num_accepted),
+                                    self._last_forwards, self._last_draft_tokens)
+        return self._rule_with_thresholds()
 
-    def _observe_target(self, seconds: float, num_query_tokens: int, speculative: bool,
-                        draft_seconds: float) -> None:
-        """The draft alone keeps its forward curve moving with the steps' wall times, the
-        draft's forwards left out, as a union does with its own
-        (:meth:`Union._observe <specplugin.adaptive.union.Union._observe>`): the curve timed
-        at engine start (rows of one token each) priced a verified token at about half of
-        what a step's verification of one row's draft costs (measured on the validation
-        pair at batch 1: 0.13 against ~0.24 ms), and drafts ran longer than paid."""
-        if speculative or draft_seconds:
-            self.step_cost.observe(num_query_tokens, max(seconds - draft_seconds, 1e-9),
-                                   speculative=speculative)
-        else:
-            self.step_cost.observe_plain(num_query_tokens, seconds)
-
-    def _rule_with_thresholds(self, num_reqs: int) -> StopRule:
-        """This step's stop rule; rebuilt only when its thresholds moved (every step asks).
-        A verified draft token's price is the target forward curve's at this batch and
-        the default draft length."""
+    def _rule_with_thresholds(self) -> StopRule:
+        """This step's stop rule; rebuilt only when its thresholds moved (every step asks)."""
         if self.fixed_min_acceptance is not None:
             thresholds = (self.fixed_min_acceptance, self.rule.pass_threshold)
         else:
-            verify_s = self.step_cost.marginal_token_s(num_reqs, num_reqs * self.rule.k)
-            thresholds = self.costs.thresholds(verify_s)
+            thresholds = self.costs.thresholds()
         if self._rule_cache is None or self._rule_cache[0] != thresholds:
             row, per_pass = thresholds
             self._rule_cache = (thresholds, dataclasses.replace(
