@@ -44,6 +44,10 @@ STEP_COUNTERS: dict[str, str] = {
     "steps_verified_greedy": "Speculative steps of all-greedy batches verified by the plugin "
                              "instead of vLLM's rejection sampler (the same tokens, without "
                              "its fixed costs).",
+    "steps_verified_sampled": "Speculative steps of batches with sampled requests (at a "
+                              "temperature, nothing else changing their distribution) "
+                              "verified by the plugin instead of vLLM's rejection sampler "
+                              "(the same distribution, without its fixed costs).",
 }
 
 

@@ -741,6 +741,116 @@ def test_the_greedy_shortcut_leaves_to_vllm_every_batch_it_does_not_cover():
                                       SimpleNamespace(synthetic_mode=True)) is None
 
 
+def _sampled_metadata(temperature: torch.Tensor, **changes):
+    """vLLM's ``SamplingMetadata`` of a batch that samples at ``temperature`` ([num_reqs],
+    0 for a greedy request), asking for nothing else."""
+    num_reqs = temperature.shape[0]
+    return greedy_sampling_metadata(num_reqs, all_greedy=False,
+                                    all_random=bool((temperature > 0).all()),
+                                    temperature=temperature, **changes)
+
+
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_the_sampled_shortcut_follows_the_target_through_vllms_metadata(one_hot):
+    """A sampled speculative step verified by the plugin (``verify_sampled``, from vLLM's
+    ``SpecDecodeMetadata`` and ``SamplingMetadata``): 20,000 requests of one draft token
+    each (drawn from a draft distribution far from the target's, or a fixed guess), at
+    temperature 0.5 on logits that make the target's distribution known there, a greedy
+    request among them: the sampled requests' first token follows the target (chi-square),
+    a token of probability 0 never comes, the greedy request emits the argmax, and the
+    learners hear each draft token's expected acceptance."""
+    from specplugin.vllm_layer import verification
+
+    generator = torch.Generator().manual_seed(5)
+    target = torch.tensor([0.05, 0.4, 0.0, 0.25, 0.3])
+    draft = torch.tensor([0.5, 0.1, 0.0, 0.1, 0.3])
+    num_reqs, temperature = 20_000, 0.5
+    if one_hot:  # every request guesses token 1 (half of its draws are rejected)
+        draft_ids, draft_probs = torch.full((num_reqs,), 1, dtype=torch.long), None
+    else:
+        draft_ids = torch.multinomial(draft, num_reqs, replacement=True, generator=generator)
+        draft_probs = draft.expand(num_reqs, -1).contiguous()
+    metadata = spec_decode_metadata([[t] for t in draft_ids.tolist()])
+    temperatures = torch.full((num_reqs,), temperature)
+    temperatures[7] = 0.0  # a greedy request: the argmax (token 1), whatever its draft
+    logits = (temperature * target.log()).expand(2 * num_reqs, -1).contiguous()
+    heard = verification.Heard()
+    before = verification.sampled_steps()
+    output = verification.verify_sampled(logits, metadata, _sampled_metadata(temperatures),
+                                         draft_probs, heard)
+    assert output is not None and verification.sampled_steps() == before + 1
+    tokens = output.sampled_token_ids
+    assert tokens.dtype == torch.int32 and tokens.shape == (num_reqs, 2)
+    assert tokens[7].tolist() == ([1, 1] if draft_ids[7] == 1 else [1, -1])
+    first = torch.cat([tokens[:7, 0], tokens[8:, 0]]).long()
+    counts = torch.bincount(first, minlength=target.numel())
+    assert counts[2] == 0  # probability 0: never emitted
+    assert chi_square_gof(counts, target).p_value > 1e-3
+    want = (torch.minimum(target, draft).sum() if draft_probs is not None else target[1])
+    assert heard.values.shape == (num_reqs,) and torch.allclose(heard.values[:7], want)
+
+
+def test_the_sampled_shortcut_leaves_to_vllm_every_batch_it_does_not_cover():
+    """Anything that changes a sampled request's distribution beyond its temperature, or
+    that vLLM returns beside the tokens, sends the step to vLLM's rejection sampler: an
+    all-greedy batch (the greedy shortcut's), top-k, top-p, a seeded request, logprobs,
+    penalties, bad words, min-p or a logit bias in use, a processor the plugin does not
+    know, synthetic acceptance."""
+    from types import SimpleNamespace
+
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor,
+                                                         MinPLogitsProcessor)
+
+    from specplugin.vllm_layer import verification
+
+    logits, sampler = torch.randn(5, 8), SimpleNamespace(synthetic_mode=False)
+    temperatures = torch.tensor([1.0, 0.0])
+    idle = LogitsProcessors([_idle_processor(MinPLogitsProcessor, "min_p_count", 0),
+                             _idle_processor(LogitBiasLogitsProcessor, "biases", {})])
+    assert verification.plainly_sampled(
+        logits, _sampled_metadata(temperatures, logitsprocs=idle), sampler)
+
+    class Custom:
+        pass
+
+    unknown = LogitsProcessors()
+    unknown.argmax_invariant.append(Custom())
+    for changes in (
+            {"top_k": torch.tensor([5, 5])}, {"top_p": torch.tensor([0.9, 1.0])},
+            {"generators": {0: torch.Generator()}}, {"max_num_logprobs": 0},
+            {"no_penalties": False}, {"bad_words_token_ids": {0: [[1]]}},
+            {"logitsprocs": LogitsProcessors(
+                [_idle_processor(MinPLogitsProcessor, "min_p_count", 1)])},
+            {"logitsprocs": LogitsProcessors(
+                [_idle_processor(LogitBiasLogitsProcessor, "biases", {0: {1: 5.0}})])},
+            {"logitsprocs": unknown},
+    ):
+        assert not verification.plainly_sampled(
+            logits, _sampled_metadata(temperatures, **changes), sampler), changes
+    assert not verification.plainly_sampled(logits, greedy_sampling_metadata(2), sampler)
+    assert not verification.plainly_sampled(logits, _sampled_metadata(temperatures),
+                                            SimpleNamespace(synthetic_mode=True))
+
+
+def test_a_failing_sampled_shortcut_falls_back_to_vllms_sampler(monkeypatch):
+    """A failing host-side verification costs the step the shortcut (``verify_sampled``
+    returns None: the runner calls vLLM's rejection sampler), counted."""
+    import logging
+
+    from specplugin.metrics import FailureCounter
+    from specplugin.vllm_layer import verification
+
+    counter = FailureCounter("sampled verification", logging.getLogger("specplugin.test"),
+                             fallback="vLLM's rejection sampler")
+    monkeypatch.setattr(verification, "SAMPLED_FAILURES", counter)
+    monkeypatch.setattr(verification, "sampled_verify", lambda *a: 1 / 0)
+    metadata, logits = spec_decode_metadata([[1, 2], [3]]), torch.randn(5, 8)
+    assert verification.verify_sampled(logits, metadata, _sampled_metadata(torch.ones(2)),
+                                       None, verification.Heard()) is None
+    assert counter.count == 1
+
+
 def test_a_failing_greedy_shortcut_falls_back_to_vllms_sampler(monkeypatch):
     """Metadata the shortcut cannot read (a field vLLM renamed) or a failing verification
     costs the step the shortcut, never the request: ``verify_greedy`` returns None (the

@@ -63,9 +63,9 @@ from vllm.v1.sample import rejection_sampler
 seen = []  # one record per verification call that had drafts
 original = rejection_sampler.RejectionSampler.forward
 
-def forward(self, metadata, draft_probs, logits, sampling_metadata):
+def record(metadata, draft_probs, sampling_metadata, path):
     draft_ids = metadata.draft_token_ids.long()  # [num_draft_tokens]
-    record = {"num_draft_tokens": int(draft_ids.numel()),
+    record = {"num_draft_tokens": int(draft_ids.numel()), "path": path,
               "all_greedy": bool(sampling_metadata.all_greedy), "has_probs": draft_probs is not None}
     if draft_probs is not None:
         # [num_draft_tokens, vocab_size]: rows are distributions that drew the drafted tokens
@@ -74,9 +74,22 @@ def forward(self, metadata, draft_probs, logits, sampling_metadata):
                       max_row_sum_error=float((draft_probs.sum(-1) - 1).abs().max()),
                       min_q_of_draft=float(q.min()), mean_q_of_draft=float(q.mean()))
     seen.append(record)
+
+def forward(self, metadata, draft_probs, logits, sampling_metadata):
+    record(metadata, draft_probs, sampling_metadata, "vllm")
     return original(self, metadata, draft_probs, logits, sampling_metadata)
 
 rejection_sampler.RejectionSampler.forward = forward
+
+# the plugin's own verification of sampled batches (its runner's shortcut past vLLM's)
+from specplugin.vllm_layer import verification
+original_sampled = verification.verify_sampled
+
+def verify_sampled(logits, metadata, sampling_metadata, draft_probs, heard):
+    record(metadata, draft_probs, sampling_metadata, "plugin")
+    return original_sampled(logits, metadata, sampling_metadata, draft_probs, heard)
+
+verification.verify_sampled = verify_sampled
 
 # CUDA graphs run padded batches; CPU never pads. Pad every draft decode pass by PAD
 # rows here, and check that the padding rows' slots are the padding slot id (a real
@@ -149,6 +162,22 @@ def accepted(self, req_ids, num_accepted):
 
 DraftKVCursor.accepted = accepted
 
+# vLLM's preparation of the draft model's inputs, against the plugin's runs that skip it
+from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer as Base
+
+prepared = {"vllm": 0, "decided": 0}
+orig_prepare, orig_decided = Base.prepare_next_token_ids_padded, P.propose_decided
+
+def prepare(self, *args, **kwargs):
+    prepared["vllm"] += 1
+    return orig_prepare(self, *args, **kwargs)
+
+def propose_decided(self, *args, **kwargs):
+    prepared["decided"] += 1
+    return orig_decided(self, *args, **kwargs)
+
+Base.prepare_next_token_ids_padded, P.propose_decided = prepare, propose_decided
+
 # These cells are short: every step speculates (the step arbiter, which would switch some
 # to plain decoding, is tested on its own), so the draft's own rule has steps to learn from.
 from specplugin.adaptive.arbiter import StepArbiter
@@ -164,9 +193,10 @@ for cell in job["cells"]:
     pad_checks.clear()
     reads.clear()
     credits.clear()
+    prepared.update(vllm=0, decided=0)
     results[cell["key"]] = {**run_cell(llm, cell, True), "probe": list(seen),
                             "pad_checks": list(pad_checks), "reads": list(reads),
-                            "credits": list(credits)}
+                            "credits": list(credits), "prepared": dict(prepared)}
 print("RESULT " + json.dumps(results))
 """
 
@@ -223,6 +253,14 @@ def test_the_draft_rereads_exactly_what_it_skipped(with_draft, cells):
         assert gaps > 0
 
 
+def test_draft_runs_skip_vllms_preparation_of_the_draft_inputs(with_draft, cells):
+    """Every step in which the draft model ran was decided before vLLM's preparation of
+    its inputs, which then never runs (the decision holds what it computes)."""
+    for cell in cells:
+        prepared = with_draft[cell["key"]]["prepared"]
+        assert prepared["decided"] > 0 and prepared["vllm"] == 0, (cell["key"], prepared)
+
+
 def test_drafts_are_accepted_and_their_length_adapts(with_draft, cells):
     """Early stops make the mean draft shorter than K_MAX; confident runs go past k = 4."""
     greedy = with_draft[cells[0]["key"]]
@@ -235,12 +273,15 @@ def test_drafts_are_accepted_and_their_length_adapts(with_draft, cells):
 
 def test_temperature_one_drafts_are_verified_against_draft_probabilities(with_draft, cells):
     """Every verification at temperature 1 gets the draft's probabilities, one row per
-    draft token, each row a distribution under which its drafted token was likely."""
+    draft token, each row a distribution under which its drafted token was likely; the
+    plugin verifies these batches itself (``verify_sampled``)."""
     sampled = with_draft[cells[1]["key"]]
     assert len(sampled["token_ids"]) == len(cells[1]["prompts"])
     assert sampled["num_accepted_tokens"] > 0
     calls = [c for c in sampled["probe"] if c["num_draft_tokens"] > 0]
     assert calls and all(not c["all_greedy"] for c in calls)
+    # verified by the plugin's host-side shortcut, not vLLM's rejection sampler
+    assert all(c["path"] == "plugin" for c in calls), [c["path"] for c in calls][:5]
     assert all(c["has_probs"] for c in calls), [c for c in calls if not c["has_probs"]][:3]
     assert all(c["rows"] == c["num_draft_tokens"] for c in calls)
     assert max(c["max_row_sum_error"] for c in calls) < 1e-3

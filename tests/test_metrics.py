@@ -79,7 +79,7 @@ def test_drafts_and_acceptances_are_attributed_per_proposer_and_position():
 def _snapshot(accepted_per_pos, failures):
     return {"steps": 10, "steps_without_drafts": 3, "steps_skipped": 2, "steps_peeked": 6,
             "steps_without_draft_model": 4, "steps_verified_greedy": 5,
-            "k_histogram": {"0": 3, "4": 7},
+            "steps_verified_sampled": 1, "k_histogram": {"0": 3, "4": 7},
             "proposers": {"ngram": {"chosen": 7, "drafts": 7, "draft_tokens": 28,
                                     "accepted_tokens": sum(accepted_per_pos),
                                     "draft_tokens_per_pos": [7, 7, 7, 7],
@@ -117,6 +117,7 @@ def test_published_snapshots_become_vllm_specplugin_counters(tmp_path, monkeypat
     assert "vllm:specplugin_steps_skipped_total 4.0" in text  # (was not exported)
     assert "vllm:specplugin_steps_without_draft_model_total 8.0" in text
     assert "vllm:specplugin_steps_verified_greedy_total 10.0" in text
+    assert "vllm:specplugin_steps_verified_sampled_total 2.0" in text
     # every step counter of the one table, summed over the two workers
     from specplugin.metrics import STEP_COUNTERS
 

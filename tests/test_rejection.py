@@ -9,6 +9,7 @@ second comes from a second speculative step, as in real decoding. Seeds are fixe
 every test is deterministic; negative controls show the tests can fail.
 """
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -386,6 +387,110 @@ def test_negative_control_recovered_from_target_is_detected(monkeypatch):
     pairs = first_two_tokens(batched_step(None), NUM_DRAWS, torch.Generator().manual_seed(11))
     first_p, _ = target_p_values(pairs)
     assert first_p < NEGATIVE_CONTROL_P, first_p
+
+
+def host_sampled_step(drafter, temperature: float = 1.0):
+    """``speculative_step``'s batch through :func:`rejection.sampled_verify` (the plugin's
+    host-side verification of sampled batches): logits are ``temperature * log(p)``, so
+    that the target's distribution at that temperature is the table's ``p``."""
+
+    def step(prev_ids, generator):
+        num_reqs, max_k = prev_ids.shape[0], 3
+        num_draft_tokens = torch.randint(0, max_k + 1, (num_reqs,), generator=generator)
+        chain_ids, chain_probs = draft_chain(prev_ids, max_k, drafter, generator)
+        in_draft = torch.arange(max_k)[None, :] < num_draft_tokens[:, None]  # [N, max_k]
+        contexts = torch.cat([prev_ids[:, None], chain_ids], dim=1)  # [N, max_k + 1]
+        in_target = torch.arange(max_k + 1)[None, :] <= num_draft_tokens[:, None]
+        logits = temperature * TARGET_TABLE[contexts[in_target]].log()  # -inf where p = 0
+        total = int(num_draft_tokens.sum())
+        uniforms = 1.0 - torch.rand(total + num_reqs, dtype=torch.float64, generator=generator)
+        tokens, _ = rejection.sampled_verify(
+            logits, chain_ids[in_draft], num_draft_tokens.tolist(),
+            None if chain_probs is None else chain_probs[in_draft],
+            np.full(num_reqs, temperature), uniforms.numpy())
+        return tokens.long(), (tokens != PLACEHOLDER_TOKEN_ID).sum(dim=1)
+
+    return step
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize(
+    "drafter", [None, ONE_HOT_DRAFTERS[0]], ids=["sampled-draft", "one-hot-draft"]
+)
+def test_host_sampled_verification_follows_target(drafter, temperature):
+    """The plugin's host-side verification of sampled batches (its runner's shortcut past
+    vLLM's rejection sampler) emits the target's distribution, the first token and the
+    first two jointly, at temperature 1 and below."""
+    pairs = first_two_tokens(host_sampled_step(drafter, temperature), NUM_DRAWS,
+                             torch.Generator().manual_seed(13))
+    first_p, joint_p = target_p_values(pairs)
+    assert first_p > P_THRESHOLD and joint_p > P_THRESHOLD, (first_p, joint_p)
+
+
+@pytest.mark.parametrize("bug", ["recovered from the target", "always accept"])
+def test_negative_control_host_sampled_verification_bugs_are_detected(monkeypatch, bug):
+    """Two classic bugs in the host-side path are caught: the recovered token drawn from
+    the target instead of the residual, and acceptance tests that (almost) always pass."""
+    if bug == "recovered from the target":
+        original = rejection._final_draws
+
+        def no_residual(target_probs, final_rows, rejected_at, *args):
+            return original(target_probs, final_rows, [-1] * len(rejected_at), *args)
+
+        monkeypatch.setattr(rejection, "_final_draws", no_residual)
+        stepper = host_sampled_step(None)
+    else:
+        original = rejection.sampled_verify
+        monkeypatch.setattr(rejection, "sampled_verify",
+                            lambda logits, ids, counts, probs, t, u: original(
+                                logits, ids, counts, probs, t, np.zeros_like(u) + 1e-12))
+        stepper = host_sampled_step(None)
+    pairs = first_two_tokens(stepper, NUM_DRAWS, torch.Generator().manual_seed(13))
+    first_p, _ = target_p_values(pairs)
+    assert first_p < NEGATIVE_CONTROL_P, first_p
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    num_draft_tokens=st.lists(st.integers(0, 4), min_size=1, max_size=6),
+    greedy_bits=st.lists(st.booleans(), min_size=6, max_size=6),
+    one_hot=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_host_sampled_verification_greedy_rows_and_expectations(num_draft_tokens, greedy_bits,
+                                                                 one_hot, seed):
+    """In a batch mixing greedy and sampled requests, the greedy ones emit exactly what
+    :func:`greedy_verify` emits; every request emits its accepted drafts, then one token,
+    then placeholders; and the expected acceptance of each draft token is
+    :func:`expected_acceptance`'s at the same temperature."""
+    generator = torch.Generator().manual_seed(seed)
+    num_reqs, total, vocab_size = len(num_draft_tokens), sum(num_draft_tokens), 7
+    logits = torch.randn(total + num_reqs, vocab_size, generator=generator)
+    temperature = np.where(greedy_bits[:num_reqs], 0.0, 0.8)
+    draft_probs = None if one_hot else torch.rand(total, vocab_size, generator=generator)
+    if draft_probs is not None:
+        draft_probs /= draft_probs.sum(-1, keepdim=True)
+    draft_ids = torch.randint(vocab_size, (total,), generator=generator)
+    uniforms = 1.0 - torch.rand(total + num_reqs, dtype=torch.float64, generator=generator)
+    out, expected = rejection.sampled_verify(logits, draft_ids, num_draft_tokens, draft_probs,
+                                             temperature, uniforms.numpy())
+    assert out.dtype == torch.int32 and out.shape == (num_reqs, max(num_draft_tokens) + 1)
+    greedy = rejection.greedy_verify(logits, draft_ids, num_draft_tokens)
+    row_t = torch.from_numpy(np.repeat(np.where(temperature == 0, 1.0, temperature),
+                                       np.asarray(num_draft_tokens) + 1)).float()
+    target_probs = (logits / row_t[:, None]).softmax(-1)
+    rows = [row for i, k in enumerate(num_draft_tokens)
+            for row in range(sum(num_draft_tokens[:i]) + i, sum(num_draft_tokens[:i]) + i + k)]
+    want = rejection.expected_acceptance(draft_ids, draft_probs, target_probs[rows])
+    assert np.allclose(expected, want.numpy(), atol=1e-5)
+    first = 0
+    for i, k in enumerate(num_draft_tokens):
+        emitted = int((out[i] != PLACEHOLDER_TOKEN_ID).sum())
+        assert 1 <= emitted <= k + 1 and (out[i, :emitted] >= 0).all()
+        assert out[i, :emitted - 1].tolist() == draft_ids[first:first + emitted - 1].tolist()
+        if temperature[i] == 0:
+            assert out[i].tolist() == greedy[i].tolist()
+        first += k
 
 
 CANDIDATE_LENGTHS = (2, 1, 2)  # candidates 0 and 2 may share a prefix, then branch

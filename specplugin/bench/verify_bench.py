@@ -1,10 +1,13 @@
-"""vLLM's rejection sampler against the plugin's greedy shortcut, on an all-greedy batch.
+"""vLLM's rejection sampler against the plugin's shortcuts: an all-greedy batch, and a
+batch sampling at temperature 1 with draft probabilities.
 
 Why: a speculative step of greedy requests needs only the target's argmax at each
 verified position, yet vLLM's ``RejectionSampler`` also runs a bonus-token sampler,
 float32 copies of the target rows, its processors and a kernel; on this CPU torch's
 argmax alone costs ~10x numpy's. The plugin's runner verifies such batches itself
-(:func:`specplugin.vllm_layer.verification.verify_greedy`). This prints both, per
+(:func:`specplugin.vllm_layer.verification.verify_greedy`), and batches of sampled
+requests asking for nothing beyond a temperature too
+(:func:`specplugin.vllm_layer.verification.verify_sampled`). This prints both, per
 batch size and draft length, warm caches (inside an engine both cost more):
 
     .venv/bin/python -m specplugin.bench.verify_bench
@@ -75,7 +78,7 @@ def main() -> None:
     from vllm.v1.sample.rejection_sampler import RejectionSampler
     from vllm.v1.sample.sampler import Sampler
 
-    from specplugin.vllm_layer.verification import verify_greedy
+    from specplugin.vllm_layer.verification import Heard, verify_greedy, verify_sampled
 
     current_platform.register_triton_kernel_overrides()  # as an engine does (CPU: C++)
     vllms = RejectionSampler(Sampler())
@@ -86,8 +89,17 @@ def main() -> None:
         logits = torch.randn(batch * (k + 1), args.vocab_size)  # [num_sampled, vocab_size]
         theirs = _ms(lambda: vllms(metadata, None, logits, sampling), args.repeats)
         ours = _ms(lambda: verify_greedy(logits, metadata, sampling, vllms), args.repeats)
-        print(f"batch {batch:2d}, {k} draft tokens each: vLLM's rejection sampler "
+        print(f"batch {batch:2d}, {k} draft tokens each, greedy: vLLM's rejection sampler "
               f"{theirs:.3f} ms, the plugin's greedy verification {ours:.3f} ms")
+        sampling = greedy_sampling_metadata(batch, all_greedy=False, all_random=True,
+                                            temperature=torch.ones(batch))
+        probs = torch.rand(batch * k, args.vocab_size)
+        probs /= probs.sum(-1, keepdim=True)  # [num_draft_tokens, vocab_size]
+        theirs = _ms(lambda: vllms(metadata, probs, logits.clone(), sampling), args.repeats)
+        ours = _ms(lambda: verify_sampled(logits, metadata, sampling, probs, Heard()),
+                   args.repeats)
+        print(f"batch {batch:2d}, {k} draft tokens each, temperature 1: vLLM's rejection "
+              f"sampler {theirs:.3f} ms, the plugin's sampled verification {ours:.3f} ms")
 
 
 if __name__ == "__main__":

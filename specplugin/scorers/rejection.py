@@ -372,3 +372,125 @@ def greedy_verify(
         output[r, :accepted + 1] = best[row:row + accepted + 1]
         row, first_draft = row + k + 1, first_draft + k
     return torch.from_numpy(output)
+
+
+def sampled_verify(
+    logits: torch.Tensor,  # [num_draft_tokens_total + num_reqs, vocab_size] on CPU
+    draft_token_ids: torch.Tensor,  # [num_draft_tokens_total] on CPU
+    num_draft_tokens: Sequence[int],  # [num_reqs]
+    draft_probs: torch.Tensor | None,  # [num_draft_tokens_total, vocab_size]; None: one-hot
+    temperature: np.ndarray,  # [num_reqs] > 0 samples at that temperature, 0 is greedy
+    uniforms: np.ndarray,  # [num_draft_tokens_total + num_reqs] float64 in (0, 1]
+) -> tuple[torch.Tensor, np.ndarray]:  # [num_reqs, max_k + 1] int32, [num_draft_tokens_total]
+    """Verification of a batch of sampled (and greedy) requests on the host, as
+    :func:`reference_verify` defines it: a draft token ``x`` from ``q`` is accepted when
+    ``u * q(x) < p(x)`` (probability ``min(1, p(x) / q(x))``, ``p = softmax(logits / T)``);
+    the first rejected position emits a token drawn from ``norm(max(0, p - q))`` (the
+    recovered token), a request whose drafts all passed one drawn from its bonus row's
+    ``p``; a greedy request (``T`` = 0) keeps its drafts while they equal the argmax, as in
+    :func:`greedy_verify`. ``logits`` holds each request's rows in turn, one per draft
+    token, then its bonus row (vLLM's layout); ``uniforms`` are one per draft token (the
+    acceptance tests), then one per request (its recovered or bonus draw, by inverting the
+    float64 cumulative sum: a token of no mass never wins, as in
+    :func:`~specplugin.proposers.draft.inverse_cdf_draw`).
+
+    Returns the emitted tokens (slots past a request's emitted ones hold
+    :data:`PLACEHOLDER_TOKEN_ID`) and each draft token's expected acceptance
+    (:func:`expected_acceptance`), which the learners read instead of the verdicts.
+
+    Why: vLLM's rejection sampler runs, for any sampled batch, a bonus-token sampler over
+    every request's vocabulary (an exponential race), float32 copies and in-place
+    temperature scaling of every target row, a kernel launch, and the recovered draw:
+    ~0.45 ms a step at batch 1 on this project's CPU, where the plugin's whole drafting
+    step (draft forwards excluded) is ~0.7 ms. Here one softmax over the rows in numpy
+    (each numpy call costs a fraction of a torch call on a CPU whose caches the target's
+    forward just swept, see :func:`greedy_verify`), a few dozen floats compared in
+    Python, and one draw per request from its final row."""
+    values = logits.detach()
+    if values.dtype != torch.float32:  # (numpy has no bfloat16; float32 holds it exactly)
+        values = values.float()
+    rows = values.numpy()  # [num_rows, vocab_size]
+    # per-request values as Python lists: a few rows, where each numpy call would cost
+    # more than the Python it replaces
+    counts, temperatures = list(num_draft_tokens), temperature.tolist()  # [num_reqs]
+    num_reqs = len(counts)
+    greedy = [t == 0 for t in temperatures]  # [num_reqs]
+    if any(t not in (0.0, 1.0) for t in temperatures):
+        scale = np.repeat(np.array([1.0 if g else t for g, t in zip(greedy, temperatures)],
+                                   dtype=np.float32), np.array(counts) + 1)  # [num_rows]
+        rows = rows / scale[:, None]
+    target_probs = rows - rows.max(axis=1, keepdims=True)  # [num_rows, vocab_size] float32
+    np.exp(target_probs, out=target_probs)
+    target_probs /= target_probs.sum(axis=1, keepdims=True)
+    best = rows.argmax(axis=1).tolist() if any(greedy) else None  # [num_rows]
+    drafts = draft_token_ids.tolist()  # [num_drafted]
+    num_drafted = len(drafts)
+    # [num_drafted] each draft token's row of logits (request r's rows come after r bonus rows)
+    draft_rows, first = [], 0
+    for r, k in enumerate(counts):
+        draft_rows.extend(range(first + r, first + r + k))
+        first += k
+    target_of_draft = target_probs[draft_rows, drafts]  # [num_drafted] p(x)
+    if draft_probs is None:  # one-hot drafts: q(x) = 1
+        q = None
+        expected = target_of_draft
+        draft_of_draft = [1.0] * num_drafted
+    else:
+        q = draft_probs.detach().float().numpy()  # [num_drafted, vocab_size]
+        draft_of_draft = q[range(num_drafted), drafts].tolist()  # [num_drafted] q(x)
+        expected = np.minimum(target_probs[draft_rows], q).sum(axis=1)
+    p_of_draft, u = target_of_draft.tolist(), uniforms.tolist()
+    output = np.full((num_reqs, max(counts, default=0) + 1), PLACEHOLDER_TOKEN_ID,
+                     dtype=np.int32)  # [num_reqs, max_k + 1]
+    num_accepted = [0] * num_reqs
+    final_rows, rejected_at = [0] * num_reqs, [-1] * num_reqs  # -1: all drafts passed
+    row = start = 0  # the request's first row of logits, its first draft token
+    for r, k in enumerate(counts):
+        accepted = 0
+        if greedy[r]:
+            while accepted < k and drafts[start + accepted] == best[row + accepted]:
+                accepted += 1
+        else:  # accepted with probability min(1, p(x) / q(x))
+            while (accepted < k and u[start + accepted] * draft_of_draft[start + accepted]
+                   < p_of_draft[start + accepted]):
+                accepted += 1
+        output[r, :accepted] = drafts[start:start + accepted]
+        num_accepted[r], final_rows[r] = accepted, row + accepted
+        if accepted < k:
+            rejected_at[r] = start + accepted
+        row, start = row + k + 1, start + k
+    final_ids = _final_draws(target_probs, final_rows, rejected_at, drafts, q,
+                             uniforms[num_drafted:num_drafted + num_reqs])
+    for r, (accepted, row) in enumerate(zip(num_accepted, final_rows)):
+        output[r, accepted] = best[row] if greedy[r] else final_ids[r]
+    return torch.from_numpy(output), np.asarray(expected, dtype=np.float32)
+
+
+def _final_draws(target_probs: np.ndarray,  # [num_rows, vocab_size]
+                 final_rows: list[int],  # [num_reqs] each request's last emitted row
+                 rejected_at: list[int],  # [num_reqs] draft index of its rejection, or -1
+                 drafts: list[int],  # [num_drafted]
+                 q: np.ndarray | None,  # [num_drafted, vocab_size]; None: one-hot
+                 uniforms: np.ndarray,  # [num_reqs] float64 in (0, 1]
+                 ) -> list[int]:  # [num_reqs]
+    """Each request's recovered token (from ``max(0, p - q)`` at its rejection) or bonus
+    token (from ``p``), drawn by inverting the float64 cumulative sum at its uniform. A
+    residual without mass (only by rounding: a rejection implies ``p - q`` has some) is
+    replaced by ``p``, as :func:`verify_batch` does."""
+    weights = target_probs[final_rows].astype(np.float64)  # [num_reqs, vocab_size]
+    rejected = [r for r, d in enumerate(rejected_at) if d >= 0]
+    if rejected:
+        at = [rejected_at[r] for r in rejected]
+        if q is None:
+            weights[rejected, [drafts[d] for d in at]] = 0.0
+        else:
+            weights[rejected] -= q[at]
+            np.maximum(weights, 0.0, out=weights)
+    cdf = np.cumsum(weights, axis=1)  # [num_reqs, vocab_size]
+    total = cdf[:, -1]  # [num_reqs]
+    empty = total <= 0.0
+    if empty.any():
+        cdf[empty] = np.cumsum(target_probs[np.asarray(final_rows)[empty]], axis=1,
+                               dtype=np.float64)
+        total = cdf[:, -1]
+    return (cdf < (uniforms * total)[:, None]).sum(axis=1).tolist()

@@ -53,7 +53,8 @@ import torch
 
 from specplugin.metrics import FailureCounter
 from specplugin.proposers.draft import UniformPool
-from specplugin.scorers.rejection import draw_recovered, expected_acceptance, greedy_verify
+from specplugin.scorers.rejection import (draw_recovered, expected_acceptance, greedy_verify,
+                                          sampled_verify)
 from specplugin.vllm_layer import patches
 
 logger = logging.getLogger("specplugin")
@@ -66,13 +67,15 @@ EXPECTATION_FAILURES = FailureCounter("expected acceptance", logger,
                                       fallback="learning from the verdicts alone")
 GREEDY_FAILURES = FailureCounter("greedy verification", logger,
                                  fallback="vLLM's rejection sampler")
+SAMPLED_FAILURES = FailureCounter("sampled verification", logger,
+                                  fallback="vLLM's rejection sampler")
 
 
 def failures() -> dict[str, int]:
     """This process's counts, those above 0 (added to each drafter's
     ``proposer_failures``: the metric names a shortcut only once it failed)."""
-    return {f.name: f.count for f in (DRAW_FAILURES, EXPECTATION_FAILURES, GREEDY_FAILURES)
-            if f.count}
+    return {f.name: f.count for f in (DRAW_FAILURES, EXPECTATION_FAILURES, GREEDY_FAILURES,
+                                      SAMPLED_FAILURES) if f.count}
 
 
 class Heard:
@@ -98,6 +101,7 @@ _recovering = False
 # the recovered draws' uniforms (CPU only: the shortcut runs there), see UniformPool
 _recovered_uniforms = UniformPool("cpu")
 _greedy_steps = 0
+_sampled_steps = 0
 
 
 @contextlib.contextmanager
@@ -176,6 +180,56 @@ def verify_greedy(logits: torch.Tensor, metadata, sampling_metadata, rejection_s
     return output
 
 
+def plainly_sampled(logits: torch.Tensor, sampling_metadata, rejection_sampler) -> bool:
+    """:func:`verify_sampled` can verify this speculative step: on CPU, some request
+    samples, and every request samples from ``softmax(logits / temperature)`` alone (no
+    top-k, top-p or min-p, no penalties, logit bias, minimum tokens, allowed or bad words,
+    thinking budget), asks for no logprobs and brings no seed of its own (its random
+    stream is vLLM's to define)."""
+    m = sampling_metadata
+    try:
+        return (logits.device.type == "cpu" and not m.all_greedy
+                and m.top_k is None and m.top_p is None and not m.generators
+                and _leaves_distribution(m, rejection_sampler))
+    except Exception:  # (a field vLLM renamed costs the shortcut, never the step)
+        SAMPLED_FAILURES.record()
+        return False
+
+
+def verify_sampled(logits: torch.Tensor, metadata, sampling_metadata, draft_probs,
+                   heard: "Heard"):
+    """vLLM's ``SamplerOutput`` for a speculative step that :func:`plainly_sampled`
+    admits, verified on the host by :func:`~specplugin.scorers.rejection.sampled_verify`
+    (exactly the target's distribution: accepted drafts, then a recovered or bonus token);
+    ``heard`` gets each draft token's expected acceptance, as :func:`listening` would.
+    None on a failure here, which costs the step this shortcut, never a request.
+    ``logits``: [num_draft_tokens_total + num_reqs, vocab_size]; ``metadata``: vLLM's
+    ``SpecDecodeMetadata``; ``draft_probs``: [num_draft_tokens_total, vocab_size] or None
+    (every draft a deterministic guess)."""
+    global _sampled_steps
+    try:
+        num_draft_tokens = metadata.num_draft_tokens  # [num_reqs] (a list)
+        num_reqs = len(num_draft_tokens)
+        uniforms = _recovered_uniforms.take((metadata.draft_token_ids.shape[0] + num_reqs,))
+        token_ids, expected = sampled_verify(
+            logits, metadata.draft_token_ids, num_draft_tokens, draft_probs,
+            sampling_metadata.temperature[:num_reqs].numpy(), uniforms.numpy())
+        output = _vllm_classes()[0](sampled_token_ids=token_ids, logprobs_tensors=None)
+    except Exception:
+        SAMPLED_FAILURES.record()
+        return None
+    heard.values = torch.from_numpy(expected)
+    heard.cu_num_draft_tokens = metadata.cu_num_draft_tokens
+    _sampled_steps += 1
+    return output
+
+
+def sampled_steps() -> int:
+    """Speculative steps this process verified with :func:`verify_sampled` (published as
+    ``steps_verified_sampled``)."""
+    return _sampled_steps
+
+
 def greedy_steps() -> int:
     """Speculative steps this process verified with :func:`verify_greedy` (published as
     ``steps_verified_greedy``)."""
@@ -186,15 +240,39 @@ def _plainly_greedy(sampling_metadata, rejection_sampler) -> bool:
     """Every request greedy, and nothing that vLLM's samplers apply before the argmax
     or return beside it in use."""
     m = sampling_metadata
-    if not (m.all_greedy and m.no_penalties and m.max_num_logprobs is None
+    if not (m.all_greedy and _nothing_applied(m, rejection_sampler)):
+        return False
+    return all(_leaves_argmax(p) for p in m.logitsprocs.non_argmax_invariant)
+
+
+def _nothing_applied(m, rejection_sampler) -> bool:
+    """No penalties, logprobs, allowed or bad words, thinking budget, nor vLLM's
+    synthetic acceptance in use."""
+    if not (m.no_penalties and m.max_num_logprobs is None
             and not m.logprob_token_ids and m.allowed_token_ids_mask is None
             and not m.bad_words_token_ids
             and not getattr(rejection_sampler, "synthetic_mode", True)):
         return False
     holder = m.thinking_budget_state_holder
-    if holder is not None and holder.has_tracked_requests():
+    return holder is None or not holder.has_tracked_requests()
+
+
+def _leaves_distribution(m, rejection_sampler) -> bool:
+    """Nothing changes a sampled request's distribution beyond its temperature: what
+    :func:`_nothing_applied` excludes, and no logits processor in use (vLLM's min-p
+    among them, which leaves the argmax alone but not the distribution)."""
+    if not _nothing_applied(m, rejection_sampler):
         return False
-    return all(_leaves_argmax(p) for p in m.logitsprocs.non_argmax_invariant)
+    return (all(_leaves_argmax(p) for p in m.logitsprocs.non_argmax_invariant)
+            and all(_min_p_unused(p) for p in m.logitsprocs.argmax_invariant))
+
+
+def _min_p_unused(processor) -> bool:
+    """vLLM's min-p processor while no request uses it; any other argmax-invariant
+    processor might change the distribution."""
+    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+
+    return isinstance(processor, MinPLogitsProcessor) and not processor.min_p_count
 
 
 def _leaves_argmax(processor) -> bool:

@@ -254,7 +254,8 @@ class PluginRunnerMixin:
     def plugin_stats(self) -> dict:
         """The drafter's counters, the speculative steps verified without vLLM's rejection
         sampler, and the scorer's under ``"scorer"`` when it is on."""
-        stats = {**self.drafter.stats(), "steps_verified_greedy": verification.greedy_steps()}
+        stats = {**self.drafter.stats(), "steps_verified_greedy": verification.greedy_steps(),
+                 "steps_verified_sampled": verification.sampled_steps()}
         if self.expander is not None:
             stats["scorer"] = {**self.expander.stats.as_dict(), **self.expander.describe()}
         return stats
@@ -295,6 +296,15 @@ class PluginRunnerMixin:
             if output is not None:
                 self._heard = None  # (no sampled request: nothing to hear)
                 return output
+            if verification.plainly_sampled(logits, self.input_batch.sampling_metadata,
+                                            self.rejection_sampler):
+                heard = verification.Heard()
+                output = verification.verify_sampled(
+                    logits, spec_decode_metadata, self.input_batch.sampling_metadata,
+                    self._get_spec_decode_draft_probs(spec_decode_metadata), heard)
+                if output is not None:
+                    self._heard = heard
+                    return output
         with verification.listening() as self._heard:
             return super()._sample(logits, spec_decode_metadata)
 
@@ -334,21 +344,34 @@ class PluginRunnerMixin:
             self.speculative_config = spec
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
-                                *args, **kwargs):
+                                hidden_states, sample_hidden_states, aux_hidden_states,
+                                spec_decode_metadata, common_attn_metadata, slot_mappings):
         """The draft-model drafter decides its step before vLLM prepares the draft model's
         inputs (:meth:`PluginDraftProposer.propose_before_vllm_inputs
         <specplugin.vllm_layer.draft_proposer.PluginDraftProposer.propose_before_vllm_inputs>`):
         a step in which the draft model runs for no row hands back its drafts as lists,
         as vLLM's own token-level methods do, and touches none of the draft model's
-        machinery."""
+        machinery; a step in which it runs skips vLLM's preparation of its inputs
+        (:meth:`~specplugin.vllm_layer.draft_proposer.PluginDraftProposer.propose_decided`)."""
         decide = getattr(self.drafter, "propose_before_vllm_inputs", None)
         if decide is not None and torch.is_tensor(sampled_token_ids):
+            self._draft_probs = self._draft_prob_req_ids = None  # as vLLM's call does
             drafts = decide(sampled_token_ids, sampling_metadata)
             if drafts is not None:
-                self._draft_probs = self._draft_prob_req_ids = None  # as vLLM's call does
                 return drafts
-        return super().propose_draft_token_ids(scheduler_output, sampled_token_ids,
-                                               sampling_metadata, *args, **kwargs)
+            if self.drafter.decided:
+                drafts = self.drafter.propose_decided(
+                    scheduler_output.num_spec_tokens_to_schedule, common_attn_metadata,
+                    sampling_metadata)
+                draft_probs = self.drafter.take_last_draft_probs()
+                if draft_probs is not None:  # (as vLLM's call keeps them)
+                    self._draft_probs = draft_probs
+                    self._draft_prob_req_ids = self.input_batch.req_ids.copy()
+                return drafts
+        return super().propose_draft_token_ids(
+            scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+            sample_hidden_states, aux_hidden_states, spec_decode_metadata,
+            common_attn_metadata, slot_mappings)
 
     def _copy_draft_token_ids_to_cpu(self, scheduler_output, zeros_only: bool = False) -> None:
         super()._copy_draft_token_ids_to_cpu(scheduler_output, zeros_only=zeros_only)
