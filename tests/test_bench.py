@@ -2,8 +2,10 @@
 ``--quick`` run on a quick zoo (slow, marked ``vllm``; no speed assertions)."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -260,6 +262,30 @@ def test_fresh_engine_starts_an_engine_for_every_cell_interleaving_methods(monke
     suite.run_suite(entries, MODELS, cells, 1, tmp_path)
     assert jobs == [("r1-none", ["edit/b1/t0", "complete/b8/t1"]),
                     ("r1-vllm-ngram", ["edit/b1/t0", "complete/b8/t1"])]
+
+
+def test_an_engine_child_runs_in_its_workdir_never_the_callers(monkeypatch, tmp_path):
+    """``python -m`` puts the working directory first on ``sys.path``: a child started
+    from a checkout would import that checkout's ``specplugin``, whatever ``PYTHONPATH``
+    or the install says. The runner starts it in its (absolute) log folder."""
+    from specplugin.bench import runner
+
+    started = {}
+
+    class Stop(Exception):
+        pass
+
+    def popen(command, **kwargs):
+        started.update(command=command, **kwargs)
+        raise Stop
+
+    monkeypatch.setattr(runner.subprocess, "Popen", popen)
+    monkeypatch.chdir(tmp_path)
+    job = runner.EngineJob(label="r1-none-x", model="m", engine_kwargs={}, cells=[])
+    with pytest.raises(Stop):
+        runner.run_job(job, Path("logs"))
+    assert started["cwd"] == tmp_path / "logs" and started["cwd"].is_absolute()
+    assert all(os.path.isabs(a) for a in started["command"][3:])
 
 
 def test_a_ratio_is_printed_cut_never_rounded_up():

@@ -208,7 +208,12 @@ def run_job(job: EngineJob, workdir: Path,
     """Run ``job`` in a fresh ``python -m specplugin.bench.engine`` and collect its lines.
 
     The child's output (vLLM's logging) goes to ``workdir/LABEL.log``, or to this
-    process's terminal when ``verbose``."""
+    process's terminal when ``verbose``. The child runs in ``workdir``: ``python -m`` puts
+    its working directory first on ``sys.path``, so a child started from a checkout of this
+    project would import that checkout's ``specplugin`` ahead of the one installed or named
+    by ``PYTHONPATH`` (found on 2026-11-27: an A/B of two versions through ``PYTHONPATH``,
+    run from the newer checkout, ran the newer code in both arms)."""
+    workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     stem = workdir / _slug(job.label)
     job_path, out_path, log_path = (stem.with_suffix(s) for s in (".job.json", ".jsonl", ".log"))
@@ -219,7 +224,7 @@ def run_job(job: EngineJob, workdir: Path,
     with open(os.devnull if verbose else log_path, "w") as log:
         sink = {} if verbose else {"stdout": log, "stderr": subprocess.STDOUT}
         # its own process group: vLLM's engine-core and worker processes go with it
-        proc = subprocess.Popen(command, env={**child_env(), **job.env},
+        proc = subprocess.Popen(command, env={**child_env(), **job.env}, cwd=workdir,
                                 start_new_session=True, **sink)
         try:
             code = _follow(proc, job, out_path, result, on_event)
