@@ -161,7 +161,7 @@ def test_the_plugins_work_inside_vllms_rejection_sampler_is_timed_as_its_own(mon
 
     rows = [row for row in p.WORKER_TIMED if row[0] == p._VERIFY]
     assert {row[2] for row in rows} == {"expected_acceptance", "draw_recovered",
-                                        "verify_greedy"}
+                                        "verify_greedy", "verify_sampled"}
     for _, _, attribute, phase in rows:  # as _install_table wraps them, undone after
         monkeypatch.setattr(verification, attribute,
                             p._timed_function(phase, getattr(verification, attribute)))
@@ -180,6 +180,32 @@ def test_the_plugins_work_inside_vllms_rejection_sampler_is_timed_as_its_own(mon
     assert recovered.shape == (3,) and heard.values.shape == (3,)
     assert ledger.phases_s.get("plugin: verify", 0.0) > 0.0, ledger.phases_s
     assert is_plugin_phase("plugin: verify")
+
+
+def test_the_plugins_verification_of_a_sampled_step_is_timed_as_its_own(monkeypatch):
+    """A sampled step the plugin verifies instead of vLLM's rejection sampler
+    (``verify_sampled``) is charged to "plugin: verify" (untimed, the runner's ``_sample``
+    would charge it to the scorer's row)."""
+    import torch
+
+    from specplugin.bench.verify_bench import greedy_sampling_metadata, spec_decode_metadata
+    from specplugin.vllm_layer import profiling as p
+    from specplugin.vllm_layer import verification
+
+    [row] = [row for row in p.WORKER_TIMED if row[0] == p._VERIFY and row[2] == "verify_sampled"]
+    monkeypatch.setattr(verification, "verify_sampled",
+                        p._timed_function(row[3], verification.verify_sampled))
+    sampling = greedy_sampling_metadata(2, all_greedy=False, all_random=True,
+                                        temperature=torch.ones(2))
+    p.CLOCK.take()
+    p.CLOCK.begin_step()
+    try:
+        output = verification.verify_sampled(torch.randn(5, 8), spec_decode_metadata([[1, 2], [3]]),
+                                             sampling, None, verification.Heard())
+    finally:
+        p.CLOCK.end_step()
+    assert output is not None
+    assert p.CLOCK.take().phases_s.get("plugin: verify", 0.0) > 0.0
 
 
 def test_overrides_parse_as_json_and_reach_plugin_methods_only():

@@ -124,8 +124,9 @@ WORKER_TIMED: Timed = (
     # replaces vLLM's; untimed, both would be counted as vLLM's sampling
     (_VERIFY, None, "expected_acceptance", "plugin: verify"),
     (_VERIFY, None, "draw_recovered", "plugin: verify"),
-    # an all-greedy batch verified by the plugin instead of vLLM's rejection sampler
+    # a batch verified by the plugin instead of vLLM's rejection sampler (all greedy; sampled)
     (_VERIFY, None, "verify_greedy", "plugin: verify"),
+    (_VERIFY, None, "verify_sampled", "plugin: verify"),
     # the union (vLLM-free core)
     (_UNION, "Union", "step", "plugin: other"),
     (_UNION, "Union", "begin", "plugin: learn"),
@@ -156,6 +157,7 @@ COARSE_PLUGIN_ROWS = frozenset({
     ("PluginDraftProposer", "propose_decided"),
     ("PluginDraftProposer", "_logits"),
     (None, "expected_acceptance"), (None, "draw_recovered"), (None, "verify_greedy"),
+    (None, "verify_sampled"),
 })
 # Modules whose draft-model forwards run inside ``with set_forward_context(...)``: the
 # with-block is the forward ("draft forward", counted), vLLM's draft_model and the plugin's.
