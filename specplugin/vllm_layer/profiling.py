@@ -103,7 +103,6 @@ WORKER_TIMED: Timed = (
     # the draft-model drafter
     (_DRAFT, "PluginDraftProposer", "propose", "plugin: other"),
     (_DRAFT, "PluginDraftProposer", "propose_before_vllm_inputs", "plugin: other"),
-    (_DRAFT, "PluginDraftProposer", "propose_decided", "plugin: other"),
     (_DRAFT, "PluginDraftProposer", "_rule_for_this_step", "plugin: learn"),
     (_DRAFT, "PluginDraftProposer", "_speculating", "plugin: learn"),
     (_DRAFT, None, "_step_batch", "plugin: context"),
@@ -154,7 +153,6 @@ COARSE_PLUGIN_ROWS = frozenset({
     ("PluginRunnerMixin", "_get_draft_token_ids_cpu"), ("PluginRunnerMixin", "_skip_drafting"),
     ("PluginRunnerMixin", "propose_draft_token_ids"),
     ("Speculator", "propose"), ("PluginDraftProposer", "propose"),
-    ("PluginDraftProposer", "propose_decided"),
     ("PluginDraftProposer", "_logits"),
     (None, "expected_acceptance"), (None, "draw_recovered"), (None, "verify_greedy"),
     (None, "verify_sampled"),

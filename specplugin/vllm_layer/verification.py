@@ -270,15 +270,13 @@ def _leaves_distribution(m, rejection_sampler) -> bool:
 def _min_p_unused(processor) -> bool:
     """vLLM's min-p processor while no request uses it; any other argmax-invariant
     processor might change the distribution."""
-    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
-
-    return isinstance(processor, MinPLogitsProcessor) and not processor.min_p_count
+    return isinstance(processor, _vllm_classes()[3]) and not processor.min_p_count
 
 
 def _leaves_argmax(processor) -> bool:
     """vLLM's built-in processors that can move the argmax, while no request uses them
     (logit bias, minimum tokens); any other processor might."""
-    _, LogitBiasLogitsProcessor, MinTokensLogitsProcessor = _vllm_classes()
+    _, LogitBiasLogitsProcessor, MinTokensLogitsProcessor, _ = _vllm_classes()
     if isinstance(processor, LogitBiasLogitsProcessor):
         return not processor.biases
     if isinstance(processor, MinTokensLogitsProcessor):
@@ -287,15 +285,16 @@ def _leaves_argmax(processor) -> bool:
 
 
 @functools.cache
-def _vllm_classes() -> tuple[type, type, type]:
-    """vLLM's ``SamplerOutput`` and the two built-in processors :func:`_leaves_argmax`
-    knows, imported once, on first use (not at import: this module loads with the plugin,
-    in processes that never verify)."""
+def _vllm_classes() -> tuple[type, type, type, type]:
+    """vLLM's ``SamplerOutput``, the two built-in processors :func:`_leaves_argmax` knows
+    and the min-p processor :func:`_min_p_unused` knows, imported once, on first use (not
+    at import: this module loads with the plugin, in processes that never verify)."""
     from vllm.v1.outputs import SamplerOutput
     from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor,
+                                                         MinPLogitsProcessor,
                                                          MinTokensLogitsProcessor)
 
-    return SamplerOutput, LogitBiasLogitsProcessor, MinTokensLogitsProcessor
+    return SamplerOutput, LogitBiasLogitsProcessor, MinTokensLogitsProcessor, MinPLogitsProcessor
 
 
 def _seeded(args, kwargs) -> bool:
