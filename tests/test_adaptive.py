@@ -1331,3 +1331,18 @@ def test_trace_summary_helpers():
     records = [{"kind": "step"}, {"kind": "forget"}, {"kind": "block"}]
     assert trace.after_last_forget(records) == [{"kind": "block"}]
     assert trace.summarize([])["spec_ms"] is None
+
+
+def test_alternate_blocks_take_turns_from_an_engines_first_block():
+    """``alternate_blocks`` (tests): speculative and plain blocks take turns from the first
+    block on, the engine's unmeasured first speculative blocks included, and again from
+    the start after forget (a profile's timed cell is short: two unmeasured speculative
+    blocks in a row there left no plain block closed in it, a flaky test)."""
+    from specplugin.adaptive.arbiter import ALTERNATE_PLAIN_FACTOR
+
+    arbiter = StepArbiter(block_steps=2, alternate=True)
+    choices = _arbitrate(arbiter, 2 * (2 + 2 * ALTERNATE_PLAIN_FACTOR), 100.0, 100.0, num_reqs=1)
+    spec, plain = [True] * 2, [False] * 2 * ALTERNATE_PLAIN_FACTOR
+    assert choices.tolist() == (spec + plain) * 2
+    arbiter.forget()
+    assert _arbitrate(arbiter, 3, 100.0, 100.0, num_reqs=1).tolist() == [True, True, False]

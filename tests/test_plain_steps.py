@@ -149,3 +149,109 @@ def test_a_step_reads_prompts_when_a_row_reads_more_than_a_decode_step(new, per_
                          total_num_scheduled_tokens=sum(per_request.values()))
     assert _read_prompts(so) is expected
     assert _read_prompts(None) is False
+
+
+# ---------------------------------------------------------------- steps foretold plain
+
+
+def _state(union):
+    """What a union learned and counted, comparable between two unions."""
+    def plain(obj):
+        return {k: (v.tolist() if isinstance(v, np.ndarray) else
+                    plain(v) if hasattr(v, "__dict__") and not callable(v) else v)
+                for k, v in vars(obj).items() if not callable(v)}
+    arbiter = plain(union.arbiter)
+    arbiter["_buckets"] = {k: vars(b) for k, b in union.arbiter._buckets.items()}
+    return (arbiter, plain(union.cost), union.stats.as_dict(), union._skipped_steps,
+            union.speculating)
+
+
+def _drive(union, steps, foretold: bool, seed: int = 0):
+    """``steps`` engine steps at batch 2: plain steps mostly (speculation measures slower),
+    idle gaps and requests joining now and then. ``foretold``: the steps that
+    :meth:`Union.plain_steps_ahead` foretells are not decided, only their times kept and
+    handed to :meth:`Union.plain_steps_ran` before the next decision, as the runner does.
+    Returns each step's choice (True: speculative) and how many were foretold."""
+    from tests.test_adaptive import _peek
+
+    rng = np.random.default_rng(seed)
+    fresh = _peek([7, 3, 9, 1, 4, 8, 2, 6, 5, 11, 13])
+    choices, ahead, ran, num_foretold = [], 0, [], 0
+    speculating = True
+    for _ in range(steps):
+        joins = rng.random() < 0.01
+        seconds = (0.5 if rng.random() < 0.01 else
+                   (0.030 if speculating else 0.010) * rng.uniform(0.9, 1.1))
+        if foretold and ahead and not joins and not speculating:
+            ran.append(seconds)  # the step ran as the engine's own; only its time is kept
+            ahead -= 1
+            num_foretold += 1
+            choices.append(False)
+            continue
+        if ran:
+            union.plain_steps_ran(ran, 2)
+            ran, ahead = [], 0
+        if joins:
+            union.new_requests(1, 2)
+        if speculating:
+            verified = Verified(("r0", "r1"), np.zeros(2, dtype=int), np.full(2, 2), seconds, 2)
+            union.step(_batch(["r0", "r1"]), verified)
+            speculating = union.speculating
+        else:
+            speculating = union.plain_step(seconds, 2, 2, False, peek=fresh)
+            if not speculating and foretold:
+                ahead = union.plain_steps_ahead()
+        choices.append(speculating)
+    if ran:
+        union.plain_steps_ran(ran, 2)
+    return choices, num_foretold
+
+
+def test_steps_foretold_plain_teach_the_union_what_deciding_each_would_have():
+    """Steps the union foretells as plain (its arbiter's plain block runs on) may run as
+    the engine's own plain steps: learning their times afterwards, in one call, leaves
+    the union exactly where deciding each step would have (same choices, same arbiter
+    and cost model, same counters). Only its peeks come later (on text that copies
+    nothing here, so they change no choice; see the next test)."""
+    from specplugin.proposers.ngram import NgramProposer
+
+    unions = [Union([NgramProposer(), Counting("p", [1, 2, 3], 0.3)], cost=flat_cost(),
+                    explore=False, arbiter=StepArbiter()) for _ in range(2)]
+    each, _ = _drive(unions[0], 1500, foretold=False)
+    ahead, num_foretold = _drive(unions[1], 1500, foretold=True)
+    assert each == ahead
+    assert _state(unions[0]) == _state(unions[1])
+    assert num_foretold > 0.6 * each.count(False)  # most plain steps need no decision
+
+
+def test_a_peek_due_in_a_foretold_run_waits_for_the_step_that_ends_it():
+    """A peek does not cut a foretold run short (every decided step costs the plugin's
+    whole plain path): it comes due meanwhile and runs at the next decision, which
+    then finds the copy in sight and speculates."""
+    from tests.test_adaptive import _AlwaysPlain, _peek
+
+    class Block(_AlwaysPlain):  # plain blocks of 4 steps: 3 foretold after each decision
+        def plain_steps_ahead(self):
+            return 3
+
+    from specplugin.proposers.ngram import NgramProposer
+
+    union = Union([NgramProposer(), Counting("p", [], 0.5)], cost=flat_cost(), explore=False,
+                  arbiter=Block())
+    union.max_peek_gap = 1  # a peek due on every plain step
+    assert not union.plain_step(0.01, 1, 1, False, peek=_peek([7, 3, 9, 1, 4, 8, 2, 6, 5, 11]))
+    assert union.plain_steps_ahead() == 3
+    union.plain_steps_ran([0.01] * 3, 1)
+    copies = [7, 3, 9, 1, 4, 8, 2, 6, 5, 7, 3, 9, 1]
+    assert union.plain_step(0.01, 1, 1, False, peek=_peek(copies))  # peeked: speculate
+    assert union.stats.steps_peeked == 1 and union.stats.steps_skipped == 4
+
+
+def test_no_step_is_foretold_while_speculating_or_past_a_blocks_end():
+    arbiter = StepArbiter(block_steps=4)
+    arbiter.speculate(1)
+    assert arbiter.plain_steps_ahead() == 0  # an engine's first blocks speculate
+    union = Union([Counting("p", [1], 0.9)], cost=flat_cost(), explore=False,
+                  arbiter=Scripted([PLAIN]))
+    union.plain_step(0.01, 1, 1, False)
+    assert union.plain_steps_ahead() == 0  # (a scripted arbiter's blocks are never known)

@@ -275,6 +275,48 @@ def test_the_step_ab_pairs_neighbouring_steps_and_sees_a_small_cost_on_a_driftin
     assert _step_ab({"step_ab": broken}).startswith("broken: 1 steps")
 
 
+def test_step_ab_starts_the_drafters_clock_after_each_vllm_step():
+    """After a step run as vLLM's own (the plugin did not see it), the drafter's clock
+    starts again: its next lap is the plugin's next step alone, a step it learns from
+    like any other (a lap of no step would leave plain blocks uncounted, so that the
+    plugin arm paid more full decisions than in a run of its own)."""
+    from specplugin.adaptive.cost import StepTimer
+    from specplugin.vllm_layer.profiling import PlainStepAB
+    from specplugin.vllm_layer.worker import PluginRunnerMixin
+
+    class VllmRunner:
+        def execute_model(self, scheduler_output, intermediate_tensors=None):
+            return None
+
+        def sample_tokens(self, grammar_output):
+            return SimpleNamespace()
+
+    class PluginRunner(PluginRunnerMixin, VllmRunner):
+        def execute_model(self, scheduler_output, intermediate_tensors=None):
+            self.step_scheduler_output = scheduler_output
+            return None
+
+        def sample_tokens(self, grammar_output):
+            laps.append(self.drafter.timer.lap())
+            return SimpleNamespace()
+
+    laps = []
+    runner = PluginRunner()
+    runner.drafter, runner.speculative_config = SimpleNamespace(timer=StepTimer()), object()
+    ab = PlainStepAB(runner)
+    ab.install()
+    step = SimpleNamespace(scheduled_new_reqs=[], finished_req_ids=set(),
+                           scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set()),
+                           scheduled_spec_decode_tokens={}, total_num_scheduled_tokens=1,
+                           num_scheduled_tokens={"a": 1})
+    for _ in range(40):
+        runner.execute_model(step)
+        runner.sample_tokens(None)
+    records = ab.uninstall()
+    assert {r[0] for r in records} == {"plugin", "vllm"}
+    assert None not in laps[1:], laps  # (the first lap has no step before it)
+
+
 # ------------------------------------------------------------------ inside real vLLM
 
 # A built-in without a draft model, and a union with the draft model and one token-level

@@ -83,11 +83,13 @@ def test_drafts_are_verified_and_accepted(request, union):
 
 
 def test_plain_steps_skip_drafting_and_speculation_resumes(full_union):
-    """Every other block of 4 steps is plain: its steps after the first skip drafting
-    (vLLM's non-speculative path), and the next speculative block drafts again from the
-    tokens the skipped steps emitted (output identical above)."""
+    """Every other block of steps is plain: its steps after the first skip drafting
+    (vLLM's non-speculative path), most of them foretold by the arbiter and run as vLLM's
+    own plain steps (none of the plugin's code in them), and the next speculative block
+    drafts again from the tokens the skipped steps emitted (output identical above)."""
     steps = full_union.plugin_steps
     assert steps is not None and steps["steps_skipped"] > 10, steps
+    assert 0 < steps["steps_foretold_plain"] < steps["steps_skipped"], steps
     assert steps["steps"] - steps["steps_without_drafts"] > 10, steps  # speculative steps too
     assert full_union.num_drafts > 0 and full_union.mean_acceptance_length > 1.3
 

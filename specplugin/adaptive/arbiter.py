@@ -248,6 +248,19 @@ class StepArbiter:
             self._start(bucket, num_reqs)
         return self._choice
 
+    def plain_steps_ahead(self) -> int:
+        """How many of the next decisions are foregone after :meth:`speculate` kept a step
+        plain: the running plain block ends only once it has counted its steps (or run
+        ``MAX_BLOCK_FACTOR`` times as many), and each step observed counts one at most, so
+        until then every decision says plain, whatever the steps measure (a step not
+        counted makes the block longer, never shorter). 0 while speculating."""
+        if self._choice != PLAIN or self._bucket is None:
+            return 0
+        steps = self.block_steps
+        if self.alternate:
+            steps *= ALTERNATE_PLAIN_FACTOR
+        return max(0, min(steps - self._counted, MAX_BLOCK_FACTOR * steps - self._steps) - 1)
+
     def _block_done(self) -> bool:
         """The running block has ``block_steps`` counted steps, or has run
         ``MAX_BLOCK_FACTOR`` times as many steps in all."""
@@ -350,8 +363,10 @@ class StepArbiter:
         self._predicted = []
 
     def _next_choice(self, state: _Bucket, num_reqs: int) -> bool:
-        if self.alternate:
-            return state.blocks[SPECULATE] <= state.blocks[PLAIN]
+        if self.alternate:  # turns by the blocks that ran here, measured or not (an
+            # engine's first speculative blocks are not: counting measured blocks, a test's
+            # short cell could see only those and never a plain block close)
+            return state.blocks_since[PLAIN] == 0
         if state.blocks[SPECULATE] < self.warmup_blocks:
             return SPECULATE
         spec, plain = state.rate[SPECULATE], state.rate.get(PLAIN)

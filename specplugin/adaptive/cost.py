@@ -295,3 +295,8 @@ class StepTimer:
     def reset(self) -> None:
         """A drafting call failed: the next lap measures no step."""
         self._last = None
+
+    def restart(self) -> None:
+        """A step the drafter did not see just ended (``specplugin profile --step-ab``
+        ran it as vLLM's own): the next lap measures the step after it alone."""
+        self._last = time.perf_counter()

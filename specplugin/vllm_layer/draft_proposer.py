@@ -91,6 +91,8 @@ class PluginDraftProposer(DraftModelProposer):
         # (seconds, catch-up tokens, warm) of this step's first pass (see _agree_on_timings)
         self._first_pass: tuple[float, int, bool] | None = None
         self._steps_since_run = 2  # engine steps since the draft last ran (_draft_ran_last_step)
+        # steps run as vLLM's own since learn_plain_steps: (seconds, num_reqs) each
+        self._plain_steps_ran: list[tuple[float, int]] = []
         # test-only: every N-th draft forward fails (specplugin.proposers.faults)
         every = plugin_config.fault_injection.draft_forward
         self._forward_fault = None if every is None else EveryNth("draft forward", every)
@@ -213,6 +215,44 @@ class PluginDraftProposer(DraftModelProposer):
         else:
             self._observed = True  # the full path must not observe this step again
         return plain
+
+    def plain_steps_ahead(self) -> int:
+        """After :meth:`skip_drafting` kept the next step plain: how many steps after it
+        are plain whatever they measure (the union's :meth:`~Union.plain_steps_ahead`, or
+        the arbiter's when the draft model drafts alone), which the runner may run as
+        vLLM's own plain steps. 0 under tensor parallelism (see :meth:`skip_drafting`)."""
+        try:
+            if self.clock.shared:
+                return 0
+            if self.union is not None:
+                return self.union.plain_steps_ahead()
+            return 0 if self.arbiter is None else self.arbiter.plain_steps_ahead()
+        except Exception:  # a bug here costs the fast path, never a request
+            self.failures.record()
+            return 0
+
+    def plain_step_ran(self, num_reqs: int) -> None:
+        """One of those steps ran (``num_reqs`` requests, one token each): its wall time
+        is kept for :meth:`learn_plain_steps`."""
+        self._plain_steps_ran.append((self.timer.lap(), num_reqs))
+
+    def learn_plain_steps(self) -> None:
+        """What :meth:`skip_drafting` would have learned from each step run as vLLM's own
+        (the runner calls this before the next step it runs reaches the drafter)."""
+        ran, self._plain_steps_ran = self._plain_steps_ran, []
+        try:
+            for seconds, num_reqs in ran:  # (one batch: no request joined or left)
+                if seconds is not None:  # (None: the timer was reset, no step measured)
+                    self.costs.observe_plain_step(seconds, num_reqs)
+                if self.union is None and self.arbiter is not None:
+                    self.arbiter.observe(num_reqs, seconds)
+                    self._count_step([0] * num_reqs)
+                    self.proposer_stats.steps_skipped += 1
+            if self.union is not None and ran:
+                self.union.plain_steps_ran([seconds for seconds, _ in ran], ran[0][1])
+            self._steps_since_run += len(ran)
+        except Exception:
+            self.failures.record()
 
     def propose(self, num_speculative_tokens: int, *args, **kwargs) -> torch.Tensor:
         """vLLM's drafting call (arguments as :meth:`_propose`). A failure here costs the

@@ -365,7 +365,8 @@ class PlainStepAB:
     are not all alike (the union peeks every few plain steps, its arbiter closes a block
     every few): a fixed length could record the same places of that cycle every time. A
     ``plugin`` step that handed back drafts was no plain step and is not recorded. The
-    drafter's step clock restarts after a ``vllm`` step (it did not see that step).
+    drafter's step clock restarts after a ``vllm`` step (it did not see that step): its next
+    lap is the step after it alone.
 
     Records: ``[arm, seconds, segment, plugin_ran]``, ``seconds`` the worker's wall time of
     the step (``execute_model`` plus ``sample_tokens``; the engine core's side of a plain
@@ -378,6 +379,9 @@ class PlainStepAB:
     BLOCKS = (2, 3)  # steps per block, drawn
 
     def __init__(self, runner, seed: int = 0):
+        from specplugin.vllm_layer.worker import plain_decode
+
+        self._plain_decode = plain_decode
         self.runner = runner
         self.plugin_class = type(runner)
         self.vllm_class = _vllm_runner_class(self.plugin_class)
@@ -405,7 +409,7 @@ class PlainStepAB:
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         runner = self.runner
-        if self._quiet >= SETTLED and _plain_decode(scheduler_output):
+        if self._quiet >= SETTLED and self._plain_decode(scheduler_output):
             if not self._left:  # the next block, the other arm
                 self._block_arm = "plugin" if self._block_arm == "vllm" else "vllm"
                 self._left = self._rng.choice(self.BLOCKS)
@@ -446,8 +450,11 @@ class PlainStepAB:
         if vllm_step:
             draft_handoff.attach(output, None)  # as a plugin plain step's output
             timer = getattr(runner.drafter, "timer", None)
-            if timer is not None:  # its next lap would hold this step: it measures none
-                timer.reset()
+            if timer is not None:  # its next lap would hold this step: it starts here
+                # (not a lap of no step: a plain block whose steps measure nothing runs
+                # longer and is decided more often, so the plugin arm would pay more
+                # full decisions than the plugin does in a run of its own)
+                timer.restart()
         drafted = getattr(output, draft_handoff.ATTRIBUTE, None) is not None
         self._quiet = 0 if drafted or self._verifies else self._quiet + 1
         if self._recorded and not drafted:
@@ -469,15 +476,6 @@ def _vllm_runner_class(plugin_class: type) -> type:
     from specplugin.vllm_layer.worker import PluginRunnerMixin
 
     return next(c for c in plugin_class.__mro__ if not issubclass(c, PluginRunnerMixin))
-
-
-def _plain_decode(scheduler_output) -> bool:
-    """Every scheduled request decodes one token, no draft; none joins, leaves or resumes."""
-    so = scheduler_output
-    return (not so.scheduled_new_reqs and not so.finished_req_ids
-            and not so.scheduled_cached_reqs.resumed_req_ids
-            and not any(so.scheduled_spec_decode_tokens.values())
-            and so.total_num_scheduled_tokens == len(so.num_scheduled_tokens) > 0)
 
 
 def _act(action: str, install) -> Any:

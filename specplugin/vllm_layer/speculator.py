@@ -59,6 +59,8 @@ class Speculator:
         # skip_drafting read this step's wall time and the full path has yet to use it
         self._step_seconds: float | None = None
         self._step_timed = False
+        # steps run as vLLM's own since learn_plain_steps: (seconds, num_reqs) each
+        self._plain_steps_ran: list[tuple[float, int]] = []
 
     def attach(self, runner) -> None:
         """The plugin's model runner: the source of each step's request context."""
@@ -115,6 +117,30 @@ class Speculator:
         except Exception:  # a bug here costs the fast path, never a request
             self.failures.record()
             return False
+
+    def plain_steps_ahead(self) -> int:
+        """After :meth:`skip_drafting` kept the next step plain: how many steps after it
+        are plain whatever they measure (:meth:`Union.plain_steps_ahead
+        <specplugin.adaptive.union.Union.plain_steps_ahead>`), which the runner may run
+        as vLLM's own plain steps."""
+        try:
+            return self.union.plain_steps_ahead()
+        except Exception:  # a bug here costs the fast path, never a request
+            self.failures.record()
+            return 0
+
+    def plain_step_ran(self, num_reqs: int) -> None:
+        """One of those steps ran: its wall time is kept for :meth:`learn_plain_steps`."""
+        self._plain_steps_ran.append((self.timer.lap(), num_reqs))
+
+    def learn_plain_steps(self) -> None:
+        """What :meth:`skip_drafting` would have learned from each step run as vLLM's own."""
+        ran, self._plain_steps_ran = self._plain_steps_ran, []
+        try:
+            if ran:  # (one batch: no request joined or left)
+                self.union.plain_steps_ran([seconds for seconds, _ in ran], ran[0][1])
+        except Exception:
+            self.failures.record()
 
     def new_requests(self, num_new: int, num_reqs: int) -> None:
         """Requests joined the batch this step (see the runner's ``_note_new_requests``)."""

@@ -117,6 +117,12 @@ class PluginRunnerMixin:
             self.drafter = PluginDraftProposer(self.vllm_config, self.device, self, config)
         else:  # vLLM built specplugin.Speculator through its custom_class hook
             self.drafter.attach(self)
+        # steps the drafter foretold plain, still to run as vLLM's own (see execute_model)
+        self._plain_ahead = 0
+        self._vllm_step = False  # the running step is one of them
+        self._held_spec_config = None  # the speculative config, set aside for that step
+        self._plain_steps_kept = 0  # of them, steps the drafter has yet to learn from
+        self.num_steps_as_vllm = 0  # all of them, counted (steps_foretold_plain)
         # Steps without any draft can skip vLLM's speculative bookkeeping (see
         # _prepare_inputs) unless the model keeps recurrent state that relies on it.
         model = self.vllm_config.model_config
@@ -254,8 +260,10 @@ class PluginRunnerMixin:
     def plugin_stats(self) -> dict:
         """The drafter's counters, the speculative steps verified without vLLM's rejection
         sampler, and the scorer's under ``"scorer"`` when it is on."""
+        self._learn_plain_steps()
         stats = {**self.drafter.stats(), "steps_verified_greedy": verification.greedy_steps(),
-                 "steps_verified_sampled": verification.sampled_steps()}
+                 "steps_verified_sampled": verification.sampled_steps(),
+                 "steps_foretold_plain": self.num_steps_as_vllm}
         if self.expander is not None:
             stats["scorer"] = {**self.expander.stats.as_dict(), **self.expander.describe()}
         return stats
@@ -267,15 +275,57 @@ class PluginRunnerMixin:
 
             self.expander = BatchExpander(self, self._plugin_config)
 
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        """A step the drafter foretold plain runs as vLLM's own plain step.
+
+        When the drafter keeps a step plain it may also say how many of the steps after it
+        are plain whatever they measure (:meth:`Union.plain_steps_ahead
+        <specplugin.adaptive.union.Union.plain_steps_ahead>`: the step arbiter's plain
+        block runs on, no peek is due). Such a step, if it decodes one token per request
+        of an unchanged batch, runs with the speculative config set aside for the whole
+        step and none of the plugin's code (each override below hands it straight to
+        vLLM): exactly the step of an engine without speculation, plus one clock read at
+        its end. The drafter learns from those steps' times before the next step the
+        plugin runs (:meth:`_learn_plain_steps`). Anything else (a request joins, leaves
+        or resumes) ends the run, and that step is the plugin's."""
+        if self._plain_ahead:
+            if plain_decode(scheduler_output):
+                self._plain_ahead -= 1
+                self._vllm_step = True
+                self._held_spec_config, self.speculative_config = self.speculative_config, None
+                self.step_scheduler_output = scheduler_output
+                try:
+                    output = super().execute_model(scheduler_output, intermediate_tensors)
+                except BaseException:
+                    self._end_vllm_step()
+                    raise
+                if output is not None:  # no sampling call follows
+                    self._end_vllm_step()
+                return output
+            self._plain_ahead = 0
+        return super().execute_model(scheduler_output, intermediate_tensors)
+
+    def _end_vllm_step(self) -> None:
+        self._vllm_step = False
+        self.speculative_config, self._held_spec_config = self._held_spec_config, None
+
+    def _learn_plain_steps(self) -> None:
+        """The steps run as vLLM's own since the drafter last heard, to the drafter."""
+        if self._plain_steps_kept:
+            self._plain_steps_kept = 0
+            self.drafter.learn_plain_steps()
+
     def _model_forward(self, input_ids=None, positions=None, **kwargs):
         """With the batch-expanding scorer, the step's extra candidates run as extra rows
         of this one forward (:mod:`specplugin.vllm_layer.scorer`)."""
         forward = super()._model_forward
-        if self.expander is None or kwargs.get("inputs_embeds") is not None:
+        if self._vllm_step or self.expander is None or kwargs.get("inputs_embeds") is not None:
             return forward(input_ids=input_ids, positions=positions, **kwargs)
         return self.expander.forward(self, forward, input_ids, positions, **kwargs)
 
     def _sample(self, logits, spec_decode_metadata):
+        if self._vllm_step:
+            return super()._sample(logits, spec_decode_metadata)
         if spec_decode_metadata is None and self.expander is None:
             # a plain step: no rejection sampler runs, there is nothing to hear or recover
             self._heard = None
@@ -309,6 +359,9 @@ class PluginRunnerMixin:
             return super()._sample(logits, spec_decode_metadata)
 
     def _update_states(self, scheduler_output):
+        if self._vllm_step:
+            return super()._update_states(scheduler_output)
+        self._learn_plain_steps()  # (before anything of this step reaches the drafter)
         self.step_scheduler_output = scheduler_output
         if self.expander is not None:
             self.expander.check_scheduled_blocks(scheduler_output)
@@ -334,6 +387,8 @@ class PluginRunnerMixin:
         that never drafts ran at 0.86x of no speculation. When the controller chose
         K = 0 for every request, the step skips that machinery (vLLM's own
         non-speculative path: plain sampler, one logit per request)."""
+        if self._vllm_step:
+            return super()._prepare_inputs(scheduler_output, *args, **kwargs)
         if not self._plain_steps_allowed or any(
                 scheduler_output.scheduled_spec_decode_tokens.values()):
             return super()._prepare_inputs(scheduler_output, *args, **kwargs)
@@ -394,9 +449,13 @@ class PluginRunnerMixin:
         A plain step is a plain step: when this step verified no draft and the drafter
         says the next one decodes plainly too (:meth:`_skip_drafting`), vLLM samples on
         its non-speculative path (no drafting call, no draft copies, no draft-model
-        preparation) and the step hands back no drafts."""
+        preparation) and the step hands back no drafts; the drafter may foretell that
+        steps after it are plain too (:meth:`execute_model`)."""
+        if self._vllm_step:
+            return self._sample_as_vllm(grammar_output)
         self._note_new_requests()
         if self._skip_drafting():
+            self._plain_ahead = self._foretold_plain_steps()
             spec, self.speculative_config = self.speculative_config, None
             try:
                 output = super().sample_tokens(grammar_output)
@@ -413,6 +472,29 @@ class PluginRunnerMixin:
         if isinstance(output, ModelRunnerOutput) and output is not EMPTY_MODEL_RUNNER_OUTPUT:
             draft_handoff.attach(output, drafts)
         return output
+
+    def _sample_as_vllm(self, grammar_output):
+        """vLLM's sampling of a step run as its own (:meth:`execute_model`); the step's
+        time is kept for the drafter."""
+        try:
+            output = super().sample_tokens(grammar_output)
+        finally:
+            self._end_vllm_step()
+        self.drafter.plain_step_ran(self.input_batch.num_reqs)
+        self._plain_steps_kept += 1
+        self.num_steps_as_vllm += 1
+        self._draft_token_req_ids = None  # nothing for anyone to fetch
+        self._draft_lengths = None
+        if isinstance(output, ModelRunnerOutput) and output is not EMPTY_MODEL_RUNNER_OUTPUT:
+            draft_handoff.attach(output, None)
+        return output
+
+    def _foretold_plain_steps(self) -> int:
+        """How many steps after this plain one may run as vLLM's own (0 with the
+        batch-expanding scorer, whose rows this path does not know)."""
+        if self.expander is not None:
+            return 0
+        return self.drafter.plain_steps_ahead()
 
     def _note_new_requests(self) -> None:
         """Tell the drafter's step arbiter that requests joined the batch in this step
@@ -481,9 +563,12 @@ class PluginWorkerMixin:
         drafter forgets what verification taught it (``specplugin bench`` after its
         warm-up, so that a timed cell starts as a user's fresh engine does). False when
         the drafter learns nothing."""
-        forget = getattr(self.model_runner.drafter, "forget_learned", None)
+        runner = self.model_runner
+        forget = getattr(runner.drafter, "forget_learned", None)
         if forget is None:
             return False
+        runner._learn_plain_steps()  # (the steps that ran belong to what is forgotten)
+        runner._plain_ahead = 0  # a fresh engine's arbiter foretells nothing yet
         forget()
         return True
 
@@ -493,6 +578,17 @@ class PluginCPUWorker(PluginWorkerMixin, CPUWorker):
         # vLLM's CPU worker builds its runner inline from this module-level name
         with patches.swapped(cpu_worker, "CPUModelRunner", PluginCPUModelRunner):
             super().init_device()
+
+
+def plain_decode(scheduler_output) -> bool:
+    """Every scheduled request decodes one token, no draft; none joins, leaves or
+    resumes (a step that may run as vLLM's own, see ``execute_model``; the profile's
+    step-by-step A/B pairs such steps)."""
+    so = scheduler_output
+    return (not so.scheduled_new_reqs and not so.finished_req_ids
+            and not so.scheduled_cached_reqs.resumed_req_ids
+            and not any(so.scheduled_spec_decode_tokens.values())
+            and so.total_num_scheduled_tokens == len(so.num_scheduled_tokens) > 0)
 
 
 def _read_prompts(scheduler_output) -> bool:
