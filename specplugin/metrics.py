@@ -37,8 +37,8 @@ STEP_COUNTERS: dict[str, str] = {
     "steps_skipped": "Of those, steps whose drafting was skipped altogether (a plain step "
                      "decoded on vLLM's non-speculative path).",
     "steps_foretold_plain": "Of the skipped steps, those the step arbiter had foretold plain "
-                            "(its plain block running on, no peek due), run as vLLM's own "
-                            "plain steps with none of the plugin's code in them.",
+                            "(its plain block running on), run as vLLM's own plain steps "
+                            "with none of the plugin's code in them.",
     "steps_peeked": "Plain steps that the n-gram peek turned speculative (copied text in "
                     "sight while the step arbiter kept decoding plain).",
     "steps_without_draft_model": "Steps in which the draft model's machinery did not run at "

@@ -897,3 +897,58 @@ def test_vllms_padding_is_kept_per_token_count_only_without_data_parallelism():
         assert PluginDraftProposer._padding(drafter, 8) == ("none", 9, None)
         assert PluginDraftProposer._padding(drafter, 3) == ("none", 4, None)
         assert calls == expected_calls, data_parallel_size
+
+
+def test_the_draft_models_arbiter_learns_foretold_plain_steps_as_if_it_had_decided_each():
+    """The draft model alone (no union) with its step arbiter: steps its arbiter foretells
+    plain run as vLLM's own, and the drafter learns their times before its next decision
+    (``learn_plain_steps``): its arbiter, cost model and counters end where deciding every
+    step would have left them, and most plain steps were foretold."""
+    from types import SimpleNamespace
+
+    from specplugin.adaptive.arbiter import StepArbiter
+    from specplugin.adaptive.draft_rule import CostModel
+    from specplugin.metrics import FailureCounter, ProposerStats
+    from specplugin.vllm_layer.draft_proposer import PluginDraftProposer
+
+    class Laps:  # the drafter's clock: a speculative step takes 4x a plain one (noisy)
+        def __init__(self):
+            self.noise = iter(np.random.default_rng(0).uniform(0.9, 1.1, 700))
+            self.speculating = True
+
+        def lap(self):
+            return (0.04 if self.speculating else 0.01) * next(self.noise)
+
+    def drafter():
+        d = object.__new__(PluginDraftProposer)
+        d.clock, d.timer, d.costs = SimpleNamespace(shared=False), Laps(), CostModel()
+        d.union, d.arbiter, d.proposer_stats = None, StepArbiter(), ProposerStats()
+        d.failures = FailureCounter("draft", None)
+        d._last_forwards = d._last_draft_tokens = 0
+        d._last_draft_seconds, d._steps_since_run, d._plain_steps_ran = 0.0, 2, []
+        d.outcomes, d.cursor = SimpleNamespace(forget=lambda: None), SimpleNamespace(
+            forget_pending=lambda: None)
+        return d
+
+    each, ahead = drafter(), drafter()
+    for _ in range(600):
+        each.timer.speculating = not each.skip_drafting(4, 4, False)
+    foretold, left = 0, 0
+    for _ in range(600):
+        if left:
+            ahead.plain_step_ran(4)
+            left -= 1
+            foretold += 1
+            continue
+        ahead.learn_plain_steps()
+        plain = ahead.skip_drafting(4, 4, False)
+        ahead.timer.speculating = not plain
+        left = ahead.plain_steps_ahead() if plain else 0
+    ahead.learn_plain_steps()
+    assert vars(each.arbiter) | {"plain_rate_model": None} == vars(ahead.arbiter) | {
+        "plain_rate_model": None}
+    assert each.proposer_stats.as_dict() == ahead.proposer_stats.as_dict()
+    assert each._steps_since_run == ahead._steps_since_run
+    assert each.costs.thresholds() == ahead.costs.thresholds()
+    assert vars(each.costs._plain_sums) == vars(ahead.costs._plain_sums)
+    assert foretold > 0.6 * ahead.proposer_stats.steps_skipped > 200

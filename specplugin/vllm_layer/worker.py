@@ -281,11 +281,11 @@ class PluginRunnerMixin:
         When the drafter keeps a step plain it may also say how many of the steps after it
         are plain whatever they measure (:meth:`Union.plain_steps_ahead
         <specplugin.adaptive.union.Union.plain_steps_ahead>`: the step arbiter's plain
-        block runs on, no peek is due). Such a step, if it decodes one token per request
-        of an unchanged batch, runs with the speculative config set aside for the whole
-        step and none of the plugin's code (each override below hands it straight to
-        vLLM): exactly the step of an engine without speculation, plus one clock read at
-        its end. The drafter learns from those steps' times before the next step the
+        block runs on; a peek due meanwhile waits). Such a step, if it decodes one token
+        per request of an unchanged batch, runs with the speculative config set aside for
+        the whole step and none of the plugin's code (each override below hands it
+        straight to vLLM): exactly the step of an engine without speculation, plus one
+        clock read at its end. The drafter learns from those steps' times before the next step the
         plugin runs (:meth:`_learn_plain_steps`). Anything else (a request joins, leaves
         or resumes) ends the run, and that step is the plugin's."""
         if self._plain_ahead:
