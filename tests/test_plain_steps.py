@@ -255,3 +255,25 @@ def test_no_step_is_foretold_while_speculating_or_past_a_blocks_end():
                   arbiter=Scripted([PLAIN]))
     union.plain_step(0.01, 1, 1, False)
     assert union.plain_steps_ahead() == 0  # (a scripted arbiter's blocks are never known)
+
+
+def test_the_steps_of_a_foretold_run_count_down_to_the_next_peek():
+    """The plain steps that ran as vLLM's own count toward the gap between two peeks: the
+    decision after the run peeks if the peek came due during it."""
+    from tests.test_adaptive import _AlwaysPlain, _peek
+
+    class Block(_AlwaysPlain):
+        def plain_steps_ahead(self):
+            return 3
+
+    from specplugin.proposers.ngram import NgramProposer
+
+    union = Union([NgramProposer(), Counting("p", [], 0.5)], cost=flat_cost(), explore=False,
+                  arbiter=Block())
+    peeked = []
+    fresh = _peek([7, 3, 9, 1, 4, 8, 2, 6, 5, 11])
+    assert not union.plain_step(0.01, 1, 1, False, peek=lambda: peeked.append(1) or fresh())
+    assert peeked == [1] and union._peek_gap == 2  # nothing found: the next peek in 2 steps
+    union.plain_steps_ran([0.01] * 3, 1)
+    union.plain_step(0.01, 1, 1, False, peek=lambda: peeked.append(2) or fresh())
+    assert peeked == [1, 2]
