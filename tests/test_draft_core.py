@@ -925,7 +925,7 @@ def test_the_draft_models_arbiter_learns_foretold_plain_steps_as_if_it_had_decid
         d.union, d.arbiter, d.proposer_stats = None, StepArbiter(), ProposerStats()
         d.failures = FailureCounter("draft", None)
         d._last_forwards = d._last_draft_tokens = 0
-        d._last_draft_seconds, d._steps_since_run, d._plain_steps_ran = 0.0, 2, []
+        d._last_draft_seconds, d._steps_since_run = 0.0, 2
         d.outcomes, d.cursor = SimpleNamespace(forget=lambda: None), SimpleNamespace(
             forget_pending=lambda: None)
         return d
@@ -933,18 +933,19 @@ def test_the_draft_models_arbiter_learns_foretold_plain_steps_as_if_it_had_decid
     each, ahead = drafter(), drafter()
     for _ in range(600):
         each.timer.speculating = not each.skip_drafting(4, 4, False)
-    foretold, left = 0, 0
+    foretold, left, times = 0, 0, []  # (times: what the runner keeps of those steps)
     for _ in range(600):
         if left:
-            ahead.plain_step_ran(4)
+            times.append(ahead.timer.lap())
             left -= 1
             foretold += 1
             continue
-        ahead.learn_plain_steps()
+        ahead.learn_plain_steps(times, 4)
+        times = []
         plain = ahead.skip_drafting(4, 4, False)
         ahead.timer.speculating = not plain
         left = ahead.plain_steps_ahead() if plain else 0
-    ahead.learn_plain_steps()
+    ahead.learn_plain_steps(times, 4)
     assert vars(each.arbiter) | {"plain_rate_model": None} == vars(ahead.arbiter) | {
         "plain_rate_model": None}
     assert each.proposer_stats.as_dict() == ahead.proposer_stats.as_dict()

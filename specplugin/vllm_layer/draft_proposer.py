@@ -91,8 +91,6 @@ class PluginDraftProposer(DraftModelProposer):
         # (seconds, catch-up tokens, warm) of this step's first pass (see _agree_on_timings)
         self._first_pass: tuple[float, int, bool] | None = None
         self._steps_since_run = 2  # engine steps since the draft last ran (_draft_ran_last_step)
-        # steps run as vLLM's own since learn_plain_steps: (seconds, num_reqs) each
-        self._plain_steps_ran: list[tuple[float, int]] = []
         # test-only: every N-th draft forward fails (specplugin.proposers.faults)
         every = plugin_config.fault_injection.draft_forward
         self._forward_fault = None if every is None else EveryNth("draft forward", every)
@@ -231,26 +229,22 @@ class PluginDraftProposer(DraftModelProposer):
             self.failures.record()
             return 0
 
-    def plain_step_ran(self, num_reqs: int) -> None:
-        """One of those steps ran (``num_reqs`` requests, one token each): its wall time
-        is kept for :meth:`learn_plain_steps`."""
-        self._plain_steps_ran.append((self.timer.lap(), num_reqs))
-
-    def learn_plain_steps(self) -> None:
-        """What :meth:`skip_drafting` would have learned from each step run as vLLM's own
-        (the runner calls this before the next step it runs reaches the drafter)."""
-        ran, self._plain_steps_ran = self._plain_steps_ran, []
+    def learn_plain_steps(self, times: list[float | None], num_reqs: int) -> None:
+        """What :meth:`skip_drafting` would have learned from each step run as vLLM's own:
+        ``times``, their wall times on :attr:`timer` (None: no step measured), ``num_reqs``
+        requests decoding one token each (the runner calls this before the next step it
+        runs reaches the drafter)."""
         try:
-            for seconds, num_reqs in ran:  # (one batch: no request joined or left)
-                if seconds is not None:  # (None: the timer was reset, no step measured)
+            for seconds in times:
+                if seconds is not None:
                     self.costs.observe_plain_step(seconds, num_reqs)
                 if self.union is None and self.arbiter is not None:
                     self.arbiter.observe(num_reqs, seconds)
                     self._count_step([0] * num_reqs)
                     self.proposer_stats.steps_skipped += 1
-            if self.union is not None and ran:
-                self.union.plain_steps_ran([seconds for seconds, _ in ran], ran[0][1])
-            self._steps_since_run += len(ran)
+            if self.union is not None:
+                self.union.plain_steps_ran(times, num_reqs)
+            self._steps_since_run += len(times)
         except Exception:
             self.failures.record()
 

@@ -59,8 +59,6 @@ class Speculator:
         # skip_drafting read this step's wall time and the full path has yet to use it
         self._step_seconds: float | None = None
         self._step_timed = False
-        # steps run as vLLM's own since learn_plain_steps: (seconds, num_reqs) each
-        self._plain_steps_ran: list[tuple[float, int]] = []
 
     def attach(self, runner) -> None:
         """The plugin's model runner: the source of each step's request context."""
@@ -129,16 +127,11 @@ class Speculator:
             self.failures.record()
             return 0
 
-    def plain_step_ran(self, num_reqs: int) -> None:
-        """One of those steps ran: its wall time is kept for :meth:`learn_plain_steps`."""
-        self._plain_steps_ran.append((self.timer.lap(), num_reqs))
-
-    def learn_plain_steps(self) -> None:
-        """What :meth:`skip_drafting` would have learned from each step run as vLLM's own."""
-        ran, self._plain_steps_ran = self._plain_steps_ran, []
+    def learn_plain_steps(self, times: list[float | None], num_reqs: int) -> None:
+        """What :meth:`skip_drafting` would have learned from each step run as vLLM's own
+        (``times`` on :attr:`timer`, ``num_reqs`` requests)."""
         try:
-            if ran:  # (one batch: no request joined or left)
-                self.union.plain_steps_ran([seconds for seconds, _ in ran], ran[0][1])
+            self.union.plain_steps_ran(times, num_reqs)
         except Exception:
             self.failures.record()
 

@@ -121,7 +121,10 @@ class PluginRunnerMixin:
         self._plain_ahead = 0
         self._vllm_step = False  # the running step is one of them
         self._held_spec_config = None  # the speculative config, set aside for that step
-        self._plain_steps_kept = 0  # of them, steps the drafter has yet to learn from
+        # of them, the steps the drafter has yet to learn from: their wall times (the
+        # drafter's clock) and the batch's size (one batch: a run ends when it changes)
+        self._plain_step_times: list[float | None] = []
+        self._plain_run_reqs = 0
         self.num_steps_as_vllm = 0  # all of them, counted (steps_foretold_plain)
         # Steps without any draft can skip vLLM's speculative bookkeeping (see
         # _prepare_inputs) unless the model keeps recurrent state that relies on it.
@@ -285,9 +288,9 @@ class PluginRunnerMixin:
         per request of an unchanged batch, runs with the speculative config set aside for
         the whole step and none of the plugin's code (each override below hands it
         straight to vLLM): exactly the step of an engine without speculation, plus one
-        clock read at its end. The drafter learns from those steps' times before the next step the
-        plugin runs (:meth:`_learn_plain_steps`). Anything else (a request joins, leaves
-        or resumes) ends the run, and that step is the plugin's."""
+        clock read at its end. The drafter learns from those steps' times before the next
+        step the plugin runs (:meth:`_learn_plain_steps`). Anything else (a request joins,
+        leaves or resumes) ends the run, and that step is the plugin's."""
         if self._plain_ahead:
             if plain_decode(scheduler_output):
                 self._plain_ahead -= 1
@@ -311,9 +314,9 @@ class PluginRunnerMixin:
 
     def _learn_plain_steps(self) -> None:
         """The steps run as vLLM's own since the drafter last heard, to the drafter."""
-        if self._plain_steps_kept:
-            self._plain_steps_kept = 0
-            self.drafter.learn_plain_steps()
+        if self._plain_step_times:
+            times, self._plain_step_times = self._plain_step_times, []
+            self.drafter.learn_plain_steps(times, self._plain_run_reqs)
 
     def _model_forward(self, input_ids=None, positions=None, **kwargs):
         """With the batch-expanding scorer, the step's extra candidates run as extra rows
@@ -480,8 +483,8 @@ class PluginRunnerMixin:
             output = super().sample_tokens(grammar_output)
         finally:
             self._end_vllm_step()
-        self.drafter.plain_step_ran(self.input_batch.num_reqs)
-        self._plain_steps_kept += 1
+        self._plain_step_times.append(self.drafter.timer.lap())
+        self._plain_run_reqs = self.input_batch.num_reqs
         self.num_steps_as_vllm += 1
         self._draft_token_req_ids = None  # nothing for anyone to fetch
         self._draft_lengths = None
