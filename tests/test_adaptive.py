@@ -1,9 +1,11 @@
 """Difficulty estimator, cost model, controller and the union, on constructed cases."""
 
+from unittest.mock import patch
+
 import numpy as np
 import pytest
 
-from specplugin.adaptive.arbiter import SPECULATE, StepArbiter
+from specplugin.adaptive.arbiter import PLAIN_BLOCK_FACTOR, SPECULATE, StepArbiter
 from specplugin.adaptive.controller import (NO_CANDIDATE, Choice, Extra, divergence, expand, plan,
                                            planned)
 from specplugin.adaptive.cost import StepCostModel, StepSums
@@ -765,6 +767,43 @@ def test_arbiter_decodes_plainly_where_speculation_measures_slower():
     assert late.any()  # ...but speculation is measured again now and then
     assert arbiter.rate(16, True) == pytest.approx(600, rel=0.1)
     assert arbiter.rate(16, False) == pytest.approx(1000, rel=0.1)
+
+
+def test_plain_blocks_where_plain_leads_are_long_and_speculation_is_rechecked_as_often():
+    """Past the warm-up, a plain block that runs because plain decoding leads is
+    PLAIN_BLOCK_FACTOR blocks long (half as many decided steps, see "Long plain blocks"),
+    and speculation is re-measured after as many steps as with short blocks; a plain
+    re-check while speculation leads stays one block long."""
+    def runs(choices):  # lengths of the runs of plain steps
+        out, n = [], 0
+        for c in choices:
+            if not c:
+                n += 1
+            elif n:
+                out.append(n)
+                n = 0
+        return out
+
+    slow = StepArbiter()
+    choices = _arbitrate(slow, 1200, spec_rate=600.0, plain_rate=1000.0)
+    plain_runs = runs(choices[200:])[1:]  # (the first run started before step 200)
+    assert plain_runs and all(n % (PLAIN_BLOCK_FACTOR * slow.block_steps) == 0
+                              for n in plain_runs)
+    short = StepArbiter()
+    with patch("specplugin.adaptive.arbiter.PLAIN_BLOCK_FACTOR", 1):
+        short_choices = _arbitrate(short, 1200, spec_rate=600.0, plain_rate=1000.0)
+    # the same share of steps re-measures speculation (within one block's worth)
+    assert abs(choices[200:].sum() - short_choices[200:].sum()) <= short.block_steps
+    # the first step of a long plain block foretells the block's steps left
+    while not slow.speculate(16):  # to a re-check of speculation...
+        slow.observe(16, 16 / 1000.0)
+    while slow.speculate(16):  # ...and past it
+        slow.observe(16, 16 / 600.0)
+    assert slow.plain_steps_ahead() == PLAIN_BLOCK_FACTOR * slow.block_steps - 1
+
+    fast = StepArbiter()  # speculation leads: plain is re-measured one block at a time
+    fast_runs = runs(_arbitrate(fast, 1200, spec_rate=1000.0, plain_rate=600.0)[200:])[1:]
+    assert fast_runs and max(fast_runs) == fast.block_steps
 
 
 def test_new_text_sends_a_plain_batch_back_to_speculating_at_once():

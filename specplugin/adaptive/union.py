@@ -323,8 +323,9 @@ class Union:
         that joins, leaves or resumes ends the run: the caller then learns what ran and
         decides that step in full). 0 while speculating.
 
-        A peek that comes due within the run waits for the step that ends it (at most
-        the arbiter's ``block_steps`` - 1 steps later): stopping the run for it too
+        A peek that comes due within the run waits for the step that ends it (at most a
+        plain block's length - 1 steps later, see the arbiter's "Long plain blocks"):
+        stopping the run for it too
         would leave half of the plain steps decided in full, and a decided step costs
         the plugin's whole plain path (measured in an engine at batch 1, validation pair:
         +0.15 ms over vLLM's own step, 1.4 ms; a step foretold, +0.001 ms after another
