@@ -325,11 +325,10 @@ class Union:
 
         A peek that comes due within the run waits for the step that ends it (at most a
         plain block's length - 1 steps later, see the arbiter's "Long plain blocks"):
-        stopping the run for it too
-        would leave half of the plain steps decided in full, and a decided step costs
-        the plugin's whole plain path (measured in an engine at batch 1, validation pair:
-        +0.15 ms over vLLM's own step, 1.4 ms; a step foretold, +0.001 ms after another
-        one, +0.03 ms right after a decided one)."""
+        stopping the run for it too would leave half of the plain steps decided in full,
+        and a decided step costs the plugin's whole plain path (measured in an engine at
+        batch 1, validation pair: +0.15 ms over vLLM's own step, 1.4 ms; a step foretold,
+        +0.001 ms after another one, +0.03 ms right after a decided one)."""
         if self.speculating or self.arbiter is None or self._pending or self._pending_extras:
             return 0
         return self.arbiter.plain_steps_ahead()
