@@ -235,7 +235,8 @@ def test_quick_bench_runs_on_real_vllm(quick_zoo, tmp_path):
 
 def test_fresh_engine_starts_an_engine_for_every_cell_interleaving_methods(monkeypatch, tmp_path):
     """``--fresh-engine``: one cell per engine, every method on a cell before the next
-    cell, methods rotated by round; without it one engine per method runs every cell."""
+    cell, methods rotated by round, each round seeded apart; without it one engine per
+    method runs every cell."""
     from specplugin.bench import suite
     from specplugin.bench.runner import JobResult
     from specplugin.bench.workloads import CellPrompts
@@ -244,8 +245,10 @@ def test_fresh_engine_starts_an_engine_for_every_cell_interleaving_methods(monke
 
     def fake_run_job(job, workdir, on_event=lambda e: None, verbose=False):
         jobs.append((job.label, [c["key"] for c in job.cells]))
+        seeds[job.label] = job.engine_kwargs["seed"]
         return JobResult(log_path=None, cells={c["key"]: {"key": c["key"]} for c in job.cells})
 
+    seeds = {}
     monkeypatch.setattr(suite, "run_job", fake_run_job)
     cells = [CellPrompts(Cell("edit", 1, 0.0), ((1, 2),), 4),
              CellPrompts(Cell("complete", 8, 1.0), ((3, 4),), 4)]
@@ -258,6 +261,9 @@ def test_fresh_engine_starts_an_engine_for_every_cell_interleaving_methods(monke
                                                "r1-vllm-ngram-complete/b8/t1"]
     assert jobs[4][0] == "r2-vllm-ngram-edit/b1/t0"  # round 2 starts with the other method
     assert len(result.cell_runs("none", "edit/b1/t0")) == 2
+    # each round's engines sample with their own seed: the rounds of a temperature-1
+    # cell are independent draws of its text, not one draw replayed
+    assert {label[:2]: s for label, s in seeds.items()} == {"r1": 0, "r2": 1}
     jobs.clear()
     suite.run_suite(entries, MODELS, cells, 1, tmp_path)
     assert jobs == [("r1-none", ["edit/b1/t0", "complete/b8/t1"]),
