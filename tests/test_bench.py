@@ -194,6 +194,15 @@ def test_markdown_table_is_headed_by_its_command_with_a_cell_per_line():
                         "plugin-union x best built-in | plugin-union MAL |")
     assert lines[4] == "| edit/b1/t0 | 100.0 | 150.0 | 120.0 | 1.20x | 0.80x (vllm-suffix) | 2.00 |"
     assert lines[5].startswith("| mixed/b8/t1 | ")
+    assert "round's" not in text  # one round each: the table says it all
+    # several rounds: each round's figure below the table, so the spread is in view
+    rows = report.with_speedups([
+        report.make_row(m, a, [_run(tokens, 1.0, 5, 5 if m != "none" else 0),
+                               _run(tokens, 2.0, 5, 5 if m != "none" else 0)], {})
+        for m, tokens in (("none", 100), ("plugin-union", 120))])
+    lines = report.markdown(rows, meta).splitlines()
+    assert lines[-3:] == ["Each round's tok/s, in the order run:", "",
+                          "- edit/b1/t0: none 100.0, 50.0; plugin-union 120.0, 60.0"]
 
 
 @pytest.mark.vllm

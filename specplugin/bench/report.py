@@ -265,7 +265,8 @@ def markdown(rows: Sequence[Row], meta: Mapping[str, Any]) -> str:
     """The results as one Markdown table, a cell per line, headed by the command that
     made them, the date and the machine (so that docs quote a command's own output).
     Columns: each method's tok/s, then for each plugin method its ratio to ``none`` and to
-    the cell's best built-in, and its mean acceptance length."""
+    the cell's best built-in, and its mean acceptance length; with several rounds, each
+    round's tok/s below the table."""
     methods = list(dict.fromkeys(r.method for r in rows))
     plugin = [m for m in methods if METHODS[m].family not in (BASELINE, BUILTIN)]
     by_key = {(r.cell, r.method): r for r in rows}
@@ -293,6 +294,17 @@ def markdown(rows: Sequence[Row], meta: Mapping[str, Any]) -> str:
         lines.append(f"| {cell.key} | " + " | ".join(values) + " |")
     lines += ["", "tok/s per cell (workload/batch size/temperature); MAL: mean acceptance length "
               "(tokens emitted per verification step).", ""]
+    if any(r.num_rounds > 1 for r in rows):
+        # each round's figure beside the median: on a shared machine one engine may run a
+        # third slower than another of the same method, and a reader weighing a 3% goal
+        # must see that spread, not only its middle
+        lines += ["Each round's tok/s, in the order run:", ""]
+        for cell in cells:
+            rounds = "; ".join(
+                f"{m} " + ", ".join(f"{t:.1f}" for t in by_key[(cell, m)].tok_s_rounds)
+                for m in methods if (cell, m) in by_key)
+            lines.append(f"- {cell.key}: {rounds}")
+        lines.append("")
     return "\n".join(lines)
 
 
