@@ -272,7 +272,7 @@ def test_fresh_engine_starts_an_engine_for_every_cell_interleaving_methods(monke
     assert len(result.cell_runs("none", "edit/b1/t0")) == 2
     # each round's engines sample with their own seed: the rounds of a temperature-1
     # cell are independent draws of its text, not one draw replayed
-    assert {label[:2]: s for label, s in seeds.items()} == {"r1": 0, "r2": 1}
+    assert len(seeds) == 8 and all(s == int(label[1]) - 1 for label, s in seeds.items())
     jobs.clear()
     suite.run_suite(entries, MODELS, cells, 1, tmp_path)
     assert jobs == [("r1-none", ["edit/b1/t0", "complete/b8/t1"]),
