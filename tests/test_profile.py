@@ -337,11 +337,12 @@ def profiled(tmp_path_factory):
            # speculative and plain blocks take turns: both kinds of step are measured
            # (and the draft model runs wherever a row could use it, whatever it measured)
            "--set", 'fault_injection={"alternate_blocks": true, "draft_always": true}',
-           "--trace", "--json", str(path), "--out-dir", str(out)]
+           # (a relative --out-dir, as a user types it: the engines run elsewhere)
+           "--trace", "--json", str(path), "--out-dir", out.name]
     # the profile's two clocks are the engine core's and the worker's processes
     for attempt in range(2):
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                             env={**os.environ, **MULTIPROCESS})
+                             env={**os.environ, **MULTIPROCESS}, cwd=out.parent)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         payload = json.loads(path.read_text())
         # Until draft_always bypassed the draft's pricing (2026-11-25), the draft model

@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as err:
         console.print(f"[red]specplugin profile: {err}[/red]")
         return 2
-    out_dir = Path(args.out_dir)
+    out_dir = Path(args.out_dir).resolve()  # (--trace hands this path to the engines)
     results, failures = {}, []
     for round_index in range(args.rounds):
         shift = round_index % len(specs)
