@@ -1094,41 +1094,6 @@ def test_predictions_that_proved_optimistic_do_not_overrule_measured_plain_decod
     assert arbiter.pays_now(1, 250.0)
 
 
-def test_steps_that_verified_no_draft_do_not_correct_the_predictions():
-    """Half of the speculative steps verify drafts at the rate the union predicted for
-    them; the other half had nothing to verify (no prediction) and ran slowly on the
-    plugin's path. The correction compares the predicted steps alone (about 1), so a
-    copy predicted at 1.5x the measured plain rate is worth speculating for (a correction
-    taken over the whole block, about 0.34, would keep plain decoding on)."""
-    arbiter = StepArbiter()
-    for step in range(200):
-        choice = arbiter.speculate(1)
-        drafts = choice and step % 2 == 0
-        if drafts:
-            arbiter.predicted(240.0)
-        arbiter.observe(1, 1 / (240.0 if drafts else 50.0 if choice else 100.0))
-    assert arbiter.buckets()[(0, False)].correction == pytest.approx(1.0)
-    assert arbiter.pays_now(1, 150.0)
-
-
-def test_a_union_step_that_verifies_no_draft_predicts_nothing():
-    """Speculative blocks in which no proposer offers anything measure their rate, but
-    leave the correction of the union's predictions unset (see the test above)."""
-    class Nothing(Fixed):
-        def propose(self, batch):
-            return [None] * batch.num_reqs
-
-    union = _union(Nothing("p", [1], 0.9))
-    union.arbiter = StepArbiter()
-    verified = None
-    for _ in range(24):
-        plan = union.step(_batch(["a"]), verified)
-        assert not plan.drafts[0]
-        verified = Verified(("a",), np.array([0]), np.array([1]), 0.02, 1)
-    bucket = union.arbiter.buckets()[(0, False)]
-    assert bucket.rate[True] > 0 and bucket.correction is None
-
-
 def test_arbiter_speculates_where_it_pays_and_rarely_pays_to_check():
     choices = _arbitrate(StepArbiter(), 2000, spec_rate=2000.0, plain_rate=1000.0)
     late = choices[400:]

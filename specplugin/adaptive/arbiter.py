@@ -191,11 +191,7 @@ class StepArbiter:
         self._counted = 0  # of them, steps whose time the block's rate holds
         self._length = self.block_steps  # counted steps that end the running block
         self._tokens = self._seconds = 0.0  # counted part of the running block
-        # the union's predicted rate of each counted step that verified drafts, and what
-        # those steps emitted in how long (see predicted)
-        self._predicted: list[float] = []
-        self._predicted_tokens = self._predicted_seconds = 0.0
-        self._pending_prediction: float | None = None  # of the step running now
+        self._predicted: list[float] = []  # the union's predicted rate of each planned step
         self._num_reqs = 0  # batch size of the running block (at its start)
 
     def stats(self) -> dict[str, int]:
@@ -225,7 +221,6 @@ class StepArbiter:
         """The step that just ran emitted ``num_tokens`` in ``seconds`` of wall time
         (None: not a decode step's time to count, e.g. the step read new prompts)."""
         self._steps += 1
-        predicted, self._pending_prediction = self._pending_prediction, None
         if seconds is None or seconds <= 0:
             return
         state = self._buckets.get(self._bucket)  # (no new _Bucket: this runs every step)
@@ -235,10 +230,6 @@ class StepArbiter:
         self._tokens += num_tokens
         self._seconds += seconds
         self._counted += 1
-        if predicted is not None:  # (see predicted)
-            self._predicted.append(predicted)
-            self._predicted_tokens += num_tokens
-            self._predicted_seconds += seconds
 
     def new_requests(self, num_new: int, num_reqs: int) -> None:
         """``num_new`` of the batch's ``num_reqs`` requests arrived this step (new text:
@@ -293,17 +284,8 @@ class StepArbiter:
         return self._counted >= self._length or self._steps >= MAX_BLOCK_FACTOR * self._length
 
     def predicted(self, rate: float) -> None:
-        """The union planned the running step to verify drafts and emit ``rate`` tokens per
-        second. The bucket's ``correction`` compares such steps' measured rate with their
-        predictions, and only theirs: a step of a speculative block that verified no draft
-        (nothing was offered, or nothing paid) is a plain step on the plugin's path, whose
-        rate says nothing of how far the union's plans of drafts are off (measured on the
-        validation pair, fresh engine, server/b8/t1: the first two speculative blocks drafted
-        nothing, measured 1,074 and 1,231 tok/s against a predicted 2,118 and 1,959, and
-        the correction of about 0.55 then judged every copy the n-gram peek found not worth
-        speculating for 28 plain steps at 1,410-1,567 tok/s, where speculating, once tried,
-        measured 2,115 against a predicted 2,069)."""
-        self._pending_prediction = rate
+        """The union planned the running step to emit ``rate`` tokens per second."""
+        self._predicted.append(rate)
 
     def pays_now(self, num_reqs: int, predicted_rate: float, sampled: bool = False) -> bool:
         """Whether a step the union predicts at ``predicted_rate`` beats plain decoding at
@@ -346,9 +328,8 @@ class StepArbiter:
         weight = max(self.smoothing, 1.0 / state.blocks[self._choice])
         if self._choice == SPECULATE:  # measured on the batch's text as it is now
             state.new_share = 0.0
-            if self._predicted and self._predicted_seconds > 0:
-                measured = self._predicted_tokens / self._predicted_seconds
-                ratio = measured * len(self._predicted) / sum(self._predicted)
+            if self._predicted:
+                ratio = rate * len(self._predicted) / sum(self._predicted)
                 old_ratio = state.correction
                 state.correction = (ratio if old_ratio is None
                                     else old_ratio + self.smoothing * (ratio - old_ratio))
@@ -396,7 +377,6 @@ class StepArbiter:
         self._counted = 0
         self._num_reqs = num_reqs
         self._predicted = []
-        self._predicted_tokens = self._predicted_seconds = 0.0
 
     def _plain_factor(self, state: _Bucket) -> int:
         """How many times ``block_steps`` a plain block starting now runs (see "Long plain

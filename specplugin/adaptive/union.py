@@ -689,9 +689,7 @@ class Union:
         else:
             choices, expected, seconds = planned(acceptance, self.cost,
                                                  spec_overhead=self.cost.spec_overhead_s)
-        # (a plan that verifies no draft predicts nothing: see StepArbiter.predicted)
-        if self.arbiter is not None and any(c.num_tokens for c in choices):
-            # the draft's forwards, if it ran, are the step's too
+        if self.arbiter is not None:  # the draft's forwards, if it ran, are the step's too
             per_forward, run_seconds, planned_forwards = self._draft_price
             forwards = planned_forwards if draft_forwards is None else draft_forwards
             seconds += per_forward * forwards + run_seconds * (forwards > 0)
