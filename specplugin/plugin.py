@@ -80,9 +80,10 @@ def register() -> None:
 
     verification.install()
     # `specplugin profile`'s engines only: its timers are reached through collective_rpc
+    # (and `specplugin bench`'s: their workers' memory probe)
     from specplugin.vllm_layer import profiling
 
-    if profiling.requested():
+    if profiling.requested() or profiling.probe_requested():
         profiling.install_rpc()
     if current_platform.is_cpu():
         # vLLM registers its CPU kernel fallbacks in each worker right after loading

@@ -201,8 +201,17 @@ def test_markdown_table_is_headed_by_its_command_with_a_cell_per_line():
                                _run(tokens, 2.0, 5, 5 if m != "none" else 0)], {})
         for m, tokens in (("none", 100), ("plugin-union", 120))])
     lines = report.markdown(rows, meta).splitlines()
-    assert lines[-3:] == ["Each round's tok/s, in the order run:", "",
-                          "- edit/b1/t0: none 100.0, 50.0; plugin-union 120.0, 60.0"]
+    assert lines[-3:-1] == ["Each round's tok/s, in the order run (in brackets: the engine's "
+                            "memory probe, ms to copy 16 MB in its worker; a high one marks a "
+                            "slow engine):", ""]
+    assert lines[-1] == "- edit/b1/t0: none 100.0, 50.0; plugin-union 120.0, 60.0"
+    # with each engine's memory probe (engine.py: memory_probe) beside its round
+    rows = report.with_speedups([
+        report.make_row(m, a, [{**_run(tokens, 1.0), "memory_probe_ms": 0.48},
+                               {**_run(tokens, 2.0), "memory_probe_ms": 0.645}], {})
+        for m, tokens in (("none", 100),)])
+    assert rows[0].memory_probe_ms_rounds == (0.48, 0.645)
+    assert report.markdown(rows, meta).splitlines()[-1] == "- edit/b1/t0: none 100.0 [0.48], 50.0 [0.65]"
 
 
 @pytest.mark.vllm
@@ -230,6 +239,8 @@ def test_quick_bench_runs_on_real_vllm(quick_zoo, tmp_path):
     for r in results:
         assert {"tok_s", "mean_acceptance_length", "acceptance_rate_per_pos", "speedup_vs_none",
                 "speedup_vs_best_builtin", "ms_per_token"} <= set(r)
+        # every engine, the plugin's or not, answered the memory probe before its cell
+        assert all(0 < ms < 100 for ms in r["memory_probe_ms_rounds"]), r
         # ignore_eos and a fixed max_tokens: every method generates exactly the same count
         assert r["num_output_tokens"] == r["batch_size"] * QUICK_SIZES.max_tokens, r
         assert r["tok_s"] > 0

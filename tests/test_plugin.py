@@ -47,6 +47,8 @@ def test_vllm_discovers_the_entry_point_in_a_fresh_process():
 @pytest.mark.vllm
 def test_register_is_idempotent_and_refuses_double_patching():
     out = _run("""
+        import os
+        os.environ.pop("SPECPLUGIN_MEMORY_PROBE", None)  # (a user's process: no bench probe)
         from specplugin.plugin import register
         from specplugin.vllm_layer import patches
         from vllm.platforms import current_platform

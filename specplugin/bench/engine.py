@@ -156,6 +156,7 @@ def run_cell(llm, cell: dict[str, Any], return_token_ids: bool,
     """Submit the cell's prompts ``batch_size`` at a time; time only ``generate``.
     ``plugin``: the engine runs specplugin, whose per-proposer counters are read too."""
     prompts = cell["prompts"]
+    probe_ms = memory_probe(llm)
     before = spec_counters(llm)
     attributed, others = plugin_counters(llm) if plugin else (None, None)
     seconds, num_tokens, token_ids = 0.0, 0, []
@@ -168,6 +169,8 @@ def run_cell(llm, cell: dict[str, Any], return_token_ids: bool,
             token_ids.extend(completions)
     result = {"key": cell["key"], "seconds": seconds, "num_output_tokens": num_tokens,
               "num_requests": len(prompts), **counter_delta(spec_counters(llm), before)}
+    if probe_ms is not None:
+        result["memory_probe_ms"] = probe_ms
     if plugin:
         attributed_after, others_after = plugin_counters(llm)
         result["attribution"] = attribution_delta(attributed_after, attributed)
@@ -180,6 +183,18 @@ def run_cell(llm, cell: dict[str, Any], return_token_ids: bool,
     if return_token_ids:
         result["token_ids"] = token_ids
     return result
+
+
+def memory_probe(llm) -> float | None:
+    """The slowest worker's 16 MB copy, ms, just before a cell (None: the engine was not
+    started with the probe, ``SPECPLUGIN_MEMORY_PROBE``): engines on this machine differ in
+    speed by their memory's, and the figure beside a cell's tok/s shows which engine ran
+    slow (:func:`specplugin.vllm_layer.profiling.memory_probe_ms`)."""
+    from specplugin.vllm_layer.profiling import PROBE_RPC, probe_requested
+
+    if not probe_requested():
+        return None
+    return max(llm.collective_rpc(PROBE_RPC))
 
 
 CPU_EXPAND_BUG = (

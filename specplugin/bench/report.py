@@ -51,6 +51,9 @@ class Row:
     # the batch-expanding scorer's counters summed over rounds (extra_rows, wins, ...);
     # None when it is off
     scorer: Mapping[str, int] | None = None
+    # each round's worker memory probe before the cell, ms (None: not probed; see
+    # specplugin.bench.engine.memory_probe)
+    memory_probe_ms_rounds: tuple[float | None, ...] = ()
     speedup_vs_none: float | None = None
     speedup_vs_best_builtin: float | None = None
     best_builtin: str | None = None
@@ -86,6 +89,7 @@ def make_row(method: str, cell: Cell, runs: Sequence[Mapping[str, Any]],
         tok_s_rounds=rates, ms_per_token=1000.0 / tok_s if cell.batch_size == 1 else None,
         num_output_tokens=sum(r["num_output_tokens"] for r in runs), num_rounds=len(runs),
         settings=dict(settings), attribution=_attribution(runs), scorer=_scorer(runs),
+        memory_probe_ms_rounds=tuple(r.get("memory_probe_ms") for r in runs),
         **_acceptance(method, runs),
     )
 
@@ -298,14 +302,25 @@ def markdown(rows: Sequence[Row], meta: Mapping[str, Any]) -> str:
         # each round's figure beside the median: on a shared machine one engine may run a
         # third slower than another of the same method, and a reader weighing a 3% goal
         # must see that spread, not only its middle
-        lines += ["Each round's tok/s, in the order run:", ""]
+        lines += ["Each round's tok/s, in the order run (in brackets: the engine's memory "
+                  "probe, ms to copy 16 MB in its worker; a high one marks a slow engine):", ""]
         for cell in cells:
             rounds = "; ".join(
-                f"{m} " + ", ".join(f"{t:.1f}" for t in by_key[(cell, m)].tok_s_rounds)
+                f"{m} " + ", ".join(_with_probe(t, p) for t, p in _rounds(by_key[(cell, m)]))
                 for m in methods if (cell, m) in by_key)
             lines.append(f"- {cell.key}: {rounds}")
         lines.append("")
     return "\n".join(lines)
+
+
+def _rounds(row: Row) -> list[tuple[float, float | None]]:
+    """(tok/s, memory probe ms or None) of each round."""
+    probes = row.memory_probe_ms_rounds or (None,) * len(row.tok_s_rounds)
+    return list(zip(row.tok_s_rounds, probes))
+
+
+def _with_probe(tok_s: float, probe_ms: float | None) -> str:
+    return f"{tok_s:.1f}" if probe_ms is None else f"{tok_s:.1f} [{probe_ms:.2f}]"
 
 
 def write_json(rows: Sequence[Row], meta: Mapping[str, Any], path: Path) -> Path:

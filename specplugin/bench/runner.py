@@ -44,6 +44,8 @@ ENGINE_DEFAULTS: dict[str, Any] = {
 CHILD_ENV_DEFAULTS = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB: ~58k tokens of the zoo target; more costs start-up
     "TOKENIZERS_PARALLELISM": "false",
+    # each worker answers the memory probe (engine.py: before every cell)
+    "SPECPLUGIN_MEMORY_PROBE": "1",
 }
 POLL_S = 0.5
 

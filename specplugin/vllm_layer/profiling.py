@@ -40,6 +40,9 @@ ENV = "SPECPLUGIN_PROFILE"  # "1" in specplugin profile's engine children only
 # "coarse": the worker times the plugin at its entry points only (see COARSE_PLUGIN_ROWS)
 TIMERS_ENV = "SPECPLUGIN_PROFILE_TIMERS"
 RPC = "specplugin_profile"
+# "1" in specplugin bench's engine children: each worker answers PROBE_RPC
+PROBE_ENV = "SPECPLUGIN_MEMORY_PROBE"
+PROBE_RPC = "specplugin_memory_probe"
 # One clock per process: the engine core's, and each worker's.
 CLOCK = PhaseClock()
 
@@ -534,9 +537,36 @@ def _step_ab(runner, on: bool) -> bool | list[list]:
     return True
 
 
+def memory_probe_ms(worker=None, num_floats: int = 4_000_000, repeats: int = 30) -> float:
+    """Milliseconds to copy ``num_floats`` float32 (16 MB) in this process, the median of
+    ``repeats`` copies after five unmeasured ones: the memory speed the process gets
+    (``worker``: unused; vLLM's executor passes the worker to a function it runs there).
+
+    Why: on this project's 2-vCPU virtual machine one engine decodes up to 1.5x slower
+    than the next, in every phase alike. Measured on the validation target, compiled,
+    twenty engines one after another (batch 1, greedy, 128 tokens, the median of three
+    generations): every engine whose worker copied 16 MB in over 0.58 ms decoded at
+    3.47-3.72 ms a token, every other one at 2.22-2.90; correlation 0.86. The same copy
+    in the front-end process did not follow the worker's. A matrix product and a Python
+    loop did not move at all: it is the memory, not the core."""
+    source = torch.ones(num_floats, dtype=torch.float32)
+    target = torch.empty_like(source)
+    times = []
+    for i in range(repeats + 5):
+        start = time.perf_counter()
+        target.copy_(source)
+        if i >= 5:
+            times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2] * 1e3
+
+
 def engine_rpc(original, engine_core, method, timeout=None, args=(), kwargs=None):
     """Around ``EngineCore.collective_rpc``: ``specplugin_profile`` is answered by the
-    engine core and its workers, ``[{"engine": ..., "worker": ...}]`` (one per worker)."""
+    engine core and its workers, ``[{"engine": ..., "worker": ...}]`` (one per worker);
+    ``specplugin_memory_probe`` by the workers, each one's :func:`memory_probe_ms`."""
+    if method == PROBE_RPC:
+        return original(engine_core, memory_probe_ms, timeout, (), None)
     if method != RPC:
         return original(engine_core, method, timeout, args, kwargs)
     engine = _act(args[0], install_engine_core)
@@ -545,7 +575,8 @@ def engine_rpc(original, engine_core, method, timeout=None, args=(), kwargs=None
 
 
 def install_rpc() -> None:
-    """``register()`` calls this in every vLLM process when ``SPECPLUGIN_PROFILE=1``."""
+    """``register()`` calls this in every vLLM process when ``SPECPLUGIN_PROFILE=1`` or
+    ``SPECPLUGIN_MEMORY_PROBE=1`` (:func:`probe_requested`)."""
     from vllm.v1.engine.core import EngineCore
 
     if not patches.is_patched(EngineCore, "collective_rpc"):
@@ -554,6 +585,11 @@ def install_rpc() -> None:
 
 def requested() -> bool:
     return os.environ.get(ENV) == "1"
+
+
+def probe_requested() -> bool:
+    """``specplugin bench``'s engine children: :func:`memory_probe_ms` before each cell."""
+    return os.environ.get(PROBE_ENV) == "1"
 
 
 # the front end (the process that calls LLM.generate): its output processing runs
