@@ -270,7 +270,7 @@ def markdown(rows: Sequence[Row], meta: Mapping[str, Any]) -> str:
     made them, the date and the machine (so that docs quote a command's own output).
     Columns: each method's tok/s, then for each plugin method its ratio to ``none`` and to
     the cell's best built-in, and its mean acceptance length; with several rounds, each
-    round's tok/s below the table."""
+    round's tok/s below the table, with its engine's memory probe where one was taken."""
     methods = list(dict.fromkeys(r.method for r in rows))
     plugin = [m for m in methods if METHODS[m].family not in (BASELINE, BUILTIN)]
     by_key = {(r.cell, r.method): r for r in rows}
