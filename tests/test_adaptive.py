@@ -11,7 +11,7 @@ from specplugin.adaptive.controller import (NO_CANDIDATE, Choice, Extra, diverge
 from specplugin.adaptive.cost import StepCostModel, StepSums
 from specplugin.adaptive.estimator import AcceptanceEstimator, TokenCells, history_bucket
 from specplugin.proposers.base import Candidate, StepBatch
-from specplugin.adaptive.union import Union, Verified
+from specplugin.adaptive.union import DRAFT_TRIAL_ROWS, DRAFT_TRIALS, Union, Verified
 
 
 def linear(t0: float, per_token: float):
@@ -543,11 +543,28 @@ def test_an_untried_draft_runs_in_its_first_steps_where_it_could_pay_at_all():
     runs = [np.asarray(union.plan_draft(_batch(rows), [], 1, np.full(8, 8), forward_seconds=0.002))
             for _ in range(3 * DRAFT_TRIALS)]
     assert [k.any() for k in runs] == [True] * DRAFT_TRIALS + [False] * (2 * DRAFT_TRIALS)
-    assert all((k == k[0]).all() and k[0] > 0 for k in runs[:DRAFT_TRIALS])
+    # (for the DRAFT_TRIAL_ROWS rows whose first pass reads least: here the first ones)
+    assert all((k[:DRAFT_TRIAL_ROWS] > 0).all() and not k[DRAFT_TRIAL_ROWS:].any()
+               for k in runs[:DRAFT_TRIALS])
     taught = _union(Fixed("ngram", [], 0.5), Fixed("draft", [], 0.5))
     _teach(taught, 1, 0.5, num_tokens=16)
     assert taught.begin(None, 8, sampled=False)
     assert not np.asarray(taught.plan_draft(_batch(rows), [], 1, np.full(8, 8), forward_seconds=0.002)).any()
+
+
+def test_a_trial_of_the_draft_runs_it_for_the_rows_that_read_least():
+    """An untried draft's optimistic trial is for DRAFT_TRIAL_ROWS rows, those whose
+    first pass reads least; the other rows are planned on the posterior (here: tokens
+    that do not pay), so a trial at batch 16 does not read 16 prompts."""
+    union = _union(Fixed("ngram", [], 0.5), Fixed("draft", [], 0.5))
+    union.estimator.pooled_cells = lambda proposer, sampled, history, n, draw=False: [0.01] * n
+    batch = _batch([f"r{i}" for i in range(16)])
+    assert union.begin(None, 16, sampled=False)
+    catch_up = [0.001 * (16 - r) for r in range(16)]  # the last rows read least
+    k = np.asarray(union.plan_draft(batch, [], 1, np.full(16, 8), forward_seconds=0.0002,
+                                    catch_up_seconds=catch_up, remaining_tokens=[100] * 16))
+    assert sorted(np.flatnonzero(k).tolist()) == [16 - n for n in range(DRAFT_TRIAL_ROWS, 0, -1)]
+    assert union._draft_trials == DRAFT_TRIALS - 1
 
 
 def test_a_draft_trials_step_is_not_a_rate_the_step_arbiter_weighs():
@@ -824,6 +841,58 @@ def test_new_text_sends_a_plain_batch_back_to_speculating_at_once():
     assert choices.any() and first == 0
     assert choices[first:].mean() > 0.9  # then it stays (a block may re-check plain)
     assert arbiter.rate(1, True) == pytest.approx(250, rel=0.1)
+
+
+def test_a_recheck_of_speculation_that_plans_nothing_ends_at_once():
+    """Plain decoding leads; the block that re-checks speculation plans no draft for any
+    row (nothing offered paid): it ends at that step, unmeasured, and plain decoding
+    resumes with the next step, instead of paying the union's asking for a whole block.
+    While speculation leads, a step without drafts is part of speculating."""
+    slow = StepArbiter()
+    _arbitrate(slow, 400, spec_rate=600.0, plain_rate=1000.0)
+    while not slow.speculate(16):  # to the first step of a re-check of speculation
+        slow.observe(16, 16 / 1000.0)
+    rate = slow.rate(16, True)
+    assert slow.nothing_to_verify()
+    slow.observe(16, 16 / 900.0)  # that step, which verified nothing, ran
+    assert not slow.speculate(16)
+    assert slow.plain_steps_ahead() == PLAIN_BLOCK_FACTOR * slow.block_steps - 2
+    assert slow.rate(16, True) == rate  # nothing measured
+    # ... and speculation is re-checked again after as many blocks as before
+    steps = 0
+    while not slow.speculate(16):
+        slow.observe(16, 16 / 1000.0)
+        steps += 1
+    assert steps > 4 * PLAIN_BLOCK_FACTOR * slow.block_steps
+
+    fast = StepArbiter()
+    _arbitrate(fast, 400, spec_rate=1000.0, plain_rate=600.0)
+    while not fast.speculate(16):
+        fast.observe(16, 16 / 600.0)
+    assert not fast.nothing_to_verify() and fast.speculate(16)
+    fresh = StepArbiter()  # a bucket's warm-up measures speculation as it comes
+    assert fresh.speculate(16) and not fresh.nothing_to_verify()
+
+
+def test_the_union_ends_a_recheck_whose_plan_verifies_nothing():
+    class Leading(StepArbiter):
+        ended = 0
+
+        def speculate(self, num_reqs, sampled=False):
+            return True
+
+        def nothing_to_verify(self):
+            Leading.ended += 1
+            return True
+
+    union = _union(Fixed("p", [], 0.9))  # offers no token
+    union.arbiter = Leading()
+    assert union.step(_batch(["a", "b"]), None).drafts == [[], []]
+    assert Leading.ended == 1
+    union = _union(Fixed("p", [1, 2], 0.9))
+    union.arbiter = Leading()
+    assert union.step(_batch(["a", "b"]), None).drafts == [[1, 2], [1, 2]]
+    assert Leading.ended == 1
 
 
 def test_one_cold_block_of_a_new_request_does_not_end_speculation():
