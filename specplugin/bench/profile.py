@@ -245,6 +245,9 @@ def profile_method(spec, models, prompts, args, out_dir: Path,
         "mean_acceptance_length": (1 + cell["num_accepted_tokens"] / cell["num_drafts"]
                                    if cell["num_drafts"] else None),
         "front_end_ms_per_step": cell["front_end_s"] * 1e3 / steps,
+        # the engine's memory probe before the cell (engines on one machine differ in
+        # speed by their memory's: specplugin.bench.engine.memory_probe)
+        "memory_probe_ms": cell.get("memory_probe_ms"),
         "timer_cost_us": cell["timer_cost_s"] * 1e6,
         "overhead": overhead(off, on, summary["timer_calls_per_step"] * cell["timer_cost_s"]
                              * 1e3, summary["step_ms"]),
@@ -358,6 +361,9 @@ def ledger_rows(results: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, lis
         ("plain step, plugin / vLLM's runner, step by step", [_step_ab(r) for r in rs]),
         ("engine busy (steps / wall)", [f"{r['busy_share']:.0%}" for r in rs]),
         ("front end ms / step (alongside)", [f"{r['front_end_ms_per_step']:.3f}" for r in rs]),
+        ("engine memory probe, ms (16 MB copy; high: a slow engine)",
+         ["-" if r.get("memory_probe_ms") is None else f"{r['memory_probe_ms']:.2f}"
+          for r in rs]),
         ("timer overhead: measured", [_pct(r["overhead"]["measured"]) for r in rs]),
         ("timer overhead: calls x cost", [_pct(r["overhead"]["estimated"]) for r in rs]),
     ]
