@@ -23,6 +23,10 @@ most one line). The records (``kind``):
   does not run), ``rate`` and ``rate_without`` (predicted tok/s with and without it),
   ``trial``, ``catch_up`` (the run catches up right after plain steps), and the prices in
   ms (``forward_ms``, ``run_ms``, ``overhead_ms``);
+- ``recheck_empty``: a re-check of speculation ended at its step that planned nothing
+  (:meth:`StepArbiter.nothing_to_verify
+  <specplugin.adaptive.arbiter.StepArbiter.nothing_to_verify>`): ``num_reqs``, ``steps``
+  (of the block so far);
 - ``forget``: the union forgot what it learned (``specplugin bench`` and ``profile`` do so
   after their warm-up; what follows is what a fresh engine decides).
 
