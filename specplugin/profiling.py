@@ -37,6 +37,9 @@ TIMER_CALLS = "timer_calls"  # phases closed (the timers' own cost is this times
 # drafts are steady plain decoding (those right after carry the speculative block's
 # aftermath: learning from its verification, caches the draft model took)
 SETTLED = 4
+# "1" in specplugin bench's engine children (specplugin.bench.runner): each worker answers
+# the memory probe (specplugin.vllm_layer.profiling.memory_probe_ms) before every cell
+PROBE_ENV = "SPECPLUGIN_MEMORY_PROBE"
 
 
 class PhaseClock:

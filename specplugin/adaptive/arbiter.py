@@ -320,10 +320,8 @@ class StepArbiter:
         if self.alternate or self._choice != SPECULATE or self._bucket is None:
             return False
         state = self._buckets.get(self._bucket)
-        if state is None or min(state.blocks.values()) < self.warmup_blocks:
-            return False
-        spec, plain = state.rate.get(SPECULATE), state.rate.get(PLAIN)
-        if spec is None or plain is None or spec >= plain:
+        if (state is None or state.blocks[SPECULATE] < self.warmup_blocks
+                or not self._plain_leads(state)):
             return False
         if trace.TRACE is not None:
             trace.TRACE.write("recheck_empty", num_reqs=self._num_reqs, steps=self._steps)
@@ -411,10 +409,14 @@ class StepArbiter:
         and it leads, 1 otherwise (``ALTERNATE_PLAIN_FACTOR`` under ``alternate``)."""
         if self.alternate:
             return ALTERNATE_PLAIN_FACTOR
+        return PLAIN_BLOCK_FACTOR if self._plain_leads(state) else 1
+
+    def _plain_leads(self, state: _Bucket) -> bool:
+        """The bucket's warm-up measured plain decoding, both choices have a rate, and
+        plain decoding's is the higher."""
         plain, spec = state.rate.get(PLAIN), state.rate.get(SPECULATE)
-        if state.blocks[PLAIN] < self.warmup_blocks or plain is None or spec is None:
-            return 1
-        return PLAIN_BLOCK_FACTOR if plain > spec else 1
+        return (state.blocks[PLAIN] >= self.warmup_blocks and plain is not None
+                and spec is not None and plain > spec)
 
     def _next_choice(self, state: _Bucket, num_reqs: int) -> bool:
         if self.alternate:  # turns by the blocks that ran here, measured or not (an

@@ -711,7 +711,11 @@ class Union:
             choices, expected, seconds = planned(acceptance, self.cost,
                                                  spec_overhead=self.cost.spec_overhead_s)
         drafts, sources = self._remember(batch, offers, histories, choices)
-        if self.arbiter is not None and (any(drafts) or not self.arbiter.nothing_to_verify()):
+        # a step that verifies nothing may end a re-check of speculation (then there is no
+        # speculative block left to predict it for)
+        ended = (self.arbiter is not None and not any(drafts)
+                 and self.arbiter.nothing_to_verify())
+        if self.arbiter is not None and not ended:
             # the draft's forwards, if it ran, are the step's too
             per_forward, run_seconds, planned_forwards = self._draft_price
             forwards = planned_forwards if draft_forwards is None else draft_forwards

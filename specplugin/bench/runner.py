@@ -31,6 +31,7 @@ from typing import Any
 
 from specplugin.bench.workloads import CellPrompts
 from specplugin.config import CONFIG_KEY, SPECULATOR_CLASS
+from specplugin.profiling import PROBE_ENV
 
 # vLLM's keyword arguments (besides ``model``) for every engine the project starts.
 ENGINE_DEFAULTS: dict[str, Any] = {
@@ -45,7 +46,7 @@ CHILD_ENV_DEFAULTS = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB: ~58k tokens of the zoo target; more costs start-up
     "TOKENIZERS_PARALLELISM": "false",
     # each worker answers the memory probe (engine.py: before every cell)
-    "SPECPLUGIN_MEMORY_PROBE": "1",
+    PROBE_ENV: "1",
 }
 POLL_S = 0.5
 

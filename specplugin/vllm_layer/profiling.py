@@ -32,16 +32,15 @@ from typing import Any
 
 import torch
 
-from specplugin.profiling import (DRAFT_FORWARDS, DRAFT_TOKENS, DRAFTED, QUERY_TOKENS, SETTLED,
-                                  WORKER, PhaseClock)
+from specplugin.profiling import (DRAFT_FORWARDS, DRAFT_TOKENS, DRAFTED, PROBE_ENV,
+                                  QUERY_TOKENS, SETTLED, WORKER, PhaseClock)
 from specplugin.vllm_layer import draft_handoff, patches
 
 ENV = "SPECPLUGIN_PROFILE"  # "1" in specplugin profile's engine children only
 # "coarse": the worker times the plugin at its entry points only (see COARSE_PLUGIN_ROWS)
 TIMERS_ENV = "SPECPLUGIN_PROFILE_TIMERS"
 RPC = "specplugin_profile"
-# "1" in specplugin bench's engine children: each worker answers PROBE_RPC
-PROBE_ENV = "SPECPLUGIN_MEMORY_PROBE"
+# each worker of an engine started with PROBE_ENV answers this (memory_probe_ms)
 PROBE_RPC = "specplugin_memory_probe"
 # One clock per process: the engine core's, and each worker's.
 CLOCK = PhaseClock()
