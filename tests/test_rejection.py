@@ -461,8 +461,10 @@ def test_host_sampled_verification_greedy_rows_and_expectations(num_draft_tokens
                                                                  one_hot, seed):
     """In a batch mixing greedy and sampled requests, the greedy ones emit exactly what
     :func:`greedy_verify` emits; every request emits its accepted drafts, then one token,
-    then placeholders; and the expected acceptance of each draft token is
-    :func:`expected_acceptance`'s at the same temperature."""
+    then placeholders; the expected acceptance of each sampled request's draft token is
+    :func:`expected_acceptance`'s at the same temperature, and a greedy request's is its
+    verdict (1 for an accepted token, else 0: nothing learns from a greedy draft's
+    expectation, so its rows' softmax is skipped)."""
     generator = torch.Generator().manual_seed(seed)
     num_reqs, total, vocab_size = len(num_draft_tokens), sum(num_draft_tokens), 7
     logits = torch.randn(total + num_reqs, vocab_size, generator=generator)
@@ -481,8 +483,7 @@ def test_host_sampled_verification_greedy_rows_and_expectations(num_draft_tokens
     target_probs = (logits / row_t[:, None]).softmax(-1)
     rows = [row for i, k in enumerate(num_draft_tokens)
             for row in range(sum(num_draft_tokens[:i]) + i, sum(num_draft_tokens[:i]) + i + k)]
-    want = rejection.expected_acceptance(draft_ids, draft_probs, target_probs[rows])
-    assert np.allclose(expected, want.numpy(), atol=1e-5)
+    want = rejection.expected_acceptance(draft_ids, draft_probs, target_probs[rows]).numpy()
     first = 0
     for i, k in enumerate(num_draft_tokens):
         emitted = int((out[i] != PLACEHOLDER_TOKEN_ID).sum())
@@ -490,6 +491,10 @@ def test_host_sampled_verification_greedy_rows_and_expectations(num_draft_tokens
         assert out[i, :emitted - 1].tolist() == draft_ids[first:first + emitted - 1].tolist()
         if temperature[i] == 0:
             assert out[i].tolist() == greedy[i].tolist()
+            verdicts = [1.0] * (emitted - 1) + [0.0] * (k - emitted + 1)
+            assert expected[first:first + k].tolist() == verdicts
+        else:
+            assert np.allclose(expected[first:first + k], want[first:first + k], atol=1e-5)
         first += k
 
 
