@@ -51,9 +51,6 @@ STEP_COUNTERS: dict[str, str] = {
                               "temperature, nothing else changing their distribution) "
                               "verified by the plugin instead of vLLM's rejection sampler "
                               "(the same distribution, without its fixed costs).",
-    "target_forwards_timed": "Target forwards timed in the engine for the cost model, which "
-                             "scales its calibrated forward curve by what they measured "
-                             "(on CPU, one rank).",
 }
 
 

@@ -177,47 +177,6 @@ def test_the_cost_models_table_of_t_follows_every_observation():
             assert cost.step_one(n) == pytest.approx(float(cost.step_seconds(np.array([n]))[0]))
 
 
-def test_timed_forwards_scale_the_curve_so_extra_tokens_cost_what_the_engine_pays():
-    """An engine's forwards cost more than the calibration's (distinct blocks, caches the
-    rest of the step swept): timed forwards at the batch's plain size scale the whole
-    curve, so a step verifying drafts is priced at the engine's slope, not the calibrated
-    one; its residuals then teach the fixed part alone."""
-    calibration = (np.array([1, 16, 32, 64]), np.array([0.0016, 0.0027, 0.0046, 0.0071]))
-
-    def engine(timed: bool) -> StepCostModel:
-        cost = StepCostModel(max_tokens=64)
-        cost.calibrate(*calibration)
-        forward = 1.75 * 0.0027  # plain steps of 16 rows: 1.75x the calibration's forward
-        for _ in range(200):  # and 2.3 ms of the rest of the step
-            if timed:
-                cost.observe_forward(16, forward)
-            cost.observe(16, forward + 0.0023)
-        return cost
-
-    timed, untimed = engine(True), engine(False)
-    assert timed.forward_scale == pytest.approx(1.75)
-    engine_slope = 1.75 * (0.0046 + 0.5 * (0.0071 - 0.0046) - 0.0027)  # F(48) - F(16)
-    assert timed.step_one(48) - timed.step_one(16) == pytest.approx(engine_slope, rel=0.02)
-    for cost in (timed, untimed):  # both learned the plain step
-        assert cost.step_one(16) == pytest.approx(1.75 * 0.0027 + 0.0023, rel=0.05)
-    assert untimed.step_one(48) - untimed.step_one(16) < 0.7 * engine_slope
-    assert timed.step_times(16, 40) == pytest.approx(
-        timed.step_seconds(np.arange(16, 56)).tolist(), rel=1e-9)
-
-
-def test_one_stalled_forward_moves_the_forward_scale_a_bounded_step():
-    cost = StepCostModel(max_tokens=64)
-    cost.calibrate(np.array([1, 16]), np.array([0.001, 0.002]))
-    for _ in range(40):
-        cost.observe_forward(16, 0.003)
-    assert cost.forward_scale == pytest.approx(1.5)
-    cost.observe_forward(16, 1.0)  # a stall: 500x the calibration
-    assert cost.forward_scale < 1.5 + 0.05 * (4 * 1.5)
-    untimed = StepCostModel(max_tokens=64)
-    untimed.observe_forward(16, 0.003)  # no curve yet: nothing to scale
-    assert untimed.forward_scale == 1.0
-
-
 def test_cost_model_without_calibration_starts_from_the_first_step():
     cost = StepCostModel(max_tokens=16)
     cost.observe(2, 0.010)

@@ -80,8 +80,6 @@ def test_drafts_are_verified_and_accepted(request, union):
     # every speculative step of these greedy requests (one at a time: one draft a step) was
     # verified by the plugin's greedy shortcut, not vLLM's rejection sampler
     assert run.plugin_steps["steps_verified_greedy"] == run.num_drafts, run.plugin_steps
-    # the worker timed the target's forwards for the union's cost model (CPU, one rank)
-    assert run.plugin_steps["target_forwards_timed"] > 10, run.plugin_steps
 
 
 def test_plain_steps_skip_drafting_and_speculation_resumes(full_union):

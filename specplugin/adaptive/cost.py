@@ -28,18 +28,6 @@ they would say a fraction of the overhead for a fresh engine's first hundred ste
 against a predicted ~6, on a 4.2 ms plain step, and lost to plain decoding all cell
 long). The controller charges it once per step, to the first draft token.
 
-Where the engine times its target forwards (the vLLM layer does on CPU, where a forward
-is synchronous: :meth:`observe_forward`), ``F`` is the calibrated curve times one scale,
-``forward_scale``, the average of measured over calibrated forwards. The calibration
-times a forward alone, warm, every row's context in one block; the engine's forwards
-read distinct blocks after the rest of the step swept the caches (measured on the
-validation pair, compiled, batch 16: 4.71 ms against a calibrated 2.67). Learned from
-plain steps' residuals, that excess went into the fixed part, the same for every n, so
-a step verifying drafts was priced at the calibrated slope (measured at batch 16,
-temperature 1: a speculative step of 48 query tokens took 13.9 ms of target step where
-the plans predicted about half the time for it). With timed forwards the residuals
-teach the fixed part alone (the knots keep the calibrated shape).
-
 What the controller asks: :meth:`step_seconds` (``T(n)``) and
 :meth:`marginal_seconds` (``T(n + k) - T(n)``: what verifying ``k`` more tokens
 costs). On a GPU ``F`` is flat until the batch stops being memory-bound; on a CPU it
@@ -52,11 +40,6 @@ import time
 from bisect import bisect_left, bisect_right
 
 import numpy as np
-
-
-# A timed forward's ratio to the calibrated curve counts at most this many times the scale
-# so far (StepCostModel.observe_forward).
-MAX_SCALE_JUMP = 4.0
 
 
 def default_knots(max_tokens: int) -> np.ndarray:  # [num_knots] int
@@ -82,16 +65,7 @@ class StepCostModel:
         self._residual_weight = {False: 0.0, True: 0.0}  # the weight the EMA holds so far
         self._counts = {False: 0, True: 0}
         self._plain_sums = StepSums()  # plain steps not learned yet (observe_plain)
-        # calibrated F(0), F(1), ... until a knot moves (step_times; scaled when read)
-        self._forward_table: list[float] = []
-        # measured over calibrated target forwards (observe_forward; 1: none timed yet)
-        self.forward_scale = 1.0
-        self._forwards_timed = 0
-
-    @property
-    def forwards_timed(self) -> int:
-        """Target forwards :meth:`observe_forward` learned from."""
-        return self._forwards_timed
+        self._forward_table: list[float] = []  # F(0), F(1), ... until a knot moves (step_times)
 
     @property
     def _machinery_known(self) -> bool:
@@ -108,7 +82,7 @@ class StepCostModel:
         return max(0.0, spec - plain)
 
     @property
-    def forward_s(self) -> np.ndarray:  # [num_knots] calibrated F at each knot (a copy)
+    def forward_s(self) -> np.ndarray:  # [num_knots] F at each knot (a copy)
         return np.array(self._f)
 
     def _set_forward(self, values) -> None:
@@ -119,10 +93,6 @@ class StepCostModel:
     def forward_one(self, n: float) -> float:
         """F(n) for one n, in plain floats: :meth:`observe` runs on every plain step, where
         numpy's per-call overhead on scalars (~60 us) would be a percent of the step."""
-        return self.forward_scale * self._calibrated_one(n)
-
-    def _calibrated_one(self, n: float) -> float:
-        """The calibrated curve at n (before :attr:`forward_scale`)."""
         knots, f = self._knot_list, self._f
         if n >= knots[-1]:
             slope = (f[-1] - f[-2]) / (knots[-1] - knots[-2])
@@ -154,8 +124,7 @@ class StepCostModel:
         f_knots = self.forward_s
         f = np.interp(n, self.knots, f_knots)
         slope = (f_knots[-1] - f_knots[-2]) / (self.knots[-1] - self.knots[-2])
-        return self.forward_scale * np.where(n > self.knots[-1],
-                                             f_knots[-1] + slope * (n - self.knots[-1]), f)
+        return np.where(n > self.knots[-1], f_knots[-1] + slope * (n - self.knots[-1]), f)
 
     def step_seconds(self, num_tokens) -> np.ndarray:
         return self.overhead_s + self.forward_seconds(num_tokens)
@@ -164,7 +133,7 @@ class StepCostModel:
         """T(n) for one n, as a float (what :meth:`step_seconds` gives, without numpy's
         per-call cost: asked several times every step)."""
         if num_tokens < len(self._forward_table):
-            return self.overhead_s + self.forward_scale * self._forward_table[num_tokens]
+            return self.overhead_s + self._forward_table[num_tokens]
         return self.overhead_s + self.forward_one(num_tokens)
 
     def step_times(self, first: int, count: int) -> list[float]:
@@ -174,30 +143,12 @@ class StepCostModel:
         end = first + count
         if end > len(self._forward_table):
             size = max(end, 2 * len(self._forward_table), 64)
-            self._forward_table = [self._calibrated_one(n) for n in range(size)]
-        overhead, scale = self.overhead_s, self.forward_scale
-        return [overhead + scale * f for f in self._forward_table[first:end]]
+            self._forward_table = [self.forward_one(n) for n in range(size)]
+        overhead = self.overhead_s
+        return [overhead + f for f in self._forward_table[first:end]]
 
     def marginal_seconds(self, num_tokens: int, extra) -> np.ndarray:
         return self.forward_seconds(num_tokens + np.asarray(extra)) - self.forward_seconds(num_tokens)
-
-    def observe_forward(self, num_tokens: int, seconds: float) -> None:
-        """One target forward (its logits included) over ``num_tokens`` query tokens, timed
-        in the engine: :attr:`forward_scale` moves toward its ratio to the calibrated curve
-        (a plain mean over the first ones, then an exponential average; each ratio counts
-        at most :data:`MAX_SCALE_JUMP` times the scale so far, so that one stall cannot
-        price speculation out). Ignored before calibration (no curve to scale)."""
-        if not self.calibrated or num_tokens <= 0 or seconds <= 0:
-            return
-        calibrated = self._calibrated_one(num_tokens)
-        if calibrated <= 0:
-            return
-        ratio = seconds / calibrated
-        self._forwards_timed += 1
-        if self._forwards_timed > 1:
-            ratio = min(ratio, MAX_SCALE_JUMP * self.forward_scale)
-        weight = max(self.smoothing, 1.0 / self._forwards_timed)
-        self.forward_scale += weight * (ratio - self.forward_scale)
 
     def observe(self, num_tokens: int, seconds: float, speculative: bool = False) -> None:
         """One engine step's wall time (``speculative``: it verified drafts), learned now
@@ -247,11 +198,9 @@ class StepCostModel:
                 # 0.81x the rate of no speculation, judged against a plain rate so priced)
                 return
             residual -= self.spec_overhead_s
-        # the fixed part takes the residual's average; the knots take what varies with n,
-        # unless the forwards are timed (then F is measured: observe_forward)
+        # the fixed part takes the residual's average; the knots take what varies with n
         self.overhead_s = max(0.0, self.overhead_s + weight * residual)
-        if not self._forwards_timed:
-            self._nudge_knots(num_tokens, 0.5 * weight * residual)
+        self._nudge_knots(num_tokens, 0.5 * weight * residual)
 
     def _nudge_knots(self, num_tokens: int, delta: float) -> None:
         knots = self._knot_list
@@ -278,7 +227,7 @@ class StepCostModel:
             table[lo:end] = [f_lo + slope * d for d in range(end - lo)]
         if i >= len(knots) - 2:  # past the last knot F follows the last two: it moved
             for n in range(knots[-1], len(table)):
-                table[n] = self._calibrated_one(n)
+                table[n] = self.forward_one(n)
 
 
 class StepSums:

@@ -140,13 +140,6 @@ class PluginDraftProposer(DraftModelProposer):
         if self.union is not None:
             self.union.cost.calibrate(num_tokens, seconds)
 
-    def observe_forward(self, num_tokens: int, seconds: float) -> None:
-        """One step's target forward, timed in the engine (see the worker), to the union's
-        cost model (:meth:`StepCostModel.observe_forward
-        <specplugin.adaptive.cost.StepCostModel.observe_forward>`)."""
-        if self.union is not None:
-            self.union.cost.observe_forward(num_tokens, seconds)
-
     def restart_requests(self, req_ids) -> None:
         """Resumed after preemption: the draft re-reads their whole context."""
         self.cursor.forget(req_ids)
@@ -364,10 +357,8 @@ class PluginDraftProposer(DraftModelProposer):
             for f in self.union.failures:
                 failures[f.name] = failures.get(f.name, 0) + f.count
         failures.update(verification.failures())
-        timed = 0 if self.union is None else self.union.cost.forwards_timed
         return {**self.proposer_stats.as_dict(), "proposer_failures": failures,
-                "arbiter": None if arbiter is None else arbiter.stats(),
-                "target_forwards_timed": timed}
+                "arbiter": None if arbiter is None else arbiter.stats()}
 
     def _propose(
         self,

@@ -71,12 +71,6 @@ class Speculator:
         """Timed target forwards from engine start (see the worker)."""
         self.union.cost.calibrate(num_tokens, seconds)
 
-    def observe_forward(self, num_tokens: int, seconds: float) -> None:
-        """One step's target forward, timed in the engine (see the worker), to the union's
-        cost model (:meth:`StepCostModel.observe_forward
-        <specplugin.adaptive.cost.StepCostModel.observe_forward>`)."""
-        self.union.cost.observe_forward(num_tokens, seconds)
-
     def propose(
         self,
         sampled_token_ids: list[list[int]],  # [num_reqs][num_emitted] tokens of the last step
@@ -205,5 +199,4 @@ class Speculator:
         failures[self.failures.name] = self.failures.count
         failures.update(verification.failures())
         return {**self.union.stats.as_dict(), "proposer_failures": failures,
-                "arbiter": None if self.union.arbiter is None else self.union.arbiter.stats(),
-                "target_forwards_timed": self.union.cost.forwards_timed}
+                "arbiter": None if self.union.arbiter is None else self.union.arbiter.stats()}

@@ -124,16 +124,8 @@ class PluginRunnerMixin:
         # of them, the steps the drafter has yet to learn from: their wall times (the
         # drafter's clock) and the batch's size (one batch: a run ends when it changes)
         self._plain_step_times: list[float | None] = []
-        self._plain_forward_times: list[float] = []  # and their target forwards' times
         self._plain_run_reqs = 0
         self.num_steps_as_vllm = 0  # all of them, counted (steps_foretold_plain)
-        # The target's forward, logits included, timed each step for the drafter's cost
-        # model (observe_forward): on CPU, where a forward is synchronous and its time is
-        # two clock reads; one rank decides alone (tensor-parallel ranks would learn
-        # different times and decide differently).
-        self._time_forwards = (self.device.type == "cpu"
-                               and self.parallel_config.tensor_parallel_size == 1)
-        self._forward_started: float | None = None  # perf_counter() as the forward began
         # Steps without any draft can skip vLLM's speculative bookkeeping (see
         # _prepare_inputs) unless the model keeps recurrent state that relies on it.
         model = self.vllm_config.model_config
@@ -299,7 +291,6 @@ class PluginRunnerMixin:
         clock read at its end. The drafter learns from those steps' times before the next
         step the plugin runs (:meth:`_learn_plain_steps`). Anything else (a request joins,
         leaves or resumes) ends the run, and that step is the plugin's."""
-        self._forward_started = None
         if self._plain_ahead:
             if plain_decode(scheduler_output):
                 self._plain_ahead -= 1
@@ -311,50 +302,26 @@ class PluginRunnerMixin:
                 except BaseException:
                     self._end_vllm_step()
                     raise
-                if self._forward_started is not None:  # (learned with the step's time)
-                    self._plain_forward_times.append(time.perf_counter() - self._forward_started)
                 if output is not None:  # no sampling call follows
                     self._end_vllm_step()
                 return output
             self._plain_ahead = 0
-        output = super().execute_model(scheduler_output, intermediate_tensors)
-        self._observe_forward(scheduler_output)
-        return output
-
-    def _observe_forward(self, scheduler_output) -> None:
-        """The step's target forward and logits, timed (:meth:`_model_forward` to the end of
-        vLLM's ``execute_model``), to the drafter's cost model, unless the step read prompt
-        tokens (a prefill's attention, which the cost model's curve does not price) or the
-        batch-expanding scorer added rows to it."""
-        started, self._forward_started = self._forward_started, None
-        if started is None or self.expander is not None or _read_prompts(scheduler_output):
-            return
-        observe = getattr(self.drafter, "observe_forward", None)
-        if observe is not None:
-            observe(scheduler_output.total_num_scheduled_tokens, time.perf_counter() - started)
+        return super().execute_model(scheduler_output, intermediate_tensors)
 
     def _end_vllm_step(self) -> None:
         self._vllm_step = False
         self.speculative_config, self._held_spec_config = self._held_spec_config, None
 
     def _learn_plain_steps(self) -> None:
-        """The steps run as vLLM's own since the drafter last heard, to the drafter (their
-        wall times, and their forwards' times to its cost model)."""
+        """The steps run as vLLM's own since the drafter last heard, to the drafter."""
         if self._plain_step_times:
             times, self._plain_step_times = self._plain_step_times, []
             self.drafter.learn_plain_steps(times, self._plain_run_reqs)
-        if self._plain_forward_times:
-            forwards, self._plain_forward_times = self._plain_forward_times, []
-            observe = getattr(self.drafter, "observe_forward", None)
-            for seconds in forwards if observe is not None else ():
-                observe(self._plain_run_reqs, seconds)
 
     def _model_forward(self, input_ids=None, positions=None, **kwargs):
         """With the batch-expanding scorer, the step's extra candidates run as extra rows
         of this one forward (:mod:`specplugin.vllm_layer.scorer`)."""
         forward = super()._model_forward
-        if self._time_forwards:
-            self._forward_started = time.perf_counter()
         if self._vllm_step or self.expander is None or kwargs.get("inputs_embeds") is not None:
             return forward(input_ids=input_ids, positions=positions, **kwargs)
         return self.expander.forward(self, forward, input_ids, positions, **kwargs)
