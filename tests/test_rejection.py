@@ -498,6 +498,31 @@ def test_host_sampled_verification_greedy_rows_and_expectations(num_draft_tokens
         first += k
 
 
+def test_host_sampled_verification_draws_from_p_where_the_residual_has_no_mass():
+    """A draft whose distribution equals the target's is rejected only by a uniform of
+    exactly 1, and then its residual ``max(0, p - q)`` has no mass: the recovered token is
+    drawn from ``p`` instead, never a token ``p`` rules out (token 0 here, which an empty
+    residual's cumulative sum would give)."""
+    generator = torch.Generator().manual_seed(3)
+    num_draft_tokens, vocab_size = [2, 1, 3], 9
+    total, num_reqs = sum(num_draft_tokens), len(num_draft_tokens)
+    logits = torch.randn(total + num_reqs, vocab_size, generator=generator)
+    logits[:, 0] = float("-inf")  # token 0: probability 0 everywhere
+    rows = [row for i, k in enumerate(num_draft_tokens)
+            for row in range(sum(num_draft_tokens[:i]) + i, sum(num_draft_tokens[:i]) + i + k)]
+    draft_probs = logits[rows].softmax(-1)  # q == p at temperature 1
+    draft_ids = torch.randint(1, vocab_size, (total,), generator=generator)
+    uniforms = np.concatenate([np.ones(total), [0.3, 0.6, 0.9]])  # u = 1: every draft rejected
+    out, _ = rejection.sampled_verify(logits, draft_ids, num_draft_tokens, draft_probs,
+                                      np.ones(num_reqs), uniforms)
+    assert (out[:, 0] != 0).all() and (out[:, 1:] == PLACEHOLDER_TOKEN_ID).all(), out
+    firsts = [0, 3, 5]  # each request's first row: where its first draft was rejected
+    for r, row in enumerate(firsts):
+        want = rejection.inverse_cdf_draw(logits[row].softmax(-1)[None],
+                                          torch.tensor([[uniforms[total + r]]]))
+        assert int(out[r, 0]) == int(want[0])
+
+
 CANDIDATE_LENGTHS = (2, 1, 2)  # candidates 0 and 2 may share a prefix, then branch
 
 

@@ -408,9 +408,10 @@ def sampled_verify(
     requests' rows (torch's, fused), the greedy requests' argmax (numpy's), a few dozen
     floats compared in Python, and one draw per sampled request from its final row
     (:func:`_final_draws`). Measured with ``python -m specplugin.bench.verify_bench``
-    (warm caches, temperature 1): 0.330 ms at batch 8 with 4 draft tokens each, 0.411 at
-    batch 16 with 2, against 0.528 and 0.765 when the softmax, the draws' sums and their
-    comparisons ran in numpy over every request's rows."""
+    (warm caches, temperature 1, commit ``e7e82aa`` against the one before, one run each):
+    0.330 ms at batch 8 with 4 draft tokens each, 0.411 at batch 16 with 2, against 0.528
+    and 0.765 when the softmax, the draws' sums and their comparisons ran in numpy over
+    every request's rows."""
     values = logits.detach()
     if values.dtype != torch.float32:  # (float32 holds bfloat16 exactly)
         values = values.float()
@@ -419,25 +420,29 @@ def sampled_verify(
     counts, temperatures = list(num_draft_tokens), temperature.tolist()  # [num_reqs]
     num_reqs = len(counts)
     greedy = [t == 0 for t in temperatures]  # [num_reqs]
-    firsts = [0] * num_reqs  # [num_reqs] each request's first row of logits
-    for r in range(1, num_reqs):
-        firsts[r] = firsts[r - 1] + counts[r - 1] + 1
     # The target's distribution only where something is drawn or learned from it: the
     # sampled requests' rows. A greedy request needs its rows' argmax alone (numpy's, a
     # tenth of torch's on a few rows, see greedy_verify), and nothing reads its drafts'
     # expected acceptance (their verdicts stand in): in a mixed batch of 8 this halves
-    # the work.
+    # the work. One pass over the requests lays out both kinds.
+    firsts = [0] * num_reqs  # [num_reqs] each request's first row of logits
+    greedy_rows, sampled_rows = [], []  # rows of logits by the kind of their request
+    of_sampled = []  # [num_sampled_drafts] the sampled requests' draft tokens (indices)
+    row = start = 0  # the request's first row of logits, its first draft token
+    for r, k in enumerate(counts):
+        firsts[r] = row
+        if greedy[r]:
+            greedy_rows.extend(range(row, row + k + 1))
+        else:
+            sampled_rows.extend(range(row, row + k + 1))
+            of_sampled.extend(range(start, start + k))
+        row, start = row + k + 1, start + k
     best: dict[int, int] = {}  # greedy requests' rows -> argmax
-    if any(greedy):
-        greedy_rows = [row for r, k in enumerate(counts) if greedy[r]
-                       for row in range(firsts[r], firsts[r] + k + 1)]
+    if greedy_rows:
         best = dict(zip(greedy_rows, values.numpy()[greedy_rows].argmax(axis=1).tolist()))
-        sampled_rows = [row for r, k in enumerate(counts) if not greedy[r]
-                        for row in range(firsts[r], firsts[r] + k + 1)]
-        at_row = {row: i for i, row in enumerate(sampled_rows)}  # its row in target_probs
         values = values[sampled_rows]  # [num_sampled_rows, vocab_size]
-    else:
-        at_row = range(values.shape[0])
+    # each row of logits' row in target_probs (sampled requests' rows only)
+    at_row = {row: i for i, row in enumerate(sampled_rows)}
     if values.shape[0] and any(t not in (0.0, 1.0) for t in temperatures):
         scale = np.repeat(np.array([t for g, t in zip(greedy, temperatures) if not g],
                                    dtype=np.float32),
@@ -448,14 +453,10 @@ def sampled_verify(
     target_probs = values.softmax(dim=-1).numpy()  # [num_sampled_rows, vocab_size] float32
     drafts = draft_token_ids.tolist()  # [num_drafted]
     num_drafted = len(drafts)
-    # the sampled requests' drafts: their indices, and their rows in target_probs
-    of_sampled, probs_rows = [], []
-    start = 0
-    for r, k in enumerate(counts):
-        if not greedy[r]:
-            of_sampled.extend(range(start, start + k))
-            probs_rows.extend(at_row[row] for row in range(firsts[r], firsts[r] + k))
-        start += k
+    # the sampled requests' draft tokens' rows in target_probs (a request's k draft rows
+    # come before its bonus row, so the d-th draft's row is d plus the bonus rows before)
+    probs_rows = [at_row[firsts[r]] + j for r, k in enumerate(counts) if not greedy[r]
+                  for j in range(k)]
     sampled_ids = [drafts[d] for d in of_sampled]
     p_sampled = target_probs[probs_rows, sampled_ids]  # [num_sampled_drafts] p(x)
     q = None
@@ -516,9 +517,9 @@ def _final_draws(target_probs: np.ndarray,  # [num_rows, vocab_size] float32
     in float64: the difference of two float32 values, exactly) or bonus token (from
     ``p``), drawn by inverting the float64 cumulative sum at its uniform: the first token
     whose sum reaches ``uniform * total`` (a token of no mass never wins, as in
-    :func:`~specplugin.proposers.draft.inverse_cdf_draw`). The sums and the binary
-    searches run in torch: a quarter of numpy's row sums and full comparisons at batch 16
-    (measured on rows of 6,144 after a cache sweep: 86 against 330-370 us). A residual
+    :func:`~specplugin.proposers.draft.inverse_cdf_draw`, whose sums and binary searches
+    in torch took a quarter of numpy's row sums and full comparisons at batch 16, measured
+    on rows of 6,144 after a cache sweep: 86 against 330-370 us). A residual
     without mass (only by rounding: a rejection implies ``p - q`` has some) is replaced
     by ``p``, as :func:`verify_batch` does."""
     weights = target_probs[final_rows].astype(np.float64)  # [num_draws, vocab_size]
@@ -530,11 +531,13 @@ def _final_draws(target_probs: np.ndarray,  # [num_rows, vocab_size] float32
         else:
             weights[rejected] -= q[at]
             np.maximum(weights, 0.0, out=weights)
-    cdf = torch.from_numpy(weights).cumsum_(dim=-1)  # [num_draws, vocab_size] (in place)
-    totals = cdf[:, -1].tolist()
-    for i, total in enumerate(totals):
-        if not total > 0.0:
-            cdf[i] = torch.from_numpy(target_probs[final_rows[i]]).cumsum(-1, dtype=torch.float64)
-            totals[i] = float(cdf[i, -1])
-    bounds = torch.from_numpy(uniforms * np.asarray(totals))[:, None]  # [num_draws, 1]
-    return torch.searchsorted(cdf, bounds).squeeze(1).tolist()
+    drawn_uniforms = torch.from_numpy(uniforms)[:, None]  # [num_draws, 1]
+    tokens = inverse_cdf_draw(torch.from_numpy(weights), drawn_uniforms).tolist()
+    # A drawn token has mass unless its row has none (a token of no mass never wins):
+    # found that way, without a pass over the rows for their sums. Only a rejection can
+    # leave a row without mass.
+    for i in rejected:
+        if not weights[i, tokens[i]] > 0.0:
+            tokens[i] = int(inverse_cdf_draw(torch.from_numpy(target_probs[final_rows[i]][None]),
+                                             drawn_uniforms[i:i + 1])[0])
+    return tokens
