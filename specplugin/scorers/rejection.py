@@ -426,14 +426,19 @@ def sampled_verify(
     # expected acceptance (their verdicts stand in): in a mixed batch of 8 this halves
     # the work. One pass over the requests lays out both kinds.
     firsts = [0] * num_reqs  # [num_reqs] each request's first row of logits
+    probs_firsts = [0] * num_reqs  # [num_reqs] a sampled request's first row in target_probs
     greedy_rows, sampled_rows = [], []  # rows of logits by the kind of their request
-    of_sampled = []  # [num_sampled_drafts] the sampled requests' draft tokens (indices)
+    # the sampled requests' draft tokens: [num_sampled_drafts] their indices, their rows in
+    # target_probs
+    of_sampled, probs_rows = [], []
     row = start = 0  # the request's first row of logits, its first draft token
     for r, k in enumerate(counts):
         firsts[r] = row
         if greedy[r]:
             greedy_rows.extend(range(row, row + k + 1))
         else:
+            probs_firsts[r] = first = len(sampled_rows)
+            probs_rows.extend(range(first, first + k))
             sampled_rows.extend(range(row, row + k + 1))
             of_sampled.extend(range(start, start + k))
         row, start = row + k + 1, start + k
@@ -441,8 +446,6 @@ def sampled_verify(
     if greedy_rows:
         best = dict(zip(greedy_rows, values.numpy()[greedy_rows].argmax(axis=1).tolist()))
         values = values[sampled_rows]  # [num_sampled_rows, vocab_size]
-    # each row of logits' row in target_probs (sampled requests' rows only)
-    at_row = {row: i for i, row in enumerate(sampled_rows)}
     if values.shape[0] and any(t not in (0.0, 1.0) for t in temperatures):
         scale = np.repeat(np.array([t for g, t in zip(greedy, temperatures) if not g],
                                    dtype=np.float32),
@@ -453,10 +456,6 @@ def sampled_verify(
     target_probs = values.softmax(dim=-1).numpy()  # [num_sampled_rows, vocab_size] float32
     drafts = draft_token_ids.tolist()  # [num_drafted]
     num_drafted = len(drafts)
-    # the sampled requests' draft tokens' rows in target_probs (a request's k draft rows
-    # come before its bonus row, so the d-th draft's row is d plus the bonus rows before)
-    probs_rows = [at_row[firsts[r]] + j for r, k in enumerate(counts) if not greedy[r]
-                  for j in range(k)]
     sampled_ids = [drafts[d] for d in of_sampled]
     p_sampled = target_probs[probs_rows, sampled_ids]  # [num_sampled_drafts] p(x)
     q = None
@@ -493,7 +492,8 @@ def sampled_verify(
             while (accepted < k and u[start + accepted] * draft_of_draft[start + accepted]
                    < p_of_draft[start + accepted]):
                 accepted += 1
-            draws.append((r, at_row[row + accepted], start + accepted if accepted < k else -1))
+            draws.append((r, probs_firsts[r] + accepted,
+                          start + accepted if accepted < k else -1))
         output[r, :accepted] = drafts[start:start + accepted]
         num_accepted[r] = accepted
         start += k
