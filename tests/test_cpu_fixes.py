@@ -1,4 +1,4 @@
-"""vLLM 0.32's CPU ``expand_kernel`` fallback is wrong for floats; the plugin's replacement is right."""
+"""vLLM 0.32 CPU traps the plugin works around: the `expand_kernel` fallback (wrong for floats; the plugin's replacement is right) and the kernel-override scan that numba tripped."""
 
 import subprocess
 import sys
@@ -77,3 +77,15 @@ def test_a_worker_process_gets_the_fixed_kernel():
     line = next(l for l in out.stdout.splitlines() if l.startswith("EXPANDED"))
     got = eval(line.split(" ", 1)[1])
     assert torch.allclose(torch.tensor(got), torch.tensor([0.7, 0.7, 0.7, 1.3, 1.3]))
+
+
+def test_vllms_kernel_override_scan_survives_numba():
+    """The plugin's compiled host loops import numba (``specplugin.host_kernels``); each
+    vLLM CPU worker then scans every loaded module's attributes for Triton kernels to
+    swap, calling ``vars(value).get`` on whatever has a ``__dict__``, where numba's
+    ``llvmlite.binding.ffi.lib`` answered with a wrapped function: the worker died as it
+    started (seen in this suite's in-process engines)."""
+    import specplugin.host_kernels  # noqa: F401
+    from vllm.triton_utils.dispatcher import _rebind_kernels
+
+    _rebind_kernels([])  # the scan, no kernel to swap

@@ -31,6 +31,7 @@ from specplugin.proposers.draft import (
     confidence_of,
     draft_uniforms,
     greedy_draft_tokens,
+    inverse_cdf_draw,
     sample_draft_tokens,
     truncate_rows,
 )
@@ -344,7 +345,7 @@ def test_draft_tokens_follow_the_draft_probabilities_they_return():
     for temp, all_sampled, unit in ((1.0, False, False), (0.7, False, False),
                                     (0.7, True, False), (1.0, True, True)):
         num_rows = 40_000
-        token_ids, draft_probs = sample_draft_tokens(
+        token_ids, confidence, draft_probs = sample_draft_tokens(
             logits.expand(num_rows, -1), torch.full((num_rows,), temp),
             torch.ones(num_rows, dtype=torch.bool), generator, all_sampled=all_sampled,
             unit_temperature=unit)
@@ -353,6 +354,25 @@ def test_draft_tokens_follow_the_draft_probabilities_they_return():
         counts = torch.bincount(token_ids, minlength=logits.numel())
         assert counts[3] == 0  # probability 0: never drawn
         assert chi_square_gof(counts, expected).p_value > 1e-3
+        assert confidence[:3] == pytest.approx([float(expected.max())] * 3)
+
+
+def test_the_compiled_draw_is_the_inverse_cdf_draw():
+    """On CPU the draw, the greedy rows' argmax and the confidence come from one compiled
+    pass (``host_kernels.draw_rows``): the same tokens as :func:`inverse_cdf_draw` and
+    torch's argmax from the same uniforms, and each row's top probability."""
+    generator = torch.Generator().manual_seed(4)
+    for vocab_size in (5, 300, 6144):
+        logits = torch.randn(64, vocab_size, generator=generator) * 3
+        logits[::5, :vocab_size // 2] = -float("inf")  # leading tokens of probability 0
+        sampled = torch.rand(64, generator=generator) < 0.7
+        uniform = draft_uniforms((64, 1), "cpu", generator)
+        uniform[::7] = 1.0
+        token_ids, confidence, probs = sample_draft_tokens(
+            logits, torch.ones(64), sampled, uniform=uniform)
+        want = torch.where(sampled, inverse_cdf_draw(probs, uniform), probs.argmax(dim=-1))
+        assert token_ids.tolist() == want.tolist()
+        assert confidence == probs.amax(dim=-1).tolist()
 
 
 def test_a_draw_at_either_end_of_its_uniforms_lands_on_a_token_that_can_be_drawn():
@@ -362,7 +382,7 @@ def test_a_draw_at_either_end_of_its_uniforms_lands_on_a_token_that_can_be_drawn
     inf = float("inf")
     logits = torch.tensor([[-inf, 1.0, 0.0, -inf, 2.0, -inf, -inf]]).expand(3, -1)
     uniform = torch.tensor([[1.0], [1e-300], [0.5]], dtype=torch.float64)
-    token_ids, draft_probs = sample_draft_tokens(
+    token_ids, _, draft_probs = sample_draft_tokens(
         logits, torch.ones(3), None, all_sampled=True, unit_temperature=True, uniform=uniform)
     assert token_ids.tolist()[:2] == [4, 1]
     assert draft_probs[torch.arange(3), token_ids].gt(0).all()

@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specplugin import host_kernels
 from specplugin.scorers import (
     PLACEHOLDER_TOKEN_ID,
     concat_noise,
@@ -432,12 +433,20 @@ def test_negative_control_host_sampled_verification_bugs_are_detected(monkeypatc
     """Two classic bugs in the host-side path are caught: the recovered token drawn from
     the target instead of the residual, and acceptance tests that (almost) always pass."""
     if bug == "recovered from the target":
-        original = rejection._final_draws
+        original = host_kernels.verify_rows
 
-        def no_residual(target_probs, final_rows, rejected_at, *args):
-            return original(target_probs, final_rows, [-1] * len(rejected_at), *args)
+        def no_residual(logits, target_probs, counts, greedy, drafts, q, has_q, uniforms,
+                        output, *rest):  # every request samples here
+            original(logits, target_probs, counts, greedy, drafts, q, has_q, uniforms,
+                     output, *rest)
+            first_row = 0  # each request's final token drawn again, from p alone
+            for r, k in enumerate(counts.tolist()):
+                final = int((output[r] != PLACEHOLDER_TOKEN_ID).sum()) - 1
+                output[r, final] = host_kernels.cdf_draw(
+                    target_probs[first_row + final], uniforms[drafts.size + r])
+                first_row += k + 1
 
-        monkeypatch.setattr(rejection, "_final_draws", no_residual)
+        monkeypatch.setattr(host_kernels, "verify_rows", no_residual)
         stepper = host_sampled_step(None)
     else:
         original = rejection.sampled_verify

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
+from specplugin import host_kernels
 from specplugin.proposers.base import Candidate, StepBatch
 
 
@@ -102,9 +103,12 @@ def sample_draft_tokens(
     all_sampled: bool = False,
     unit_temperature: bool = False,
     uniform: torch.Tensor | None = None,  # [num_reqs, 1] float64 in (0, 1], drawn if None
-) -> tuple[torch.Tensor, torch.Tensor]:  # token ids [num_reqs], draft_probs [num_reqs, vocab_size]
+) -> tuple[torch.Tensor, list[float], torch.Tensor]:
     """Draw one draft token per row from ``draft_probs = softmax(logits / temperature)``
-    (greedy rows: the argmax, their probabilities are never used).
+    (greedy rows: the argmax, their probabilities are never used). Returns the token ids
+    [num_reqs], each row's confidence (its top probability, :func:`confidence_of`) and
+    ``draft_probs`` [num_reqs, vocab_size], as :meth:`DraftRun.add
+    <specplugin.adaptive.draft_rule.DraftRun.add>` takes them.
 
     Any exact draw from ``draft_probs`` keeps verification lossless, since rejection
     sampling only needs the distribution the token came from. This one inverts the CDF
@@ -119,7 +123,10 @@ def sample_draft_tokens(
     ``unit_temperature``: the caller knows that every row samples at temperature 1 (the
     default), so the logits are not divided (two ops less). ``uniform``: the row's
     uniforms in (0, 1] (:func:`draft_uniforms`), drawn by the caller (a draft run draws
-    all of its positions' at once); the draw is :func:`inverse_cdf_draw`'s.
+    all of its positions' at once); the draw is :func:`inverse_cdf_draw`'s, on CPU in one
+    compiled pass with the confidence (:func:`specplugin.host_kernels.draw_rows`: after a
+    draft forward each torch call costs microseconds of cold caches, and the search, the
+    greedy rows' argmax and the top probability were five of them).
     """
     if unit_temperature:
         draft_probs = logits.softmax(dim=-1, dtype=torch.float32)
@@ -130,10 +137,17 @@ def sample_draft_tokens(
         draft_probs = (logits / scale.unsqueeze(1)).softmax(dim=-1, dtype=torch.float32)
     if uniform is None:
         uniform = draft_uniforms((logits.shape[0], 1), logits.device, generator)
+    if draft_probs.device.type == "cpu":
+        num_rows = draft_probs.shape[0]
+        greedy = np.zeros(num_rows, dtype=bool) if all_sampled else (~sampled).numpy()
+        token_ids, confidence = np.empty(num_rows, np.int64), np.empty(num_rows, np.float32)
+        host_kernels.draw_rows(draft_probs.numpy(), uniform.numpy().reshape(num_rows), greedy,
+                               token_ids, confidence)
+        return torch.from_numpy(token_ids), confidence.tolist(), draft_probs
     token_ids = inverse_cdf_draw(draft_probs, uniform)
     if not all_sampled:
         token_ids = torch.where(sampled, token_ids, draft_probs.argmax(dim=-1))
-    return token_ids, draft_probs
+    return token_ids, confidence_of(draft_probs), draft_probs
 
 
 def draft_uniforms(shape: tuple[int, ...], device,

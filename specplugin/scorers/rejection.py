@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specplugin import host_kernels
 from specplugin.proposers.draft import inverse_cdf_draw
 
 # Fills output slots past a row's emitted tokens.
@@ -405,139 +406,40 @@ def sampled_verify(
     temperature scaling of every target row, a kernel launch, and the recovered draw:
     ~0.45 ms a step at batch 1 on this project's CPU, where the plugin's whole drafting
     step (draft forwards excluded) is ~0.7 ms. Here one softmax over the sampled
-    requests' rows (torch's, fused), the greedy requests' argmax (numpy's), a few dozen
-    floats compared in Python, and one draw per sampled request from its final row
-    (:func:`_final_draws`). Measured with ``python -m specplugin.bench.verify_bench``
-    (warm caches, temperature 1, commit ``e7e82aa`` against the one before, one run each):
-    0.330 ms at batch 8 with 4 draft tokens each, 0.411 at batch 16 with 2, against 0.528
-    and 0.765 when the softmax, the draws' sums and their comparisons ran in numpy over
-    every request's rows."""
+    requests' rows (torch's, fused), then one compiled pass over the requests
+    (:func:`specplugin.host_kernels.verify_rows`): the greedy requests' argmax, the
+    expectations, the acceptance tests and one draw per sampled request from its final
+    row. Compiled, it replaced two dozen numpy and torch calls, each of which costs
+    microseconds of cold caches after the target's forward: ``specplugin profile --zoo
+    validation --workload complete --batch-size 1 --temperature 1 --methods
+    none,plugin-draft-vllm-k --timers fine --set step_arbiter=false`` measured this
+    verification at 0.134 and 0.136 ms a step (two engines) against 0.211 before, the same
+    tokens from the same uniforms (``tests/test_rejection.py``)."""
     values = logits.detach()
     if values.dtype != torch.float32:  # (float32 holds bfloat16 exactly)
         values = values.float()
-    # per-request values as Python lists: a few rows, where each numpy call would cost
-    # more than the Python it replaces
-    counts, temperatures = list(num_draft_tokens), temperature.tolist()  # [num_reqs]
-    num_reqs = len(counts)
-    greedy = [t == 0 for t in temperatures]  # [num_reqs]
+    counts = np.asarray(num_draft_tokens, dtype=np.int64)  # [num_reqs]
+    greedy = temperature == 0  # [num_reqs]
     # The target's distribution only where something is drawn or learned from it: the
-    # sampled requests' rows. A greedy request needs its rows' argmax alone (numpy's, a
-    # tenth of torch's on a few rows, see greedy_verify), and nothing reads its drafts'
-    # expected acceptance (their verdicts stand in): in a mixed batch of 8 this halves
-    # the work. One pass over the requests lays out both kinds.
-    firsts = [0] * num_reqs  # [num_reqs] each request's first row of logits
-    probs_firsts = [0] * num_reqs  # [num_reqs] a sampled request's first row in target_probs
-    greedy_rows, sampled_rows = [], []  # rows of logits by the kind of their request
-    # the sampled requests' draft tokens: [num_sampled_drafts] their indices, their rows in
-    # target_probs
-    of_sampled, probs_rows = [], []
-    row = start = 0  # the request's first row of logits, its first draft token
-    for r, k in enumerate(counts):
-        firsts[r] = row
-        if greedy[r]:
-            greedy_rows.extend(range(row, row + k + 1))
-        else:
-            probs_firsts[r] = first = len(sampled_rows)
-            probs_rows.extend(range(first, first + k))
-            sampled_rows.extend(range(row, row + k + 1))
-            of_sampled.extend(range(start, start + k))
-        row, start = row + k + 1, start + k
-    best: dict[int, int] = {}  # greedy requests' rows -> argmax
-    if greedy_rows:
-        best = dict(zip(greedy_rows, values.numpy()[greedy_rows].argmax(axis=1).tolist()))
-        values = values[sampled_rows]  # [num_sampled_rows, vocab_size]
-    if values.shape[0] and any(t not in (0.0, 1.0) for t in temperatures):
-        scale = np.repeat(np.array([t for g, t in zip(greedy, temperatures) if not g],
-                                   dtype=np.float32),
-                          np.array([k for g, k in zip(greedy, counts) if not g]) + 1)
-        values = values / torch.from_numpy(scale)[:, None]
-    # torch's fused softmax: a quarter of numpy's four passes at batch 16 (measured, rows
-    # of 6,144 after a cache sweep: 63 against 220 us for 32 rows)
-    target_probs = values.softmax(dim=-1).numpy()  # [num_sampled_rows, vocab_size] float32
-    drafts = draft_token_ids.tolist()  # [num_drafted]
-    num_drafted = len(drafts)
-    sampled_ids = [drafts[d] for d in of_sampled]
-    p_sampled = target_probs[probs_rows, sampled_ids]  # [num_sampled_drafts] p(x)
-    q = None
-    if draft_probs is None:  # one-hot drafts: q(x) = 1
-        draft_of_draft = [1.0] * num_drafted
-        expected_sampled = p_sampled
-    else:
-        q = draft_probs.detach().float().numpy()  # [num_drafted, vocab_size]
-        draft_of_draft = q[range(num_drafted), drafts].tolist()  # [num_drafted] q(x)
-        if of_sampled:  # sum(min(p, q)), into the gathered copy of p
-            gathered = target_probs[probs_rows]
-            expected_sampled = np.minimum(gathered, q[of_sampled], out=gathered).sum(axis=1)
-        else:
-            expected_sampled = p_sampled
-    p_of_draft = [0.0] * num_drafted
-    for d, p in zip(of_sampled, p_sampled.tolist()):
-        p_of_draft[d] = p
-    u = uniforms.tolist()
-    output = np.full((num_reqs, max(counts, default=0) + 1), PLACEHOLDER_TOKEN_ID,
+    # sampled requests' rows. A greedy request needs its rows' argmax alone, and nothing
+    # reads its drafts' expected acceptance (their verdicts stand in).
+    sampled_values = values
+    if greedy.any():
+        sampled_values = values[torch.from_numpy(np.repeat(~greedy, counts + 1))]
+    temperatures = temperature.tolist()
+    if sampled_values.shape[0] and any(t not in (0.0, 1.0) for t in temperatures):
+        scale = np.repeat(temperature[~greedy].astype(np.float32), counts[~greedy] + 1)
+        sampled_values = sampled_values / torch.from_numpy(scale)[:, None]
+    # torch's fused softmax (vectorised; a quarter of numpy's four passes at batch 16)
+    target_probs = sampled_values.softmax(dim=-1).numpy()  # [num_sampled_rows, vocab_size]
+    has_q = draft_probs is not None
+    q = (draft_probs.detach().float().numpy() if has_q
+         else np.zeros((0, values.shape[1]), dtype=np.float32))  # [num_drafted, vocab_size]
+    drafts = draft_token_ids.numpy().astype(np.int64, copy=False)  # [num_drafted]
+    output = np.full((counts.size, int(counts.max(initial=0)) + 1), PLACEHOLDER_TOKEN_ID,
                      dtype=np.int32)  # [num_reqs, max_k + 1]
-    expected = np.zeros(num_drafted, dtype=np.float32)  # a greedy draft's: its verdict
-    expected[of_sampled] = expected_sampled
-    num_accepted = [0] * num_reqs
-    draws = []  # (request, its final row in target_probs, its rejected draft or -1)
-    start = 0  # the request's first draft token
-    for r, k in enumerate(counts):
-        row, accepted = firsts[r], 0
-        if greedy[r]:
-            while accepted < k and drafts[start + accepted] == best[row + accepted]:
-                accepted += 1
-            expected[start:start + accepted] = 1.0
-            output[r, accepted] = best[row + accepted]
-        else:  # accepted with probability min(1, p(x) / q(x))
-            while (accepted < k and u[start + accepted] * draft_of_draft[start + accepted]
-                   < p_of_draft[start + accepted]):
-                accepted += 1
-            draws.append((r, probs_firsts[r] + accepted,
-                          start + accepted if accepted < k else -1))
-        output[r, :accepted] = drafts[start:start + accepted]
-        num_accepted[r] = accepted
-        start += k
-    if draws:
-        draw_uniforms = uniforms[num_drafted:num_drafted + num_reqs][[r for r, _, _ in draws]]
-        final_ids = _final_draws(target_probs, [row for _, row, _ in draws],
-                                 [d for _, _, d in draws], drafts, q, draw_uniforms)
-        for (r, _, _), token in zip(draws, final_ids):
-            output[r, num_accepted[r]] = token
+    expected = np.zeros(drafts.size, dtype=np.float32)  # a greedy draft's: its verdict
+    host_kernels.verify_rows(values.numpy(), target_probs, counts, greedy, drafts, q, has_q,
+                             np.ascontiguousarray(uniforms, dtype=np.float64), output,
+                             expected, np.empty(values.shape[1], dtype=np.float64))
     return torch.from_numpy(output), expected
-
-
-def _final_draws(target_probs: np.ndarray,  # [num_rows, vocab_size] float32
-                 final_rows: list[int],  # [num_draws] each drawing request's last emitted row
-                 rejected_at: list[int],  # [num_draws] draft index of its rejection, or -1
-                 drafts: list[int],  # [num_drafted]
-                 q: np.ndarray | None,  # [num_drafted, vocab_size]; None: one-hot
-                 uniforms: np.ndarray,  # [num_draws] float64 in (0, 1]
-                 ) -> list[int]:  # [num_draws]
-    """Each drawing request's recovered token (from ``max(0, p - q)`` at its rejection,
-    in float64: the difference of two float32 values, exactly) or bonus token (from
-    ``p``), drawn by inverting the float64 cumulative sum at its uniform: the first token
-    whose sum reaches ``uniform * total`` (a token of no mass never wins, as in
-    :func:`~specplugin.proposers.draft.inverse_cdf_draw`, whose sums and binary searches
-    in torch took a quarter of numpy's row sums and full comparisons at batch 16, measured
-    on rows of 6,144 after a cache sweep: 86 against 330-370 us). A residual
-    without mass (only by rounding: a rejection implies ``p - q`` has some) is replaced
-    by ``p``, as :func:`verify_batch` does."""
-    weights = target_probs[final_rows].astype(np.float64)  # [num_draws, vocab_size]
-    rejected = [i for i, d in enumerate(rejected_at) if d >= 0]
-    if rejected:
-        at = [rejected_at[i] for i in rejected]
-        if q is None:
-            weights[rejected, [drafts[d] for d in at]] = 0.0
-        else:
-            weights[rejected] -= q[at]
-            np.maximum(weights, 0.0, out=weights)
-    drawn_uniforms = torch.from_numpy(uniforms)[:, None]  # [num_draws, 1]
-    tokens = inverse_cdf_draw(torch.from_numpy(weights), drawn_uniforms).tolist()
-    # A drawn token has mass unless its row has none (a token of no mass never wins):
-    # found that way, without a pass over the rows for their sums. Only a rejection can
-    # leave a row without mass.
-    for i in rejected:
-        if not weights[i, tokens[i]] > 0.0:
-            tokens[i] = int(inverse_cdf_draw(torch.from_numpy(target_probs[final_rows[i]][None]),
-                                             drawn_uniforms[i:i + 1])[0])
-    return tokens

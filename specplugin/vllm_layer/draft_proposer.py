@@ -44,8 +44,7 @@ from specplugin.proposers import MODEL_PROPOSERS, StepBatch, build_proposer
 from specplugin.adaptive.draft_rule import (AcceptanceCalibration, CostModel, DraftRun,
                                              OutcomeTracker, StopRule)
 from specplugin.proposers.draft import (DraftCandidates, DraftKVCursor, UniformPool,
-                                        confidence_of, greedy_draft_tokens,
-                                        sample_draft_tokens)
+                                        greedy_draft_tokens, sample_draft_tokens)
 from specplugin.adaptive.union import StepPlan, Union, Verified
 from specplugin.vllm_layer.ranks import RankZeroClock, tensor_parallel_rank
 from specplugin.vllm_layer import verification
@@ -388,8 +387,8 @@ class PluginDraftProposer(DraftModelProposer):
                 return _as_tensor(decided, self.input_ids.device)
         batch, caps, rule, sampled, finish = decided
         rows = np.flatnonzero(caps > 0)  # [num_drafting] the rows the draft model drafts for
-        starts = self.cursor.starts([batch.req_ids[r] for r in rows], batch.num_tokens[rows],
-                                    self.max_num_tokens)
+        starts = self.cursor.starts([batch.req_ids[r] for r in rows.tolist()],
+                                    batch.num_tokens[rows], self.max_num_tokens)
         rows, starts = rows[starts >= 0], starts[starts >= 0]
         run = DraftRun(rule, self.calibration, np.asarray(sampled, dtype=bool)[rows],
                        caps=caps[rows])
@@ -453,7 +452,7 @@ class PluginDraftProposer(DraftModelProposer):
         ends = batch.num_tokens[rows].astype(np.int64)  # [num_rows] exclusive
         cad, num_tokens, last = self._first_pass_inputs(batch, rows, starts, ends, cad)
         hidden = self._forward(cad, num_tokens, draft_index=0)
-        self.cursor.advance([batch.req_ids[r] for r in rows], batch.num_tokens[rows])
+        self.cursor.advance([batch.req_ids[r] for r in rows.tolist()], ends)
         if temperature is not None and num_rows != temperature.shape[0]:  # (rows ascend)
             temperature = temperature[torch.from_numpy(rows).to(temperature.device)]
         # decided once per run, not per draw, from the host's copy of the temperatures:
@@ -689,11 +688,10 @@ class PluginDraftProposer(DraftModelProposer):
         if temperature is None:
             return run.add(*greedy_draft_tokens(logits))
         all_sampled, unit = mode
-        token_ids, draft_probs = sample_draft_tokens(
+        return run.add(*sample_draft_tokens(
             logits, temperature, None if all_sampled else temperature >= _SAMPLING_EPS,
             all_sampled=all_sampled, unit_temperature=unit,
-            uniform=None if uniforms is None else uniforms[run.num_positions])
-        return run.add(token_ids, confidence_of(draft_probs), draft_probs)
+            uniform=None if uniforms is None else uniforms[run.num_positions]))
 
     def _finish(self, run: DraftRun, rows: np.ndarray, batch: StepBatch) -> torch.Tensor:
         """The draft model alone: every drafting row keeps what its rule drafted."""
