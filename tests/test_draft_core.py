@@ -369,7 +369,7 @@ def test_the_compiled_draw_is_the_inverse_cdf_draw():
         uniform = draft_uniforms((64, 1), "cpu", generator)
         uniform[::7] = 1.0
         token_ids, confidence, probs = sample_draft_tokens(
-            logits, torch.ones(64), sampled, uniform=uniform)
+            logits, torch.ones(64), sampled, uniform=uniform.numpy())
         want = torch.where(sampled, inverse_cdf_draw(probs, uniform), probs.argmax(dim=-1))
         assert token_ids.tolist() == want.tolist()
         assert confidence == probs.amax(dim=-1).tolist()
@@ -406,6 +406,12 @@ def test_the_uniform_pool_hands_out_each_value_once_and_draws_again_when_it_runs
     big = pool.take((25,))  # more than a block: a block of that size
     assert big.shape == (25,) and bool(((big > 0) & (big <= 1)).all())
     assert len(set(big.tolist()) | set(third.tolist())) == 28
+    # numpy views of the same stream (the CPU's compiled draws read them)
+    pool = UniformPool("cpu", size=10, generator=torch.Generator().manual_seed(5))
+    first, second = pool.take_host((2, 3, 1)), pool.take((4,))
+    assert isinstance(first, np.ndarray) and first.shape == (2, 3, 1)
+    assert np.concatenate([first.ravel(), second.numpy()]).tolist() == want.tolist()
+    assert not set(pool.take_host((3,)).tolist()) & set(want.tolist())  # a new block
 
 
 def test_greedy_rows_draft_the_argmax_beside_sampled_rows():
@@ -973,3 +979,27 @@ def test_the_draft_models_arbiter_learns_foretold_plain_steps_as_if_it_had_decid
     assert each.costs.thresholds() == ahead.costs.thresholds()
     assert vars(each.costs._plain_sums) == vars(ahead.costs._plain_sums)
     assert foretold > 0.6 * ahead.proposer_stats.steps_skipped > 200
+
+
+def test_the_first_pass_reads_each_rows_positions_through_its_own_block_table():
+    """The first pass's host inputs (``host_kernels.first_pass_inputs``): row ``rows[i]``
+    reads positions ``[starts[i], ends[i])``, in turn; each token's id from its row of the
+    token buffer and its KV slot through its row of the block table; the query lengths'
+    running sums from 0."""
+    from specplugin import host_kernels
+
+    rng = np.random.default_rng(2)
+    block_size, max_blocks = 4, 10
+    token_ids = rng.integers(0, 5000, (6, 40)).astype(np.int32)
+    block_table = rng.permutation(500)[:6 * max_blocks].reshape(6, max_blocks).astype(np.int32)
+    rows, starts, ends = np.array([0, 2, 5]), np.array([3, 0, 38]), np.array([9, 1, 40])
+    cu_query_lens = np.empty(4, dtype=np.int32)
+    out = np.empty((3, 9), dtype=np.int64)
+    assert host_kernels.first_pass_inputs(rows, starts, ends, token_ids, block_table,
+                                          block_size, cu_query_lens, out) == 9
+    assert cu_query_lens.tolist() == [0, 6, 7, 9]
+    want = [(r, p) for r, a, b in zip(rows, starts, ends) for p in range(a, b)]
+    assert out[0].tolist() == [p for _, p in want]
+    assert out[1].tolist() == [token_ids[r, p] for r, p in want]
+    assert out[2].tolist() == [block_table[r, p // block_size] * block_size + p % block_size
+                               for r, p in want]

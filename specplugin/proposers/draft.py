@@ -102,7 +102,7 @@ def sample_draft_tokens(
     generator: torch.Generator | None = None,
     all_sampled: bool = False,
     unit_temperature: bool = False,
-    uniform: torch.Tensor | None = None,  # [num_reqs, 1] float64 in (0, 1], drawn if None
+    uniform: torch.Tensor | np.ndarray | None = None,  # [num_reqs, 1] in (0, 1]; None: drawn
 ) -> tuple[torch.Tensor, list[float], torch.Tensor]:
     """Draw one draft token per row from ``draft_probs = softmax(logits / temperature)``
     (greedy rows: the argmax, their probabilities are never used). Returns the token ids
@@ -123,10 +123,11 @@ def sample_draft_tokens(
     ``unit_temperature``: the caller knows that every row samples at temperature 1 (the
     default), so the logits are not divided (two ops less). ``uniform``: the row's
     uniforms in (0, 1] (:func:`draft_uniforms`), drawn by the caller (a draft run draws
-    all of its positions' at once); the draw is :func:`inverse_cdf_draw`'s, on CPU in one
-    compiled pass with the confidence (:func:`specplugin.host_kernels.draw_rows`: after a
-    draft forward each torch call costs microseconds of cold caches, and the search, the
-    greedy rows' argmax and the top probability were five of them).
+    all of its positions' at once); the draw is :func:`inverse_cdf_draw`'s. On CPU (numpy
+    ``uniform``, :meth:`UniformPool.take_host`; drawn here when None) the draw, the greedy
+    rows' argmax and the confidence are one compiled pass
+    (:func:`specplugin.host_kernels.draw_rows`): after a draft forward each torch call
+    costs microseconds of cold caches, and these were five of them.
     """
     if unit_temperature:
         draft_probs = logits.softmax(dim=-1, dtype=torch.float32)
@@ -137,11 +138,13 @@ def sample_draft_tokens(
         draft_probs = (logits / scale.unsqueeze(1)).softmax(dim=-1, dtype=torch.float32)
     if uniform is None:
         uniform = draft_uniforms((logits.shape[0], 1), logits.device, generator)
-    if draft_probs.device.type == "cpu":
+        if logits.device.type == "cpu":
+            uniform = uniform.numpy()
+    if isinstance(uniform, np.ndarray):  # on the host
         num_rows = draft_probs.shape[0]
         greedy = np.zeros(num_rows, dtype=bool) if all_sampled else (~sampled).numpy()
         token_ids, confidence = np.empty(num_rows, np.int64), np.empty(num_rows, np.float32)
-        host_kernels.draw_rows(draft_probs.numpy(), uniform.numpy().reshape(num_rows), greedy,
+        host_kernels.draw_rows(draft_probs.numpy(), uniform.reshape(num_rows), greedy,
                                token_ids, confidence)
         return torch.from_numpy(token_ids), confidence.tolist(), draft_probs
     token_ids = inverse_cdf_draw(draft_probs, uniform)
@@ -169,15 +172,30 @@ class UniformPool:
                  generator: torch.Generator | None = None):
         self.device, self.size, self.generator = device, size, generator
         self._block: torch.Tensor | None = None  # [size] float64
+        self._host: np.ndarray | None = None  # its numpy view (take_host)
         self._next = 0  # the first value not handed out yet
 
     def take(self, shape: tuple[int, ...]) -> torch.Tensor:  # [*shape] float64 in (0, 1]
-        count = math.prod(shape)
+        start = self._reserve(math.prod(shape))
+        return self._block[start:self._next].view(shape)
+
+    def take_host(self, shape: tuple[int, ...]) -> np.ndarray:  # [*shape] float64 in (0, 1]
+        """:meth:`take` as a numpy view, for a CPU pool: the compiled draws read numpy,
+        and by py-spy (draft alone, batch 1, temperature 1) taking a run's uniforms as a
+        torch view and indexing it per position was ~3% of the engine's step."""
+        start = self._reserve(math.prod(shape))
+        if self._host is None:
+            self._host = self._block.numpy()
+        return self._host[start:self._next].reshape(shape)
+
+    def _reserve(self, count: int) -> int:
+        """Hand out the next ``count`` values (a new block when too few are left); returns
+        where they start."""
         if self._block is None or self._next + count > self._block.numel():
             self._block = draft_uniforms((max(self.size, count),), self.device, self.generator)
-            self._next = 0
+            self._host, self._next = None, 0
         start, self._next = self._next, self._next + count
-        return self._block[start:self._next].view(shape)
+        return start
 
 
 def inverse_cdf_draw(weights: torch.Tensor,  # [num_rows, vocab_size] >= 0, unnormalised

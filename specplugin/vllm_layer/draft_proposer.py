@@ -34,6 +34,7 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.spec_decode.llm_base_proposer import PADDING_SLOT_ID
 from vllm.v1.sample.sampler import _SAMPLING_EPS
 
+from specplugin import host_kernels
 from specplugin.adaptive.arbiter import arbiter_for
 from specplugin.adaptive.cost import StepCostModel, StepTimer
 from specplugin.adaptive.memory import open_memory
@@ -96,6 +97,8 @@ class PluginDraftProposer(DraftModelProposer):
         # where each request's draft KV ends: the draft runs only for rows that use it
         self.cursor = DraftKVCursor()
         self.uniforms = UniformPool(device)  # the draws' uniforms, one per row and position
+        # on CPU the draws are compiled and read the uniforms as numpy (take_host)
+        self._host_draws = torch.device(device).type == "cpu"
         self._token_arange_cpu = torch.from_numpy(self.token_arange_np)  # [max_num_tokens]
         # [num_reqs] draft tokens kept per row of the last propose(); the runner cuts
         # the rows of the returned [num_reqs, positions] tensor to these lengths.
@@ -462,8 +465,9 @@ class PluginDraftProposer(DraftModelProposer):
             (self.plugin_runner.input_batch.temperature_cpu[rows] == 1.0).all())
         mode = (all_sampled, unit)
         # one uniform per row and position, drawn once for the run
-        uniforms = (None if temperature is None
-                    else self.uniforms.take((run.rule.k_max, num_rows, 1)))
+        shape = (run.rule.k_max, num_rows, 1)
+        uniforms = (None if temperature is None else self.uniforms.take_host(shape)
+                    if self._host_draws else self.uniforms.take(shape))
         more = self._sample_into(run, hidden[last], temperature, mode, uniforms)
         self._observe_first_pass(time.perf_counter() - start, num_tokens - num_rows)
         if not more:
@@ -476,7 +480,7 @@ class PluginDraftProposer(DraftModelProposer):
         if self._one_dim_positions:  # every pass's positions at once, one copy per pass
             passes = self._decode_pass_inputs(cad, ends, run.rule.k_max - 1, padding[1])
         else:  # (M-RoPE positions: vLLM's update, one pass at a time)
-            positions = self.positions[last]
+            positions = self.positions[last].clone()  # (a slice for one row: not a view)
         # the same buffer views every pass, taken once
         inputs = self._decode_inputs(padding[1])
         input_ids = self.input_ids[:num_rows]
@@ -500,24 +504,19 @@ class PluginDraftProposer(DraftModelProposer):
                            ends: np.ndarray, cad):
         """Token ids, positions and attention metadata of the first pass over ``rows``:
         row i reads positions ``[starts[i], ends[i])`` through its own block table.
-        Returns (metadata, tokens in all, [num_rows] index of each row's last token)."""
+        Returns (metadata, tokens in all, each row's last token: an index of [num_rows]
+        or, for one row, a slice)."""
         query_lens = ends - starts  # [num_rows]
-        cu_query_lens = np.zeros(rows.size + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=cu_query_lens[1:])
-        num_tokens = int(cu_query_lens[-1])
-        token_rows = np.repeat(rows, query_lens)  # [num_tokens] each token's batch row
-        # the integer work on the host, in one int64 array [3, num_tokens] (positions,
-        # token ids, slots): one conversion to a tensor, where each numpy or torch call
-        # after the target's forward costs several microseconds of cold caches
+        num_tokens = int(query_lens.sum())
+        # the integer work on the host in one compiled pass, into one int64 array [3,
+        # num_tokens] (positions, token ids, slots): one conversion to a tensor, where
+        # each numpy or torch call after the target's forward costs microseconds of cold
+        # caches
+        cu_query_lens = np.empty(rows.size + 1, dtype=np.int32)
         host = np.empty((3, num_tokens), dtype=np.int64)
-        positions = host[0]
-        np.add(np.arange(num_tokens), np.repeat(starts - cu_query_lens[:-1], query_lens),
-               out=positions)
-        host[1] = batch.token_ids[token_rows, positions]
-        table = _host(cad.block_table_tensor)  # [num_reqs, max_blocks]
-        np.multiply(table[token_rows, positions // self.block_size], self.block_size,
-                    out=host[2], dtype=np.int64)
-        host[2] += positions % self.block_size
+        host_kernels.first_pass_inputs(rows, starts, ends, batch.token_ids,
+                                       _host(cad.block_table_tensor), self.block_size,
+                                       cu_query_lens, host)
         values = torch.from_numpy(host).to(self.input_ids.device)  # [3, num_tokens]
         self.input_ids[:num_tokens].copy_(values[1])  # (int64 -> int32 in the copy)
         if self._one_dim_positions:
@@ -538,7 +537,10 @@ class PluginDraftProposer(DraftModelProposer):
             max_query_len=int(query_lens.max()), max_seq_len=int(ends.max()),
             block_table_tensor=block_table, slot_mapping=values[2], causal=True,
             seq_lens_cpu_upper_bound=seq_lens_cpu.clone())
-        last = query_start_loc[1:] - 1  # [num_rows] (int32: an index as good as int64)
+        # [num_rows] each row's last token: one row's is a view (a slice; a gather by a
+        # tensor index was, by py-spy at batch 1, 3% of the engine's step)
+        last = (slice(num_tokens - 1, num_tokens) if rows.size == 1
+                else torch.from_numpy(cu_query_lens[1:] - 1).to(device))
         return sub, num_tokens, last
 
     def _decode_pass_inputs(self, cad, ends: np.ndarray, num_passes: int,
@@ -679,7 +681,7 @@ class PluginDraftProposer(DraftModelProposer):
     def _sample_into(self, run: DraftRun, hidden: torch.Tensor,
                      temperature: torch.Tensor | None,
                      mode: tuple[bool, bool] = (False, False),
-                     uniforms: torch.Tensor | None = None) -> bool:
+                     uniforms: torch.Tensor | np.ndarray | None = None) -> bool:
         """Draw one draft token per drafting row (hidden: [num_rows, hidden_size];
         temperature: [num_rows], None when every request is greedy; ``mode``: every row
         samples, and every row samples at temperature 1; ``uniforms``: [k_max, num_rows,
@@ -971,41 +973,17 @@ def decode_passes(block_table: torch.Tensor,  # [num_rows, max_blocks] the rows'
     newest token (position ``ends - 1``): pass j reads position ``ends - 1 + j``, or,
     past ``max_model_len`` (a row that stopped drafting, still computed), position 0
     into the padding slot with a sequence of 1."""
-    num_rows, max_blocks = block_table.shape
-    step = _arange(num_passes + 1)[1:, None]  # [num_passes, 1]: 1..num_passes
-    raw = ends.astype(np.int64)[None, :] - 1 + step  # [num_passes, num_rows]
-    table = _host(block_table)
-    # One int64 array holds positions and slots ([2, num_passes, num_rows]): one
-    # conversion to a tensor, where each numpy or torch call after the draft forward
-    # costs several microseconds of cold caches.
-    out = np.empty((2, num_passes, num_rows), dtype=np.int64)
-    if int(ends.max()) - 1 + num_passes < max_model_len:  # (the usual case) no row passes it
-        out[0] = raw
-        np.multiply(table[_arange(num_rows)[None, :], raw // block_size], block_size,
-                    out=out[1], dtype=np.int64)
-        out[1] += raw % block_size
-        seq_lens = (raw + 1).astype(np.int32)
-    else:
-        over = raw >= max_model_len
-        positions = np.where(over, 0, raw)
-        seq_lens = np.where(over, 1, np.minimum(raw + 1, max_model_len)).astype(np.int32)
-        blocks = np.minimum(positions // block_size, max_blocks - 1)
-        block_ids = table[_arange(num_rows)[None, :], blocks]  # [num_passes, num_rows]
-        out[0] = positions
-        out[1] = np.where(over, PADDING_SLOT_ID,
-                          block_ids.astype(np.int64) * block_size + positions % block_size)
+    # One int64 array holds positions and slots ([2, num_passes, num_rows]), filled in one
+    # compiled pass: one conversion to a tensor, where each numpy or torch call after the
+    # draft forward costs microseconds of cold caches.
+    out = np.empty((2, num_passes, ends.size), dtype=np.int64)
+    seq_lens = np.empty((num_passes, ends.size), dtype=np.int32)
+    host_kernels.decode_pass_inputs(_host(block_table), ends.astype(np.int64, copy=False),
+                                    block_size, max_model_len, PADDING_SLOT_ID, out, seq_lens)
     device = block_table.device
     both = torch.from_numpy(out).to(device)
     seq_lens_cpu = torch.from_numpy(seq_lens)
     return DecodePasses(both[0], both[1], seq_lens_cpu.to(device), seq_lens_cpu, max_model_len)
-
-
-@functools.lru_cache(maxsize=64)
-def _arange(n: int) -> np.ndarray:  # [n] int64 0..n-1, read-only
-    """``np.arange(n)`` kept per ``n`` (a draft run's sizes repeat step after step)."""
-    values = np.arange(n, dtype=np.int64)
-    values.flags.writeable = False
-    return values
 
 
 def _host(table: torch.Tensor) -> np.ndarray:

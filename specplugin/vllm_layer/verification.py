@@ -210,10 +210,10 @@ def verify_sampled(logits: torch.Tensor, metadata, sampling_metadata, draft_prob
     try:
         num_draft_tokens = metadata.num_draft_tokens  # [num_reqs] (a list)
         num_reqs = len(num_draft_tokens)
-        uniforms = _recovered_uniforms.take((metadata.draft_token_ids.shape[0] + num_reqs,))
+        uniforms = _recovered_uniforms.take_host((metadata.draft_token_ids.shape[0] + num_reqs,))
         token_ids, expected = sampled_verify(
             logits, metadata.draft_token_ids, num_draft_tokens, draft_probs,
-            sampling_metadata.temperature[:num_reqs].numpy(), uniforms.numpy())
+            sampling_metadata.temperature[:num_reqs].numpy(), uniforms)
         output = _vllm_classes()[0](sampled_token_ids=token_ids, logprobs_tensors=None)
     except Exception:
         SAMPLED_FAILURES.record()
