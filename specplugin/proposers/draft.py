@@ -182,7 +182,8 @@ class UniformPool:
     def take_host(self, shape: tuple[int, ...]) -> np.ndarray:  # [*shape] float64 in (0, 1]
         """:meth:`take` as a numpy view, for a CPU pool: the compiled draws read numpy,
         and by py-spy (draft alone, batch 1, temperature 1) taking a run's uniforms as a
-        torch view and indexing it per position was ~3% of the engine's step."""
+        torch view and indexing it per position held ~3% of the plugin's samples (its draft
+        forwards included)."""
         start = self._reserve(math.prod(shape))
         if self._host is None:
             self._host = self._block.numpy()
