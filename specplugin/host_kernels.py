@@ -57,20 +57,28 @@ def _answer_dict_lookups() -> None:
 _answer_dict_lookups()
 
 
-@numba.njit(["int64(float64[::1], float64)", "int64(float32[:], float64)"], **_JIT)
+_WEIGHTS = ["int64(float64[::1], float64)", "int64(float32[:], float64)"]  # [vocab_size]
+
+
+@numba.njit(_WEIGHTS, **_JIT)
+def first_reaching(weights, target):  # weights: [vocab_size] >= 0
+    """The first index whose running float64 sum of ``weights`` reaches ``target``."""
+    running = 0.0
+    for v in range(weights.shape[0]):
+        running += weights[v]
+        if running >= target:
+            return v
+    return weights.shape[0] - 1  # (unreachable for a target at most the total)
+
+
+@numba.njit(_WEIGHTS, **_JIT)
 def cdf_draw(weights, u):  # weights: [vocab_size] >= 0; u in (0, 1]
     """The first index whose running float64 sum of ``weights`` reaches ``u * total``:
     a draw in proportion to ``weights`` (index 0 when they have no mass at all)."""
     total = 0.0
     for v in range(weights.shape[0]):
         total += weights[v]
-    target = u * total
-    running = 0.0
-    for v in range(weights.shape[0]):
-        running += weights[v]
-        if running >= target:
-            return v
-    return weights.shape[0] - 1  # (unreachable: u <= 1 and the last sum is the total)
+    return first_reaching(weights, u * total)
 
 
 @numba.njit("void(float32[:, :], float64[:], boolean[::1], int64[::1], float32[::1])", **_JIT)
@@ -90,16 +98,7 @@ def draw_rows(probs, uniforms, greedy, token_ids, confidence):
             if p > top:
                 best, top = v, p
         confidence[i] = top
-        if greedy[i]:
-            token_ids[i] = best
-            continue
-        target, running, token = uniforms[i] * total, 0.0, vocab - 1
-        for v in range(vocab):
-            running += row[v]
-            if running >= target:
-                token = v
-                break
-        token_ids[i] = token
+        token_ids[i] = best if greedy[i] else first_reaching(row, uniforms[i] * total)
 
 
 @numba.njit("void(float32[:, :], float32[:, :], int64[::1], boolean[::1], int64[::1], "
@@ -116,7 +115,7 @@ def verify_rows(logits, target_probs, counts, greedy, draft_token_ids, draft_pro
     [num_drafted, vocab_size] when ``has_q`` (else one-hot drafts, any shape);
     ``uniforms``: [num_drafted + num_reqs]; ``output``: [num_reqs, max_k + 1], filled
     with placeholders by the caller; ``expected``: [num_drafted] zeros by the caller;
-    ``work``: [vocab_size] scratch."""
+    ``work``: [vocab_size] scratch for a rejection's residual."""
     vocab = logits.shape[1]
     num_drafted = draft_token_ids.shape[0]
     row = start = prow = 0  # the request's first row of logits, draft token, probs row
@@ -157,26 +156,24 @@ def verify_rows(logits, target_probs, counts, greedy, draft_token_ids, draft_pro
                 else:
                     break
             # the recovered token from max(0, p - q) at the rejection, or the bonus from p
+            # (a float32 row's float64 sums are those of its float64 copy: no copy needed)
             p = target_probs[prow + accepted]
             u = uniforms[num_drafted + r]
-            for v in range(vocab):
-                work[v] = p[v]
-            if accepted < k:
+            token = -1
+            if accepted < k:  # the residual, in float64 (a difference of float32s, exactly)
                 if has_q:
                     q = draft_probs[start + accepted]
                     for v in range(vocab):
-                        w = work[v] - np.float64(q[v])
+                        w = np.float64(p[v]) - np.float64(q[v])
                         work[v] = w if w > 0.0 else 0.0
                 else:
+                    for v in range(vocab):
+                        work[v] = p[v]
                     work[draft_token_ids[start + accepted]] = 0.0
                 token = cdf_draw(work, u)
                 if not work[token] > 0.0:  # a residual without mass (rounding): from p
-                    for v in range(vocab):
-                        work[v] = p[v]
-                    token = cdf_draw(work, u)
-            else:
-                token = cdf_draw(work, u)
-            output[r, accepted] = token
+                    token = -1
+            output[r, accepted] = token if token >= 0 else cdf_draw(p, u)
             prow += k + 1
         row += k + 1
         start += k
