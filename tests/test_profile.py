@@ -106,9 +106,14 @@ def test_plain_decode_steps_are_the_whole_batch_without_drafts():
                                              (0.040, 8, 0, 1)])
     assert plain_steps_ms(ledger, 8) == pytest.approx([10.0, 20.0, 40.0])  # no prefill, drafts
     assert plain_steps_ms(ledger, 8, skipped=True) == pytest.approx([10.0, 20.0])  # no drafting
+    # the plain step whose end planned the next one (drafting ran): what the median hides
+    assert plain_steps_ms(ledger, 8, planned=True) == pytest.approx([40.0])
+    with pytest.raises(ValueError):
+        plain_steps_ms(ledger, 8, skipped=True, planned=True)
     s = summarize(ledger, 16, 0.1, batch_size=8)
     assert s["num_plain_steps"] == 3 and s["plain_step_ms"] == pytest.approx(20.0)
     assert s["num_skipped_steps"] == 2 and s["skipped_step_ms"] == pytest.approx(15.0)
+    assert s["num_planned_steps"] == 1 and s["planned_step_ms"] == pytest.approx(40.0)
     clock = PhaseClock()
     for drafted in (False, True):
         clock.begin_step()
@@ -379,6 +384,9 @@ def test_plain_steps_that_skip_drafting_are_told_apart(profiled):
     assert builtin["num_skipped_steps"] == 0, builtin["num_plain_steps"]
     assert plugin["num_skipped_steps"] > 0
     assert plugin["num_plain_steps"] >= plugin["num_skipped_steps"]
+    # every plain step either skipped drafting or ran it (the plugin planned the next one)
+    for r in (builtin, plugin):
+        assert r["num_plain_steps"] == r["num_skipped_steps"] + r["num_planned_steps"]
 
 
 @pytest.mark.vllm

@@ -357,6 +357,8 @@ def ledger_rows(results: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, lis
         ("steps", [str(r["num_steps"]) for r in rs]),
         ("plain decode step ms (median; steps)", [_plain(r, results) for r in rs]),
         ("  of them drafting skipped too", [_plain(r, results, "skipped") for r in rs]),
+        ("  of them planned (drafting ran, nothing to verify)",
+         [_plain(r, results, "planned") for r in rs]),
         ("  skipped / none's, per round (median)", [_plain_rounds(r, results) for r in rs]),
         ("plain step, plugin / vLLM's runner, step by step", [_step_ab(r) for r in rs]),
         ("engine busy (steps / wall)", [f"{r['busy_share']:.0%}" for r in rs]),
@@ -459,8 +461,9 @@ def _ms_share(result: Mapping[str, Any], phase: str) -> str:
 def _plain(result: Mapping[str, Any], results: Mapping[str, Mapping[str, Any]],
            kind: str = "plain") -> str:
     """A method's plain decode step (the whole batch, no draft; ``kind`` "skipped": and
-    no drafting either), and its ratio to the engine without speculation's plain step
-    when that ran too (issue 19's bound: a skipped step within 3% of it)."""
+    no drafting either; "planned": drafting ran), and its ratio to the engine without
+    speculation's plain step when that ran too (issue 19's bound: a skipped step within
+    3% of it)."""
     ms = result.get(f"{kind}_step_ms")
     if ms is None:
         return "-"
