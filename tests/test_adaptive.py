@@ -75,6 +75,44 @@ def test_the_plans_rate_terms_are_the_expected_tokens_and_seconds_of_its_choice(
             assert seconds == pytest.approx(terms[1] + overhead * drafts)
 
 
+def test_a_plan_with_one_more_candidate_per_row_reuses_the_rows_best():
+    """The draft's gate plans the step twice, the second time with the draft's candidate
+    added to some rows: the rows' best candidates at the token price need not be weighed
+    again (with_candidates), and the plan from them is the plan from scratch; no row
+    changing means no row would choose the added candidate."""
+    from specplugin.adaptive.controller import best_candidates, token_price, with_candidates
+
+    rng = np.random.default_rng(5)
+    cost = StepCostModel(max_tokens=64)
+    cost.calibrate(np.array([1, 64]), np.array([0.004, 0.010]))
+    unchanged = changed = 0
+    for _ in range(400):
+        num_reqs = int(rng.integers(1, 9))
+        acceptance = [[list(rng.random(int(rng.integers(1, 9))) ** float(rng.uniform(0.1, 3)))
+                       for _ in range(int(rng.integers(0, 3)))] for _ in range(num_reqs)]
+        theta = token_price(cost, num_reqs)
+        best = best_candidates(acceptance, theta)
+        assert planned(acceptance, cost, best=best) == planned(acceptance, cost)
+        added = []
+        for r in range(num_reqs):
+            if rng.random() < 0.6:
+                # sometimes a copy of the row's best (a tie: the earlier one stays)
+                a = (list(acceptance[r][best[r][0]]) if rng.random() < 0.2 and best[r][0] >= 0
+                     else list(rng.random(int(rng.integers(1, 9))) ** float(rng.uniform(0.1, 3))))
+                acceptance[r].append(a)
+                added.append((r, len(acceptance[r]) - 1, a))
+        best_with, any_changed = with_candidates(best, added, theta)
+        assert best_with == best_candidates(acceptance, theta)
+        full = plan(acceptance, cost)
+        if any_changed:
+            changed += 1
+            assert planned(acceptance, cost, best=best_with) == planned(acceptance, cost)
+        else:
+            unchanged += 1
+            assert not any(c.candidate == i for r, i, _ in added for c in full[r:r + 1])
+    assert changed > 50 and unchanged > 50  # both branches exercised
+
+
 def test_divergence_is_the_first_differing_position():
     assert divergence(np.array([1, 2, 3]), np.array([1, 5, 3])) == 1
     assert divergence(np.array([1, 2, 3]), np.array([1, 2])) == 2  # a prefix: never differs

@@ -61,12 +61,15 @@ def plan(acceptance: Sequence[Sequence[np.ndarray]],  # [num_reqs][num_candidate
 def planned(acceptance: Sequence[Sequence[np.ndarray]],  # [num_reqs][num_candidates] -> [k]
             step_seconds: Callable[[np.ndarray], np.ndarray] | StepCostModel,
             num_base_tokens: int | None = None, spec_overhead: float = 0.0,
+            best: Sequence[tuple[int, list[float], float]] | None = None,
             ) -> tuple[list[Choice], float, float]:
     """``acceptance[r][c]``: conditional acceptance of each token of candidate c of request r
     (already cut to the request's limit). ``step_seconds(n)``: T(n), vectorised; or a
     cost model with ``step_times(first, count)``
     (:meth:`~specplugin.adaptive.cost.StepCostModel.step_times`, a cached table).
     ``num_base_tokens``: query tokens the step runs without drafts (default num_reqs).
+    ``best``: each request's candidate worth most at the token price
+    (:func:`best_candidates` of ``acceptance``), when the caller has it already.
 
     Returns the choices, the tokens the step is expected to emit and its predicted
     seconds (the step's rate is their ratio).
@@ -78,15 +81,16 @@ def planned(acceptance: Sequence[Sequence[np.ndarray]],  # [num_reqs][num_candid
     n0 = num_reqs if num_base_tokens is None else num_base_tokens
     if num_reqs == 0:
         return [], 0.0, 0.0
-    most = sum(max((len(a) for a in cands), default=0) for cands in acceptance)
-    step_times = getattr(step_seconds, "step_times", None)
-    times = (step_times(n0, most + 2) if step_times is not None  # T(n0) .. T(n0 + most + 1)
-             else step_seconds(n0 + np.arange(most + 2)).tolist())
+    if best is None:
+        most = sum(max((len(a) for a in cands), default=0) for cands in acceptance)
+    else:  # (the table need only reach the chosen candidates' tokens)
+        most = sum(len(probs) for _, probs, _ in best)
+    times = _step_times(step_seconds, n0, most + 2)  # T(n0) .. T(n0 + most + 1)
     t0 = times[0]
-    theta = (times[1] - t0) * num_reqs / t0
-    chosen = [_best_candidate(cands, theta) for cands in acceptance]
+    if best is None:
+        best = best_candidates(acceptance, (times[1] - t0) * num_reqs / t0)
     # every offered token: (P, request, position), in decreasing P
-    offers = [(p, r, j) for r, (c, probs) in enumerate(chosen) if c != NO_CANDIDATE
+    offers = [(p, r, j) for r, (c, probs, _) in enumerate(best) if c != NO_CANDIDATE
               for j, p in enumerate(probs)]
     if not offers:
         return [Choice(NO_CANDIDATE, 0)] * num_reqs, float(num_reqs), t0
@@ -103,8 +107,33 @@ def planned(acceptance: Sequence[Sequence[np.ndarray]],  # [num_reqs][num_candid
     counts = [0] * num_reqs
     for _, r, _ in offers[:num_taken]:
         counts[r] += 1
-    return ([Choice(chosen[r][0], counts[r]) if counts[r] else Choice(NO_CANDIDATE, 0)
+    return ([Choice(best[r][0], counts[r]) if counts[r] else Choice(NO_CANDIDATE, 0)
              for r in range(num_reqs)], best_expected, times[num_taken] + spec_overhead)
+
+
+def _step_times(step_seconds, n0: int, count: int) -> list[float]:
+    """[T(n0), ..., T(n0 + count - 1)] (see :func:`planned`)."""
+    step_times = getattr(step_seconds, "step_times", None)
+    return (step_times(n0, count) if step_times is not None
+            else step_seconds(n0 + np.arange(count)).tolist())
+
+
+def token_price(step_seconds, num_reqs: int, num_base_tokens: int | None = None) -> float:
+    """The price ``theta`` at which :func:`planned` weighs a draft token: what one more
+    verified token adds to the step, in tokens the step's rows emit,
+    ``(T(n0 + 1) - T(n0)) * num_reqs / T(n0)``."""
+    t0, t1 = _step_times(step_seconds, num_reqs if num_base_tokens is None else num_base_tokens, 2)
+    return (t1 - t0) * num_reqs / t0
+
+
+def best_candidates(acceptance: Sequence[Sequence[np.ndarray]],
+                    theta: float) -> list[tuple[int, list[float], float]]:
+    """Each request's candidate worth most at token price ``theta``: (index or
+    NO_CANDIDATE, its cumulative P, its worth ``sum of (P_j - theta) over P_j > theta``).
+    Adding a candidate to a request's list changes its entry only if the new one is worth
+    strictly more (ties go to the earlier candidate), so the union's draft gate plans with
+    the draft's candidate without weighing the others again."""
+    return [_best_candidate(cands, theta) for cands in acceptance]
 
 
 def cumulative(acceptance) -> list[float]:
@@ -116,8 +145,26 @@ def cumulative(acceptance) -> list[float]:
     return probs
 
 
-def _best_candidate(candidates: Sequence[np.ndarray], theta: float) -> tuple[int, list[float]]:
-    """(index, cumulative P) of the candidate worth most at price theta."""
+def with_candidates(best: Sequence[tuple[int, list[float], float]],
+                    added: Sequence[tuple[int, int, Sequence[float]]],
+                    theta: float) -> tuple[list[tuple[int, list[float], float]], bool]:
+    """:func:`best_candidates` after each ``(row, index, acceptance)`` of ``added`` joined
+    its row's list as its last candidate (``index``: its place there), from ``best``, the
+    entries before: a row's entry changes only if the new candidate is worth strictly more
+    (ties to the earlier, as :func:`best_candidates`). Returns the entries and whether any
+    row changed."""
+    out, changed = list(best), False
+    for r, index, acceptance in added:
+        _, probs, value = _best_candidate([acceptance], theta)
+        if value > out[r][2]:
+            out[r] = (index, probs, value)
+            changed = True
+    return out, changed
+
+
+def _best_candidate(candidates: Sequence[np.ndarray],
+                    theta: float) -> tuple[int, list[float], float]:
+    """(index, cumulative P, worth) of the candidate worth most at price theta."""
     best, best_value, best_p = NO_CANDIDATE, 0.0, []
     for c, a in enumerate(candidates):
         if len(a) == 0:
@@ -126,7 +173,7 @@ def _best_candidate(candidates: Sequence[np.ndarray], theta: float) -> tuple[int
         value = sum(q - theta for q in p if q > theta)
         if value > best_value:
             best, best_value, best_p = c, value, p
-    return best, best_p
+    return best, best_p, best_value
 
 
 # most extra rows (candidates beyond each request's first) one step verifies

@@ -32,8 +32,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from specplugin.adaptive.arbiter import StepArbiter
-from specplugin.adaptive.controller import (NO_CANDIDATE, Choice, cumulative, divergence,
-                                           expand, plan, planned)
+from specplugin.adaptive.controller import (NO_CANDIDATE, Choice, best_candidates, cumulative,
+                                           divergence, expand, plan, planned, token_price,
+                                           with_candidates)
 from specplugin.adaptive.cost import StepCostModel
 from specplugin.adaptive.estimator import (AcceptanceEstimator, RequestHistory, as_list,
                                            history_bucket, judged_outcomes)
@@ -530,7 +531,10 @@ class Union:
         signal buckets), drawn from the posterior once per cell for all rows (Thompson
         sampling: one forward serves every row, so the draw that decides it is one guess
         at the draft's worth; the posterior mean would never run a draft whose prior
-        does not pay on its own, and never learn that it does). The
+        does not pay on its own, and never learn that it does). The second plan keeps the
+        first's choice for every row but those where the draft's candidate is worth more
+        (:func:`~specplugin.adaptive.controller.with_candidates`), and is not made at all
+        when no row is: the draft then cannot run. The
         draft runs for the rows the second plan gives it if, for some number of positions
         m (each one forward, shared by the rows; row r drafting ``min(k_r, m)``), the
         step's tokens per second with its forwards counted beat the first plan's::
@@ -583,7 +587,9 @@ class Union:
             acceptance[r].append(a)
             self._estimated[id(c)] = a
         spec_overhead = self.cost.spec_overhead_s
-        plan_without = planned(acceptance, self.cost, spec_overhead=spec_overhead)
+        theta = token_price(self.cost, batch.num_reqs)
+        best = best_candidates(acceptance, theta)  # [num_reqs] the token-level candidates'
+        plan_without = planned(acceptance, self.cost, spec_overhead=spec_overhead, best=best)
         without, kept, kept_seconds = plan_without
         self._plan_without = (tuple(id(c) for _, _, c in offers), plan_without)
         if self.draft_always:
@@ -595,15 +601,28 @@ class Union:
         # the draft's tokens before it runs: one cell per (mode, position, history)
         sampled, pooled_cells = batch.sampled, self.estimator.pooled_cells
         trial_rows = self._trial_rows(lengths_list, catch_up_seconds) if trial else ()
+        pooled: dict[tuple, list[float]] = {}  # (mode, history, n) -> the rows' shared cells
+        added = []  # (row, index, acceptance) of the draft's candidates
         for r, n in enumerate(lengths_list):
             if not n:
                 continue
             if r in trial_rows:  # untried: as if every token were accepted (see the docstring)
-                acceptance[r].append([1.0 - 1e-6] * n)
+                draft = [1.0 - 1e-6] * n
             else:  # one draw per cell, shared by the rows (see the docstring)
-                acceptance[r].append(pooled_cells(draft_index, sampled[r], histories[r], n,
-                                                  draw=self.explore))
-        with_draft = plan(acceptance, self.cost, spec_overhead=spec_overhead)
+                key = (sampled[r], histories[r], n)
+                draft = pooled.get(key)
+                if draft is None:
+                    draft = pooled[key] = pooled_cells(draft_index, sampled[r], histories[r],
+                                                       n, draw=self.explore)
+            acceptance[r].append(draft)
+            added.append((r, len(acceptance[r]) - 1, draft))
+        # the token-level candidates are not weighed again: a row takes the draft's only
+        # if it is worth more than the row's best (one plan fewer when no row does)
+        best_with, gains_draft = with_candidates(best, added, theta)
+        if not gains_draft:  # no row would choose the draft's candidate: it cannot run
+            return [0] * batch.num_reqs
+        with_draft = planned(acceptance, self.cost, spec_overhead=spec_overhead,
+                             best=best_with)[0]
         k = [c.num_tokens if n and c.candidate == len(acceptance[r]) - 1 else 0
              for r, (c, n) in enumerate(zip(with_draft, lengths_list))]  # [num_reqs]
         if not any(k):
