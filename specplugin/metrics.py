@@ -39,8 +39,8 @@ STEP_COUNTERS: dict[str, str] = {
     "steps_foretold_plain": "Of the skipped steps, those the step arbiter had foretold plain "
                             "(its plain block running on), run as vLLM's own plain steps "
                             "with none of the plugin's code in them.",
-    "steps_peeked": "Plain steps that the n-gram peek turned speculative (copied text in "
-                    "sight while the step arbiter kept decoding plain).",
+    "steps_peeked": "Plain steps that the peek (n-gram, else suffix) turned speculative "
+                    "(copied text in sight while the step arbiter kept decoding plain).",
     "steps_without_draft_model": "Steps in which the draft model's machinery did not run at "
                                  "all (vLLM's preparation of its inputs included): its drafts "
                                  "were not needed.",
@@ -73,7 +73,7 @@ class ProposerStats:
     steps: int = 0
     steps_without_drafts: int = 0
     steps_skipped: int = 0  # of those, steps whose drafting was skipped altogether
-    steps_peeked: int = 0  # plain steps the n-gram peek turned speculative (Union.plain_step)
+    steps_peeked: int = 0  # plain steps the peek turned speculative (Union.plain_step)
     # steps decided before vLLM prepared the draft model's inputs, in which it then ran for
     # no row: none of the draft model's machinery ran (a draft model configured)
     steps_without_draft_model: int = 0

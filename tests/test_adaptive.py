@@ -1087,6 +1087,22 @@ def test_a_plain_step_speculates_when_the_ngram_peek_sees_text_that_copies():
     assert not no_ngram.plain_step(0.01, 1, 1, False, peek=_peek(copies))
 
 
+def test_a_union_without_ngram_peeks_with_its_suffix_proposer():
+    """Without an n-gram proposer the peek asks the suffix proposer (the cheapest
+    token-level one left): a union of suffix alone whose arbiter went plain speculates
+    again once the context copies itself."""
+    from specplugin.proposers.suffix import SuffixProposer
+
+    for index in ("python", "auto"):  # (auto: arctic's C++ index where it is installed)
+        union = _union(SuffixProposer(index=index), Fixed("draft", [], 0.5))
+        union.arbiter = _AlwaysPlain()
+        union.max_peek_gap = 1
+        assert not union.plain_step(0.01, 1, 1, False, peek=_peek([7, 3, 9, 1, 4, 8, 2, 6]))
+        assert union.plain_step(0.01, 1, 1, False,
+                                peek=_peek([7, 3, 9, 1, 4, 8, 2, 6, 5, 7, 3, 9, 1]))
+        assert union.arbiter.overruled == 1 and union.stats.steps_peeked == 1
+
+
 def _plain_union():
     from specplugin.proposers.ngram import NgramProposer
 
