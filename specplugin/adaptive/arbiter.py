@@ -110,8 +110,8 @@ half as many decided steps in between. A plain block that re-measures plain deco
 speculation leads keeps the usual length (doubling it would double what exploring costs).
 
 **Copies in sight.** Text that starts copying in the middle of a request is new text
-too. On a plain step the union asks its cheapest proposer (n-gram, else suffix) on the batch as it
-stands and plans the step it would verify (:meth:`Union.plain_step
+too. On a plain step the union asks its cheapest proposer (n-gram, else suffix) on the
+batch as it stands and plans the step it would verify (:meth:`Union.plain_step
 <specplugin.adaptive.union.Union.plain_step>`); the arbiter judges that plan
 (:meth:`StepArbiter.pays_now`): its predicted rate times the bucket's ``correction``
 (speculative blocks' measured rate over the rate the union predicted for their steps,

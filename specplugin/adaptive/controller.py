@@ -88,7 +88,7 @@ def planned(acceptance: Sequence[Sequence[np.ndarray]],  # [num_reqs][num_candid
     times = _step_times(step_seconds, n0, most + 2)  # T(n0) .. T(n0 + most + 1)
     t0 = times[0]
     if best is None:
-        best = best_candidates(acceptance, (times[1] - t0) * num_reqs / t0)
+        best = best_candidates(acceptance, _price(times, num_reqs))
     # every offered token: (P, request, position), in decreasing P
     offers = [(p, r, j) for r, (c, probs, _) in enumerate(best) if c != NO_CANDIDATE
               for j, p in enumerate(probs)]
@@ -122,8 +122,13 @@ def token_price(step_seconds, num_reqs: int, num_base_tokens: int | None = None)
     """The price ``theta`` at which :func:`planned` weighs a draft token: what one more
     verified token adds to the step, in tokens the step's rows emit,
     ``(T(n0 + 1) - T(n0)) * num_reqs / T(n0)``."""
-    t0, t1 = _step_times(step_seconds, num_reqs if num_base_tokens is None else num_base_tokens, 2)
-    return (t1 - t0) * num_reqs / t0
+    n0 = num_reqs if num_base_tokens is None else num_base_tokens
+    return _price(_step_times(step_seconds, n0, 2), num_reqs)
+
+
+def _price(times: Sequence[float], num_reqs: int) -> float:
+    """:func:`token_price` from ``times`` = [T(n0), T(n0 + 1), ...]."""
+    return (times[1] - times[0]) * num_reqs / times[0]
 
 
 def best_candidates(acceptance: Sequence[Sequence[np.ndarray]],

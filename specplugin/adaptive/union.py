@@ -291,9 +291,9 @@ class Union:
 
         ``peek``: the batch as it stands (contexts up to the last step's tokens). Where the
         arbiter keeps the step plain, the cheapest proposer the union has (n-gram, else
-        suffix) is asked on it (:meth:`_copy_in_sight`); if the controller would verify some
-        of its candidates and the step it plans, at the rate it predicts times what speculative
-        blocks measured over what was predicted for them, beats the measured plain rate
+        suffix) is asked on it (:meth:`_copy_in_sight`); if the controller would verify
+        some of its candidates and the step it plans, at the rate it predicts times what
+        speculative blocks measured over what was predicted for them, beats the measured plain rate
         (:meth:`StepArbiter.pays_now
         <specplugin.adaptive.arbiter.StepArbiter.pays_now>`), the step speculates after
         all and the arbiter starts a speculative block: a rate measured on earlier text
@@ -382,8 +382,7 @@ class Union:
     def _copy_in_sight(self, peek: Callable[[], StepBatch]) -> bool:
         """Whether the peek's proposer (n-gram, else suffix; if the union has either) finds,
         on the batch ``peek()`` returns, candidates the controller would verify (posterior
-        means) in a
-        step the arbiter judges faster than a plain one."""
+        means) in a step the arbiter judges faster than a plain one."""
         index = self._peek_index
         if index is None:
             return False
