@@ -18,7 +18,11 @@ most one line). The records (``kind``):
 - ``block``: a block the step arbiter closed: ``choice`` (``spec`` or ``plain``),
   ``num_reqs``, ``sampled``, ``steps``, ``rate`` (tok/s measured), ``predicted`` (mean
   tok/s the union predicted for its steps, None for plain blocks), ``counted`` (False: an
-  engine's first speculative blocks, not measured);
+  engine's first speculative blocks, not measured), ``tokens`` and ``ms`` (a counted
+  step's, mean), ``predicted_tokens`` and ``predicted_ms`` (a planned step's, mean; None
+  for plain blocks);
+- ``peek``: a plain step's peek as the step arbiter judged it: ``predicted`` (tok/s),
+  ``correction``, ``plain`` (the measured plain rate), ``pays``;
 - ``draft_plan``: the union's call on the draft model for a step: ``forwards`` (0: it
   does not run), ``rate`` and ``rate_without`` (predicted tok/s with and without it),
   ``trial``, ``catch_up`` (the run catches up right after plain steps), and the prices in

@@ -522,8 +522,8 @@ def test_the_arbiters_prediction_prices_the_draft_forwards_that_ran():
         def speculate(self, num_reqs, sampled=False):
             return True
 
-        def predicted(self, rate):
-            self.rate = rate
+        def predicted(self, tokens, seconds, *shape):
+            self.rate = tokens / seconds
 
     def predicted_rate(forwards):
         union = _union(Fixed("ngram", [], 0.9), Fixed("draft", [1, 2, 3, 4, 5, 6, 7, 8], 0.9))
@@ -1202,19 +1202,61 @@ def test_an_engines_first_speculative_blocks_are_not_measured():
     assert arbiter.rate(1, True) == pytest.approx(300.0)
 
 
-def test_predictions_that_proved_optimistic_do_not_overrule_measured_plain_decoding():
-    """Speculative blocks measured half the rate the union predicted for them (sampled
-    text): a step predicted at 1.5x the plain rate is not worth it, one at 2.5x is."""
+def test_steps_slower_than_predicted_do_not_overrule_measured_plain_decoding():
+    """Speculative steps took twice the seconds the union predicted for them (the
+    speculative machinery's costs, which the cost model misses): a step predicted at 1.5x
+    the plain rate is not worth it, one at 2.5x is."""
     arbiter = StepArbiter()
     assert not arbiter.pays_now(1, 1e9)  # no plain rate measured yet: the warm-up measures it
     for _ in range(200):
         choice = arbiter.speculate(1)
         if choice:
-            arbiter.predicted(240.0)
+            arbiter.predicted(1.0, 1 / 240.0)
         arbiter.observe(1, 1 / (120.0 if choice else 100.0))
     assert arbiter.rate(1, False) == pytest.approx(100.0, rel=0.01)
     assert not arbiter.pays_now(1, 150.0)
     assert arbiter.pays_now(1, 250.0)
+
+
+def test_tokens_predicted_on_a_cold_estimator_are_forgotten_once_it_learned():
+    """A bucket's first speculative blocks emitted half the tokens predicted for them (a
+    request's first steps, the estimator at its prior); later blocks emit what is
+    predicted (the estimator learned from their verdicts). The correction reads the last
+    blocks only: once they are the later ones it is 1, and a copy the peek predicts at
+    1.1x the plain rate speculates (an average over every block would still hold it
+    back)."""
+    arbiter = StepArbiter()
+    arbiter.step_seconds_model = lambda num_tokens, drafts: 1 / 120.0
+    for step in range(400):
+        choice = arbiter.speculate(1)
+        if choice:
+            arbiter.predicted(2.0 if step < 100 else 1.0, 1 / 120.0, num_tokens=3, drafts=True)
+        arbiter.observe(1, 1 / (120.0 if choice else 100.0))
+        if step == 99:
+            assert arbiter.correction(1) == pytest.approx(0.5)
+    assert arbiter.correction(1) == pytest.approx(1.0)
+    assert arbiter.pays_now(1, 110.0)
+
+
+def test_the_correction_re_predicts_with_what_the_cost_model_learned_since():
+    """Speculative steps took twice what the cost model predicted for them (a fresh
+    engine's model, timed at start on short contexts); the model then learns the steps'
+    real cost (from plain steps too). The correction re-predicts the blocks' steps with
+    the model as it is now instead of keeping the ratio of the time, which would halve
+    the peek's (already learned) predictions a second time."""
+    model = {"seconds": 1 / 240.0}  # what the cost model gives a step, as it learns
+    arbiter = StepArbiter()
+    arbiter.step_seconds_model = lambda num_tokens, drafts: model["seconds"]
+    for _ in range(200):
+        choice = arbiter.speculate(1)
+        if choice:
+            arbiter.predicted(1.0, model["seconds"], num_tokens=3, drafts=True)
+        arbiter.observe(1, 1 / (120.0 if choice else 100.0))
+    assert arbiter.correction(1) == pytest.approx(0.5)
+    assert not arbiter.pays_now(1, 150.0)  # the model still says 1/240 s: correct it
+    model["seconds"] = 1 / 120.0  # learned: predictions made now are right
+    assert arbiter.correction(1) == pytest.approx(1.0)
+    assert arbiter.pays_now(1, 150.0)
 
 
 def test_arbiter_speculates_where_it_pays_and_rarely_pays_to_check():

@@ -114,11 +114,22 @@ too. On a plain step the union asks its cheapest proposer (n-gram, else suffix) 
 batch as it stands and plans the step it would verify (:meth:`Union.plain_step
 <specplugin.adaptive.union.Union.plain_step>`); the arbiter judges that plan
 (:meth:`StepArbiter.pays_now`): its predicted rate times the bucket's ``correction``
-(speculative blocks' measured rate over the rate the union predicted for their steps,
-an exponential average) against the measured plain rate. If it wins, a speculative
-block starts at once (:meth:`StepArbiter.speculate_now`). The correction keeps
-predictions that proved optimistic, such as a copy's tokens under sampling, from
-overruling what the arbiter measured.
+against the measured plain rate. If it wins, a speculative block starts at once
+(:meth:`StepArbiter.speculate_now`). The correction is what the union's predictions
+missed over the bucket's last :data:`RECENT_SPEC_BLOCKS` speculative blocks, in two
+factors: the tokens they emitted over the tokens predicted for them (the estimator's
+error, such as a copy's tokens under sampling), times the seconds the cost model *now*
+gives their steps (each step's query tokens, plus the draft model's priced run) over the
+seconds they measured (the speculative machinery's fixed costs, a slow engine). Both
+models learn from every step, so an error measured long ago must not be counted again
+once they have learned it: the tokens factor reads the last blocks only, and the seconds
+are re-predicted rather than kept as a ratio of the time (measured on the zoo pair, fresh
+engine, complete/b8/t0: a request's first speculative steps emitted the tokens predicted
+for them but took 9.05 ms against a predicted 4.49, and plain steps 6.5-7.3 ms where the
+cost model, timed at engine start on short contexts, said ~4; the model then learned the
+longer contexts' cost from the plain blocks, while a ratio of the time, 0.5, halved the
+peek's predictions a second time: 24 plain steps on text that copied, where speculation
+then measured 2,100-2,600 tok/s against 1,100-1,200 plain).
 """
 
 from __future__ import annotations
@@ -139,6 +150,8 @@ MAX_BLOCK_FACTOR = 2
 # alternate_blocks (tests): a plain block is this many times block_steps, so that a test
 # engine also decodes plainly long enough to settle (``specplugin profile --step-ab``)
 ALTERNATE_PLAIN_FACTOR = 3
+# speculative blocks whose steps the correction re-predicts (see "Copies in sight")
+RECENT_SPEC_BLOCKS = 3
 # a plain block that runs because plain decoding leads is this many times block_steps, and
 # counts as many blocks towards re-measuring speculation (see "Long plain blocks")
 PLAIN_BLOCK_FACTOR = 2
@@ -155,9 +168,14 @@ class _Bucket:
     blocks: dict = field(default_factory=lambda: {SPECULATE: 0, PLAIN: 0})  # measured blocks
     blocks_since: dict = field(default_factory=lambda: {SPECULATE: 0, PLAIN: 0})
     new_share: float = 0.0  # share of the batch new since speculation was last measured
-    # speculative blocks' measured rate over the rate the union's plans predicted for them
-    # (exponential average; None: none measured yet)
+    # what speculative steps measured over what was predicted for them (see "Copies in
+    # sight"; None: none measured yet), as last computed; with ``recent`` the correction
+    # is computed afresh (a restored bucket has this value alone)
     correction: float | None = None
+    # the last RECENT_SPEC_BLOCKS speculative blocks: (a step's measured tokens, its
+    # predicted tokens, its measured seconds, the planned steps' (query tokens, drafts
+    # verified, seconds beyond the cost model's))
+    recent: list = field(default_factory=list)
     num_reqs: int = 0  # batch size of the block measured last
 
 
@@ -179,6 +197,9 @@ class StepArbiter:
         # num_reqs -> tokens per second of a plain step, modelled (None: unknown); the
         # union gives its cost model's
         self.plain_rate_model: Callable[[int], float | None] | None = None
+        # (query tokens, verifies drafts) -> the seconds the cost model gives such a step
+        # now; the union gives its cost model's (None: predictions are not re-predicted)
+        self.step_seconds_model: Callable[[int, bool], float] | None = None
 
     def forget(self) -> None:
         """A fresh engine's measurements (also what ``__init__`` starts from): no bucket's
@@ -191,7 +212,10 @@ class StepArbiter:
         self._counted = 0  # of them, steps whose time the block's rate holds
         self._length = self.block_steps  # counted steps that end the running block
         self._tokens = self._seconds = 0.0  # counted part of the running block
-        self._predicted: list[float] = []  # the union's predicted rate of each planned step
+        # the union's prediction of each planned step: (tokens emitted, seconds)
+        self._predicted: list[tuple[float, float]] = []
+        # each planned step's (query tokens, verifies drafts, seconds beyond the model's)
+        self._shapes: list[tuple[int, bool, float]] = []
         self._num_reqs = 0  # batch size of the running block (at its start)
 
     def stats(self) -> dict[str, int]:
@@ -283,20 +307,49 @@ class StepArbiter:
         many steps in all."""
         return self._counted >= self._length or self._steps >= MAX_BLOCK_FACTOR * self._length
 
-    def predicted(self, rate: float) -> None:
-        """The union planned the running step to emit ``rate`` tokens per second."""
-        self._predicted.append(rate)
+    def predicted(self, tokens: float, seconds: float, num_tokens: int = 0,
+                  drafts: bool = False) -> None:
+        """The union planned the running step to emit ``tokens`` in ``seconds``, running
+        ``num_tokens`` query tokens (``drafts``: some of them drafts); the part of
+        ``seconds`` the cost model does not give such a step (the draft model's priced
+        run) is kept with the step's shape, which the correction re-predicts."""
+        self._predicted.append((tokens, seconds))
+        model = self.step_seconds_model
+        if model is not None and num_tokens > 0:
+            self._shapes.append((num_tokens, drafts, seconds - model(num_tokens, drafts)))
+
+    def correction(self, num_reqs: int, sampled: bool = False) -> float:
+        """The bucket's correction of the union's predicted rates (see "Copies in sight";
+        1 until a speculative block was measured)."""
+        state = self._buckets.get((batch_bucket(num_reqs), bool(sampled)))
+        return 1.0 if state is None else self._correction(state)
+
+    def _correction(self, state: _Bucket) -> float:
+        model = self.step_seconds_model
+        if not state.recent or model is None:
+            return state.correction or 1.0
+        tokens = sum(t for t, _, _, _ in state.recent)
+        predicted_tokens = sum(p for _, p, _, _ in state.recent)
+        seconds = sum(sum(model(n, d) + extra for n, d, extra in shapes) / len(shapes)
+                      for _, _, _, shapes in state.recent)
+        measured = sum(m for _, _, m, _ in state.recent)
+        return tokens / predicted_tokens * seconds / measured
 
     def pays_now(self, num_reqs: int, predicted_rate: float, sampled: bool = False) -> bool:
         """Whether a step the union predicts at ``predicted_rate`` beats plain decoding at
-        this batch size: the prediction times the bucket's correction (what speculative
-        blocks measured over what was predicted for them; 1 until one was) against the
-        measured plain rate (False until plain blocks were measured: the warm-up's plain
-        blocks must run to give that rate)."""
+        this batch size: the prediction times the bucket's correction (what its last
+        speculative blocks measured over what is predicted for them; 1 until one was: see
+        "Copies in sight") against the measured plain rate (False until plain blocks were
+        measured: the warm-up's plain blocks must run to give that rate)."""
         state = self._buckets.get((batch_bucket(num_reqs), bool(sampled)))
         if self.alternate or state is None or PLAIN not in state.rate:
             return False
-        return (state.correction or 1.0) * predicted_rate > state.rate[PLAIN]
+        correction = self._correction(state)
+        pays = correction * predicted_rate > state.rate[PLAIN]
+        if trace.TRACE is not None:
+            trace.TRACE.write("peek", num_reqs=num_reqs, predicted=predicted_rate,
+                              correction=correction, plain=state.rate[PLAIN], pays=pays)
+        return pays
 
     def speculate_now(self, num_reqs: int, sampled: bool = False) -> None:
         """Text worth speculating on is in sight (the union's peek on a plain step): the
@@ -337,13 +390,21 @@ class StepArbiter:
         rate = self._tokens / self._seconds
         counted = not (self._choice == SPECULATE
                        and self._engine_spec_blocks < ENGINE_WARMUP_BLOCKS)
+        planned = len(self._predicted)
+        # a step's tokens and seconds: predicted (mean over planned steps), measured (mean
+        # over counted steps)
+        tokens, seconds = self._tokens / self._counted, self._seconds / self._counted
+        predicted_tokens = sum(t for t, _ in self._predicted) / planned if planned else None
+        predicted_seconds = sum(s for _, s in self._predicted) / planned if planned else None
         if trace.TRACE is not None:
             trace.TRACE.write(
                 "block", choice="spec" if self._choice == SPECULATE else "plain",
                 num_reqs=self._num_reqs, sampled=self._bucket[1], steps=self._steps,
                 rate=rate, counted=counted,
-                predicted=(sum(self._predicted) / len(self._predicted)
-                           if self._predicted else None))
+                predicted=(sum(t / s for t, s in self._predicted) / planned
+                           if planned else None),
+                tokens=tokens, ms=seconds * 1e3, predicted_tokens=predicted_tokens,
+                predicted_ms=None if predicted_seconds is None else predicted_seconds * 1e3)
         if not counted:
             self._engine_spec_blocks += 1  # the engine's first: one-time costs, not a rate
             return
@@ -353,8 +414,12 @@ class StepArbiter:
         weight = max(self.smoothing, 1.0 / state.blocks[self._choice])
         if self._choice == SPECULATE:  # measured on the batch's text as it is now
             state.new_share = 0.0
-            if self._predicted:
-                ratio = rate * len(self._predicted) / sum(self._predicted)
+            if self._shapes:
+                block = (tokens, predicted_tokens, seconds, self._shapes)
+                state.recent = (state.recent + [block])[-RECENT_SPEC_BLOCKS:]
+                state.correction = self._correction(state)
+            elif predicted_seconds:  # (no cost model to re-predict with)
+                ratio = tokens * predicted_seconds / (predicted_tokens * seconds)
                 old_ratio = state.correction
                 state.correction = (ratio if old_ratio is None
                                     else old_ratio + self.smoothing * (ratio - old_ratio))
@@ -382,7 +447,7 @@ class StepArbiter:
         scale = here / there  # the machine's plain rate from there to here, as modelled
         state.rate = {choice: rate * scale for choice, rate in donor.rate.items()}
         state.blocks = {SPECULATE: self.warmup_blocks, PLAIN: self.warmup_blocks}
-        state.correction = donor.correction
+        state.correction, state.recent = donor.correction, list(donor.recent)
         state.num_reqs = num_reqs
         self.num_seeded_buckets += 1
         return state
@@ -401,7 +466,7 @@ class StepArbiter:
         self._bucket, self._steps, self._tokens, self._seconds = bucket, 0, 0.0, 0.0
         self._counted = 0
         self._num_reqs = num_reqs
-        self._predicted = []
+        self._predicted, self._shapes = [], []
 
     def _plain_factor(self, state: _Bucket) -> int:
         """How many times ``block_steps`` a plain block starting now runs (see "Long plain

@@ -169,6 +169,7 @@ class Union:
         self.arbiter = arbiter
         if arbiter is not None:
             arbiter.plain_rate_model = self._plain_rate
+            arbiter.step_seconds_model = self._step_seconds
         self.proposers = list(proposers)
         names = tuple(p.name for p in self.proposers)
         self.estimator = estimator or AcceptanceEstimator(names)
@@ -292,13 +293,13 @@ class Union:
         ``peek``: the batch as it stands (contexts up to the last step's tokens). Where the
         arbiter keeps the step plain, the cheapest proposer the union has (n-gram, else
         suffix) is asked on it (:meth:`_copy_in_sight`); if the controller would verify
-        some of its candidates and the step it plans, at the rate it predicts times what
-        speculative blocks measured over what was predicted for them, beats the measured plain rate
+        some of its candidates and the step it plans, at the rate it predicts with its seconds
+        corrected by what speculative steps measured, beats the measured plain rate
         (:meth:`StepArbiter.pays_now
         <specplugin.adaptive.arbiter.StepArbiter.pays_now>`), the step speculates after
         all and the arbiter starts a speculative block: a rate measured on earlier text
-        must not keep decoding plainly through text that copies, and predictions that
-        proved optimistic (sampled text) must not undo the arbiter's measurements."""
+        must not keep decoding plainly through text that copies, and steps that proved
+        slower than predicted must not undo the arbiter's measurements."""
         if self.arbiter is None or self._pending or self._pending_extras:
             return True
         unrated, self._unrated_step = self._unrated_step, False
@@ -444,6 +445,12 @@ class Union:
         if not self.cost.calibrated:
             return None
         return num_reqs / self.cost.step_one(num_reqs)
+
+    def _step_seconds(self, num_tokens: int, drafts: bool) -> float:
+        """Seconds of a step of ``num_tokens`` query tokens as the cost model now prices
+        it (``drafts``: it verifies some, and pays the speculative machinery): what the
+        step arbiter re-predicts its speculative blocks' steps with."""
+        return self.cost.step_one(num_tokens) + (self.cost.spec_overhead_s if drafts else 0.0)
 
     def _count_plain_step(self, num_reqs: int, num_steps: int = 1) -> None:
         if self._pending or self._pending_extras:  # (no new objects on every plain step)
@@ -741,7 +748,9 @@ class Union:
             per_forward, run_seconds, planned_forwards = self._draft_price
             forwards = planned_forwards if draft_forwards is None else draft_forwards
             seconds += per_forward * forwards + run_seconds * (forwards > 0)
-            self.arbiter.predicted(expected / seconds)
+            num_drafts = sum(len(d) for d in drafts)
+            self.arbiter.predicted(expected, seconds, batch.num_reqs + num_drafts,
+                                   num_drafts > 0)
         alternates: list[list[list[int]]] = [[] for _ in choices]
         if self.max_candidates > 1:
             alternatives = sorted(self._alternative_offers, key=lambda o: o[0])
