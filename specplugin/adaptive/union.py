@@ -715,8 +715,7 @@ class Union:
             if c.candidate != NO_CANDIDATE:
                 expected += sum(cumulative(acceptance[r][c.candidate][:c.num_tokens]))
                 num_tokens += c.num_tokens
-        seconds = self.cost.step_one(num_tokens)
-        return expected, seconds + self.cost.spec_overhead_s * (num_tokens > len(choices))
+        return expected, self._step_seconds(num_tokens, num_tokens > len(choices))
 
     def choose(self, batch: StepBatch, offers, draft_forwards: int | None = None) -> StepPlan:
         """The controller's choice among ``offers``: the step's plan, one draft per row.
