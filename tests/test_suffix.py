@@ -372,27 +372,6 @@ def test_the_cpp_index_copies_from_the_request_and_the_store_like_the_python_one
         SuffixProposer(index="arctic", num_alternatives=1)
 
 
-def test_the_cpp_index_signals_which_tokens_run_past_its_match():
-    """arctic's walk goes on to the step's limit whatever the match's length; its
-    frequency alone does not tell a one-token match's continuation from a long one's, so
-    the signal puts the tokens within vLLM's suffix limits (as many as the match is long,
-    frequency at least 0.1) in its upper half and those past them in its lower half."""
-    from specplugin.proposers.suffix import SuffixProposer
-
-    p = SuffixProposer(index="arctic")
-    # "5" matched once, at the start: one token within, five past it
-    [short] = p.propose(_step(["d"], [[5, 1, 2, 3, 4, 6, 7, 8, 9, 5]], [10], k=6))
-    assert short.token_ids.tolist() == [1, 2, 3, 4, 6, 7]
-    assert (short.signal >= 0.5).tolist() == [True] + [False] * 5
-    # "3 4 6 7 8" matched: five tokens within
-    [long] = p.propose(_step(["e"], [[3, 4, 6, 7, 8, 9, 1, 2, 3, 4, 5, 0, 3, 4, 6, 7, 8]],
-                             [17], k=6))
-    assert long.token_ids.tolist() == [9, 1, 2, 3, 4, 5]
-    assert (long.signal >= 0.5).tolist() == [True] * 5 + [False]
-    assert np.all((long.signal > 0.0) & (long.signal <= 1.0))
-    p.finish_requests(["d", "e"])
-
-
 def test_branches_start_where_the_places_disagree_most_frequent_first():
     cache = SuffixCache(SuffixConfig(min_match=2))
     # after "5 6": 7 8 (twice), 7 9 (once), 4 (once)

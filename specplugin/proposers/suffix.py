@@ -59,10 +59,6 @@ import numpy as np
 
 from specplugin.proposers.base import Candidate, StepBatch
 
-# arctic_inference's limits for SuffixDecodingCache.speculate as vLLM's suffix method
-# passes them (speculative_config's suffix_decoding_max_spec_factor and _min_token_prob)
-ARCTIC_MAX_SPEC_FACTOR = 1.0
-ARCTIC_MIN_TOKEN_PROB = 0.1
 SEP = -1  # separator between texts in a buffer: never a token id, so it never matches
 _NO_IDS = np.zeros(0, dtype=np.int64)
 _NO_IDS.setflags(write=False)
@@ -541,9 +537,8 @@ class ArcticSuffixIndex:
     are matched; a feed and a proposal cost about a third of the Python index's (12 us
     against 38 in a scratch benchmark of 3-token feeds and 8-token proposals on a 500-token
     copy-friendly context). What it does not give: each token's support (how many places
-    agreed), so the signal is the walk's frequency, split by where the token stands
-    (:meth:`propose`), and alternative branches (the batch-expanding scorer asks the Python
-    index)."""
+    agreed), so the signal is the walk's frequency alone, and alternative branches (the
+    batch-expanding scorer asks the Python index)."""
 
     def __init__(self, config: SuffixConfig):
         from arctic_inference.suffix_decoding import SuffixDecodingCache
@@ -572,21 +567,10 @@ class ArcticSuffixIndex:
         # verifying is the controller's call (as with the Python index's defaults)
         draft = self._cache.speculate(req_id, pattern, max_spec_tokens=max_tokens,
                                       max_spec_factor=float(max_tokens), min_token_prob=0.0)
-        match_len = draft.match_len
-        if not draft.token_ids or match_len < self.config.min_match:
+        if not draft.token_ids or draft.match_len < self.config.min_match:
             return None
-        # but the estimator must see which tokens are within the library's own limits
-        # (those vLLM's suffix method drafts with: as many tokens as the match is long, none
-        # of frequency under 0.1) and which run past them: the frequency alone does not
-        # tell a one-token match's continuation from a long one's. Signal: frequency / 2,
-        # plus 1/2 within those limits (two halves of the estimator's signal buckets, each
-        # learned on its own). Measured (interleaved fresh engines, plugin-union, four
-        # cells on each pair): 1.080x the frequency alone; the library's limits as a cap
-        # instead, 0.997x (it lost at batch 1, where a verified token costs least)
-        floor, limit = ARCTIC_MIN_TOKEN_PROB, ARCTIC_MAX_SPEC_FACTOR * match_len
         return Candidate(np.array(draft.token_ids, dtype=np.int64),
-                         np.array([0.5 * p + (0.5 if j < limit and p >= floor else 0.0)
-                                   for j, p in enumerate(draft.probs)], dtype=np.float64))
+                         np.array(draft.probs, dtype=np.float64))
 
 
 def arctic_available() -> bool:
@@ -605,8 +589,7 @@ class SuffixProposer:
     Signal per token: the rule-of-succession estimate ``(count + 1) / (support + 2)``
     that the next token is the drafted one, where ``count = confidence * support``: a
     continuation seen 1 time in 1 scores 2/3, 50 times in 50 scores 0.98 (with the
-    C++ index, :class:`ArcticSuffixIndex`, the walk's frequency, halved, in the upper half
-    for tokens within as many as the match is long, see :meth:`ArcticSuffixIndex.propose`).
+    C++ index, :class:`ArcticSuffixIndex`, the walk's frequency alone).
     """
 
     name = "suffix"
