@@ -12,7 +12,8 @@ is timed alone (the sweeps are not counted).
 What runs per step, greedy, on a synthetic copy-friendly text: ``Union.begin`` (learn
 from the last verification), ``ask`` (n-gram, suffix), ``plan_draft`` (the draft's
 gate), the draft's candidate (a stand-in: the true next tokens half of the time, random
-ones otherwise) and ``choose``. Verification is simulated exactly (greedy).
+ones otherwise) and ``choose``. The gate runs in the steps it is due
+(``Union.draft_gate_due``), as in the engine. Verification is simulated exactly (greedy).
 
     .venv/bin/python scripts/core_bench.py --batch 1 --cold
 """
@@ -88,7 +89,8 @@ def run(batch: int, steps: int, cold: bool, repeats: int) -> list[float]:
             if not union.begin(verified, batch, False):
                 continue
             offers = union.ask(step_batch, range(2))
-            caps = np.asarray(union.plan_draft(step_batch, offers, 2, np.full(batch, K), 0.0015))
+            caps = (np.asarray(union.plan_draft(step_batch, offers, 2, np.full(batch, K), 0.0015))
+                    if union.draft_gate_due(2) else np.zeros(batch, dtype=np.int64))
             spent[0] += time.perf_counter() - start
             guesses = np.zeros((batch, K), dtype=np.int64)
             for r in range(batch):

@@ -27,6 +27,8 @@ most one line). The records (``kind``):
   does not run), ``rate`` and ``rate_without`` (predicted tok/s with and without it),
   ``trial``, ``catch_up`` (the run catches up right after plain steps), and the prices in
   ms (``forward_ms``, ``run_ms``, ``overhead_ms``);
+- ``plan``: a speculative step's plan, as the controller chose it: ``sources`` [num_reqs]
+  the proposer whose candidate each row verifies (None: none);
 - ``recheck_empty``: a re-check of speculation ended at its step that planned nothing
   (:meth:`StepArbiter.nothing_to_verify
   <specplugin.adaptive.arbiter.StepArbiter.nothing_to_verify>`): ``num_reqs``, ``steps``
@@ -106,6 +108,49 @@ def run_lengths(choices: Sequence[str]) -> str:
     return " ".join(out)
 
 
+# Steps in the windows :func:`steps_to_steady` slides over the run.
+STEADY_WINDOW = 8
+
+
+def step_choices(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """[steps] what the union chose for each step it observed: the proposer whose
+    candidates most of the step's drafting rows verified (ties to the earlier name), or
+    ``"plain"`` for a step that verified no draft. A step's plan record precedes it (its
+    own record is written when its time is learned, at the next step)."""
+    choices: list[str] = []
+    chosen = "plain"
+    for record in records:
+        if record["kind"] == "plan":
+            names = sorted(name for name in record["sources"] if name is not None)
+            chosen = (max(names, key=lambda n: (names.count(n), -names.index(n)))
+                      if names else "plain")
+        elif record["kind"] == "step":
+            choices.append(chosen if record["speculative"] else "plain")
+    return choices
+
+
+def steps_to_steady(choices: Sequence[str],
+                    window: int = STEADY_WINDOW) -> tuple[str | None, int]:
+    """(the steady choice, the steps the run took to reach it). The steady choice is the
+    most frequent of the run's second half (ties to the earlier name); it is reached at
+    the first step from which every window of ``window`` steps holds it at least half of
+    the time (a run's last partial window is not judged). A run that never settles took
+    all its steps; an empty one has no choice."""
+    if not choices:
+        return None, 0
+    late = sorted(choices[len(choices) // 2:])
+    steady = max(late, key=lambda c: (late.count(c), -late.index(c)))
+    hits = [c == steady for c in choices]
+    reached = len(choices)
+    for start in range(len(choices) - window, -1, -1):  # the windows, last first
+        if 2 * sum(hits[start:start + window]) < window:
+            break
+        reached = start
+    if len(choices) < window:  # no whole window: steady from the first step that is
+        reached = next((i for i, h in enumerate(hits) if h), len(choices))
+    return steady, reached
+
+
 def summarize(records: Sequence[Mapping[str, Any]],
               max_steps: int | None = None) -> dict[str, Any]:
     """What a trace says about one run: its steps by kind (median ms; for speculative
@@ -128,6 +173,7 @@ def summarize(records: Sequence[Mapping[str, Any]],
     plain = [r for r in timed if not r["speculative"] and not r["draft_ms"]]
     blocks = [r for r in kept if r["kind"] == "block"]
     plans = [r for r in kept if r["kind"] == "draft_plan"]
+    steady, steps_to = steps_to_steady(step_choices(kept))
     return {
         "steps": steps,
         "spec_steps": len(spec),
@@ -147,4 +193,7 @@ def summarize(records: Sequence[Mapping[str, Any]],
         "plain_block_rate": _median(b["rate"] for b in blocks if b["choice"] == "plain"),
         "draft_plans": len(plans),
         "draft_runs_planned": sum(1 for p in plans if p["forwards"]),
+        # what the union settled on, and after how many of the steps (steps_to_steady)
+        "steady_choice": steady,
+        "steps_to_steady": steps_to,
     }

@@ -1525,6 +1525,10 @@ def test_the_trace_records_the_unions_steps_blocks_and_draft_plans(tmp_path, mon
     assert summary["draft_run_steps"] == 1 and summary["draft_run_ms"] == pytest.approx(20.0)
     assert summary["blocks"].startswith("S") and summary["draft_runs_planned"] == 1
     assert trace.summarize(trace.after_last_forget(records), max_steps=5)["plain_steps"] == 4
+    # (the plan had no candidate to send: every step's choice is plain)
+    assert "plan" in kinds
+    assert trace.step_choices(trace.after_last_forget(records)) == ["plain"] * 41
+    assert (summary["steady_choice"], summary["steps_to_steady"]) == ("plain", 0)
 
 
 def test_trace_summary_helpers():
@@ -1535,6 +1539,34 @@ def test_trace_summary_helpers():
     records = [{"kind": "step"}, {"kind": "forget"}, {"kind": "block"}]
     assert trace.after_last_forget(records) == [{"kind": "block"}]
     assert trace.summarize([])["spec_ms"] is None
+
+
+def test_steps_to_steady_choice():
+    """A run's steady choice is its second half's most frequent; it is reached where every
+    window from then on holds it at least half of the time."""
+    from specplugin import trace
+
+    def plan(*names):
+        return {"kind": "plan", "sources": list(names)}
+
+    def step(speculative=True):
+        return {"kind": "step", "speculative": speculative}
+
+    records = [plan("ngram", None, "suffix", "suffix"), step(), step(False),
+               plan("draft", "ngram"), step(), plan(None, None), step(False)]
+    assert trace.step_choices(records) == ["suffix", "plain", "draft", "plain"]
+    # plain for 10 steps, suffix and draft by turns, then suffix for good
+    choices = ["plain"] * 10 + ["suffix", "draft"] * 6 + ["suffix"] * 30
+    steady, reached = trace.steps_to_steady(choices, window=8)
+    assert steady == "suffix" and 9 <= reached <= 14
+    assert all(2 * choices[s:s + 8].count("suffix") >= 8 for s in range(reached, len(choices) - 7))
+    assert 2 * choices[reached - 1:reached + 7].count("suffix") < 8
+    assert trace.steps_to_steady(["suffix"] * 20) == ("suffix", 0)
+    # never settled: every step of the run; a short run: its first steady step
+    assert trace.steps_to_steady(["plain"] * 12 + ["ngram"] * 7 + ["plain"] * 5,
+                                 window=8) == ("ngram", 24)
+    assert trace.steps_to_steady(["plain", "ngram", "ngram"], window=8) == ("ngram", 1)
+    assert trace.steps_to_steady([]) == (None, 0)
 
 
 def test_alternate_blocks_take_turns_from_an_engines_first_block():
@@ -1550,3 +1582,36 @@ def test_alternate_blocks_take_turns_from_an_engines_first_block():
     assert choices.tolist() == (spec + plain) * 2
     arbiter.forget()
     assert _arbitrate(arbiter, 3, 100.0, 100.0, num_reqs=1).tolist() == [True, True, False]
+
+
+def test_the_draft_gate_is_asked_on_a_doubling_gap_while_it_keeps_the_draft_off():
+    """Once the draft's trials are spent, a gate that keeps the draft off is asked again
+    after 1, 3, 7, then every 7 skipped steps (the gap doubles to MAX_GATE_GAP); it is
+    due at once when new requests join, and every step while it lets the draft run."""
+    from specplugin.adaptive.union import MAX_GATE_GAP
+
+    rows = [f"r{j}" for j in range(8)]
+    union = _union(Fixed("ngram", [], 0.5), Fixed("draft", [], 0.5))
+    _teach(union, 1, 0.5, num_tokens=16)  # tried: no optimistic trial left to run
+    assert union.begin(None, 8, sampled=False)
+
+    def asks(steps, forward_seconds):
+        due = []
+        for _ in range(steps):
+            due.append(union.draft_gate_due(1))
+            if due[-1]:
+                union.plan_draft(_batch(rows), [], 1, np.full(8, 8), forward_seconds)
+        return due
+
+    gaps = [2, 4] + [MAX_GATE_GAP] * 2
+    expected = [flag for gap in gaps for flag in [True] + [False] * (gap - 1)]
+    assert asks(len(expected), forward_seconds=0.5) == expected  # a forward that never pays
+    assert asks(2, forward_seconds=0.5) == [True, False]  # (mid-gap)
+    union.new_requests(1, 8)
+    assert asks(2, forward_seconds=0.5) == [True, False]
+    # a gate that opens (here an untried draft's optimistic trial) is asked every step
+    fresh = _union(Fixed("ngram", [], 0.5), Fixed("draft", [], 0.5))
+    assert fresh.begin(None, 8, sampled=False)
+    assert fresh.draft_gate_due(1)
+    assert np.asarray(fresh.plan_draft(_batch(rows), [], 1, np.full(8, 8), 0.002)).any()
+    assert fresh.draft_gate_due(1) and fresh._steps_to_gate == 0

@@ -434,4 +434,7 @@ def test_the_trace_shows_the_unions_steps_blocks_and_draft_plans(profiled):
     assert t["draft_run_steps"] > 0 and t["draft_run_ms"] > 0.0, t
     assert "S" in t["blocks"] and "P" in t["blocks"], t["blocks"]
     assert "trace: blocks in order" in profiled[1]
+    assert t["steady_choice"] in ("plain", "draft", "ngram", "suffix")
+    assert 0 <= t["steps_to_steady"] <= t["steps"], t
+    assert "trace: steady choice" in profiled[1]
 

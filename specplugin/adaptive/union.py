@@ -50,6 +50,14 @@ logger = logging.getLogger("specplugin")
 # (measured in an engine); text that starts copying stays in sight for as many tokens as
 # the copy runs, so a late look loses at most the gap's steps of it.
 MAX_PEEK_GAP = 8
+# Speculative steps from one ask of the draft model's gate (Union.plan_draft) to the next
+# at most: the gap doubles from 1 while the gate keeps the draft off and is back to 1 when
+# it runs or new requests join (Union.draft_gate_due). The gate costs what the draft's
+# candidate is priced with (its prices, its posterior draws, a second plan): measured in
+# the union's core at batch 1 (scripts/core_bench.py, warm caches), 0.122 ms a step with
+# the gate asked every step against 0.049 ms for n-gram and suffix alone, on text where it
+# rarely opens. Where the draft pays, it runs and the gate is asked every step.
+MAX_GATE_GAP = 8
 # Steps in which an untried draft model runs on an optimistic estimate (Union.plan_draft):
 # its worth is unknown until it runs, and the posterior's coin flip may keep it off for
 # a whole short run (seen: a fresh engine's 60 speculative steps with no draft forward).
@@ -213,6 +221,8 @@ class Union:
         self._observed = False  # plain_step observed the last step and chose to speculate
         self._skipped_steps = 0  # plain steps since begin() last ran (estimator decay)
         self._peek_gap = 1  # plain steps from one peek to the next (see MAX_PEEK_GAP)
+        self._gate_gap = 1  # speculative steps from one ask of the draft's gate to the next
+        self._steps_to_gate = 0  # speculative steps until the gate is asked again
         self._steps_to_peek = 0  # plain steps until the next peek
         self._draft_trials = DRAFT_TRIALS  # optimistic draft runs left (see plan_draft)
         # this step's time is not a rate of speculating that the step arbiter should weigh
@@ -377,6 +387,7 @@ class Union:
         the next plain step peeks at once (and the arbiter hears of it)."""
         if num_new > 0:
             self._peek_gap, self._steps_to_peek = 1, 0
+            self._gate_gap, self._steps_to_gate = 1, 0
         if self.arbiter is not None:
             self.arbiter.new_requests(num_new, num_reqs)
 
@@ -524,6 +535,27 @@ class Union:
         return [(r, i, c) for i, cands in per_proposer.items()
                 for r, c in enumerate(cands) if c is not None]
 
+    def draft_gate_due(self, draft_index: int) -> bool:
+        """Whether this speculative step asks the draft model's gate (:meth:`plan_draft`),
+        for a batch with rows that may use the draft: every step while the gate opens,
+        or while the draft's optimistic trials are due; after the gate kept the draft
+        off, once every ``gap`` steps, the gap doubling up to :data:`MAX_GATE_GAP` (see
+        there). A step that does not ask runs no draft and weighs the token-level
+        candidates alone, at the price of the step it plans (what the gate would have
+        planned too when it stays closed)."""
+        if self.draft_always or self._steps_to_gate <= 0:
+            return True
+        if (self._draft_trials > 0
+                and self.estimator.judged_tokens(draft_index) < DRAFT_TRIAL_EVIDENCE):
+            return True
+        self._steps_to_gate -= 1
+        return False
+
+    def _gate_closed(self) -> None:
+        """The gate kept the draft off this step: ask it again after the doubled gap."""
+        self._gate_gap = min(2 * self._gate_gap, MAX_GATE_GAP)
+        self._steps_to_gate = self._gate_gap - 1
+
     def plan_draft(self, batch: StepBatch, offers, draft_index: int, caps: np.ndarray,
                    forward_seconds: float,
                    catch_up_seconds: Sequence[float] | None = None,
@@ -629,12 +661,14 @@ class Union:
         # if it is worth more than the row's best (one plan fewer when no row does)
         best_with, gains_draft = with_candidates(best, added, theta)
         if not gains_draft:  # no row would choose the draft's candidate: it cannot run
+            self._gate_closed()
             return [0] * batch.num_reqs
         with_draft = planned(acceptance, self.cost, spec_overhead=spec_overhead,
                              best=best_with)[0]
         k = [c.num_tokens if n and c.candidate == len(acceptance[r]) - 1 else 0
              for r, (c, n) in enumerate(zip(with_draft, lengths_list))]  # [num_reqs]
         if not any(k):
+            self._gate_closed()
             return [0] * batch.num_reqs
         # the with-draft plan cut to m = 1 .. max k forwards: the other rows' part is
         # fixed, the draft rows add their P_m while they have an m-th token
@@ -674,7 +708,9 @@ class Union:
                               forward_ms=forward_seconds * 1e3, run_ms=run_seconds * 1e3,
                               overhead_ms=overhead * 1e3)
         if not best:
+            self._gate_closed()
             return [0] * batch.num_reqs
+        self._gate_gap, self._steps_to_gate = 1, 0
         self._draft_price = (forward_seconds, run_seconds, best)  # (m: until choose knows)
         self._draft_trials -= trial
         self._unrated_step = trial or catch_up
@@ -738,6 +774,9 @@ class Union:
             choices, expected, seconds = planned(acceptance, self.cost,
                                                  spec_overhead=self.cost.spec_overhead_s)
         drafts, sources = self._remember(batch, offers, histories, choices)
+        if trace.TRACE is not None:
+            trace.TRACE.write("plan", sources=[None if i is None else self.proposers[i].name
+                                               for i in sources])
         # a step that verifies nothing may end a re-check of speculation (then there is no
         # speculative block left to predict it for)
         ended = (self.arbiter is not None and not any(drafts)

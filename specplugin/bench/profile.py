@@ -402,6 +402,9 @@ def trace_rows(rs: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
           for r in rs]),
         ("trace: draft runs planned / plans",
          [cell(r, lambda t: f"{t['draft_runs_planned']} / {t['draft_plans']}") for r in rs]),
+        ("trace: steady choice, reached after (steps / steps)",
+         [cell(r, lambda t: f"{t['steady_choice']}, {t['steps_to_steady']} / {t['steps']}")
+          for r in rs]),
     ]
 
 

@@ -796,13 +796,17 @@ class PluginDraftProposer(DraftModelProposer):
     def _union_offers(self, batch: StepBatch, caps: list[int], remaining_tokens: list[int]):
         """Ask the token-level proposers, then let the union plan the draft model's part:
         which rows it drafts for and how far, its forwards priced in
-        (:meth:`Union.plan_draft <specplugin.adaptive.union.Union.plan_draft>`).
+        (:meth:`Union.plan_draft <specplugin.adaptive.union.Union.plan_draft>`), in the
+        steps the gate is due (:meth:`Union.draft_gate_due
+        <specplugin.adaptive.union.Union.draft_gate_due>`).
         ``remaining_tokens`` [num_reqs]: what each request may still emit (before this
         step's tokens), bounded here by the room left before ``max_model_len``.
         Returns the offers and the draft's per-row caps (0: no draft model for that row)."""
         draft_index = len(self.union.proposers) - 1
         offers = self.union.ask(batch, range(draft_index))
         rows = sum(1 for c in caps if c > 0)
+        if not rows or not self.union.draft_gate_due(draft_index):
+            return offers, [0] * len(caps)  # (the gate's prices not even computed)
         forward = self._forward_price(rows)
         room = self.max_model_len
         remaining = [min(left, room - n) for left, n in
