@@ -1609,6 +1609,12 @@ def test_the_draft_gate_is_asked_on_a_doubling_gap_while_it_keeps_the_draft_off(
     assert asks(2, forward_seconds=0.5) == [True, False]  # (mid-gap)
     union.new_requests(1, 8)
     assert asks(2, forward_seconds=0.5) == [True, False]
+    # the first speculative step after plain ones (a re-check of speculation) asks it
+    assert asks(2, forward_seconds=0.5) == [True, False]  # (mid-gap again)
+    union._after_plain = True
+    assert asks(1, forward_seconds=0.5) == [True]
+    union._after_plain = False
+    assert asks(1, forward_seconds=0.5) == [False]
     # a gate that opens (here an untried draft's optimistic trial) is asked every step
     fresh = _union(Fixed("ngram", [], 0.5), Fixed("draft", [], 0.5))
     assert fresh.begin(None, 8, sampled=False)

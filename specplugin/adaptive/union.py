@@ -538,12 +538,14 @@ class Union:
     def draft_gate_due(self, draft_index: int) -> bool:
         """Whether this speculative step asks the draft model's gate (:meth:`plan_draft`),
         for a batch with rows that may use the draft: every step while the gate opens,
-        or while the draft's optimistic trials are due; after the gate kept the draft
-        off, once every ``gap`` steps, the gap doubling up to :data:`MAX_GATE_GAP` (see
-        there). A step that does not ask runs no draft and weighs the token-level
-        candidates alone, at the price of the step it plans (what the gate would have
-        planned too when it stays closed)."""
-        if self.draft_always or self._steps_to_gate <= 0:
+        or while the draft's optimistic trials are due, and in a step right after plain
+        ones (a re-check of speculation must weigh the draft: seen on the validation pair,
+        complete/b1/t1, a re-check whose step skipped the gate planned nothing and plain
+        decoding went on); after the gate kept the draft off, once every ``gap`` steps,
+        the gap doubling up to :data:`MAX_GATE_GAP` (see there). A step that does not ask
+        runs no draft and weighs the token-level candidates alone, at the price of the
+        step it plans (what the gate would have planned too when it stays closed)."""
+        if self.draft_always or self._steps_to_gate <= 0 or self._after_plain:
             return True
         if (self._draft_trials > 0
                 and self.estimator.judged_tokens(draft_index) < DRAFT_TRIAL_EVIDENCE):
