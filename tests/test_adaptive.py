@@ -381,6 +381,38 @@ def test_sampled_rows_learn_acceptance_probabilities_greedy_rows_their_verdicts(
     assert learned[False] == pytest.approx((0.0, 1.0), rel=1e-3)
 
 
+def test_expected_emitted_counts_sampled_drafts_at_their_acceptance_probabilities():
+    from specplugin.adaptive.estimator import expected_emitted
+
+    # sampled row: 1 + 0.5 + 0.25; greedy row: its 3 emitted tokens; no drafts: 1;
+    # a sampled row the verifier gave no probabilities: its emitted tokens
+    assert expected_emitted([2, 4, 0, 2], [1, 3, 1, 3], [[0.5, 0.5], [1.0, 1.0, 0.0, 0.0],
+                                                       None, None],
+                            [True, False, True, True]) == pytest.approx(1.75 + 3 + 1 + 3)
+    assert expected_emitted([3], [4], None, [True]) == 4
+    assert expected_emitted([], [], [], []) == 0.0
+
+
+def test_the_step_arbiter_counts_a_sampled_steps_expected_tokens():
+    """A sampled row's verified drafts count at their acceptance probabilities in the rate
+    the arbiter measures (the verdict's luck averaged out); a greedy row's as emitted."""
+    observed = {}
+    for sampled in (True, False):
+        union = _union(Fixed("p", [1, 2, 3], 0.9))
+        union.arbiter = StepArbiter()
+        seen = []
+        union.arbiter.observe = lambda tokens, seconds: seen.append(tokens)
+        drafts = union.step(_batch(["a"], sampled=sampled), None).drafts
+        k = len(drafts[0])
+        assert k >= 2, drafts
+        verified = Verified(("a",), np.array([k]), np.array([1]), 0.012, 1 + k,
+                            expected=[[0.5] * k])
+        union.step(_batch(["a"], sampled=sampled), verified)
+        observed[sampled] = seen[-1]
+    assert observed[True] == pytest.approx(sum(0.5 ** j for j in range(k + 1)))
+    assert observed[False] == 1
+
+
 def test_union_never_drafts_what_is_always_rejected():
     union = _union(Fixed("ngram", [7, 7, 7], 0.9))
     verified, sent = None, 0

@@ -37,7 +37,7 @@ from specplugin.adaptive.controller import (NO_CANDIDATE, Choice, best_candidate
                                            with_candidates)
 from specplugin.adaptive.cost import StepCostModel
 from specplugin.adaptive.estimator import (AcceptanceEstimator, RequestHistory, as_list,
-                                           history_bucket, judged_outcomes)
+                                           expected_emitted, history_bucket, judged_outcomes)
 from specplugin import trace
 from specplugin.metrics import FailureCounter, ProposerStats
 from specplugin.config import MODEL_PROPOSERS
@@ -472,7 +472,8 @@ class Union:
 
     def _observe(self, seconds: float | None, num_query_tokens: int, num_emitted: int,
                  speculative: bool, draft_seconds: float = 0.0, unrated: bool = False,
-                 read_prompts: bool = False, num_reqs: int = 1) -> None:
+                 read_prompts: bool = False, num_reqs: int = 1,
+                 rate_tokens: float | None = None) -> None:
         """A step's wall time, to the cost model (without ``draft_seconds``, the draft
         model's forwards: :meth:`plan_draft` prices them itself, and counted in ``T(n)``
         they would be paid twice and make plain steps look dearer) and the step arbiter
@@ -504,13 +505,17 @@ class Union:
         requests at 3.25 ms, where it took 5-7, and the speculative machinery at 6.12 ms;
         the union then drafted nothing, its steps measured half the rate it predicted,
         and that correction kept plain decoding on for most of the greedy requests' run
-        while their copies were in sight)."""
+        while their copies were in sight).
+
+        ``rate_tokens``: the tokens the step arbiter counts for the step, if not
+        ``num_emitted`` (:func:`~specplugin.adaptive.estimator.expected_emitted`)."""
         if trace.TRACE is not None:
             timed = seconds is not None and not read_prompts
             trace.TRACE.write("step", ms=seconds * 1e3 if timed else None,
                               query_tokens=num_query_tokens, emitted=num_emitted,
                               num_reqs=num_reqs, speculative=speculative,
-                              draft_ms=draft_seconds * 1e3, unrated=unrated)
+                              draft_ms=draft_seconds * 1e3, unrated=unrated,
+                              rate_tokens=rate_tokens)
         if read_prompts:
             seconds = None  # (the arbiter counts the step, not its time)
         if seconds is None:
@@ -521,7 +526,8 @@ class Union:
         else:  # a plain step: learned with the next ones of its size (StepSums)
             self.cost.observe_plain(num_query_tokens, seconds)
         if self.arbiter is not None:
-            self.arbiter.observe(num_emitted, None if unrated else seconds)
+            self.arbiter.observe(num_emitted if rate_tokens is None else rate_tokens,
+                                 None if unrated else seconds)
 
     def ask(self, batch: StepBatch, proposers: Sequence[int]) -> list[tuple[int, int, Candidate]]:
         if not self.speculating:
@@ -962,14 +968,21 @@ class Union:
         ``unrated``: its time is not a rate of speculating, see :meth:`_observe`)."""
         scheduled_drafts = as_list(verified.num_scheduled_drafts)  # [num_reqs]
         num_emitted = as_list(verified.num_emitted)  # [num_reqs]
+        pending, self._pending = self._pending, {}
+        scored = verified.scored or {}
         if observe:
+            # the arbiter's rate: sampled rows' drafts at their acceptance probabilities
+            # (rows with the scorer's extras: their emitted tokens)
+            sampled = [req_id in pending and pending[req_id].sampled and req_id not in scored
+                       for req_id in verified.req_ids]
+            rate_tokens = (expected_emitted(scheduled_drafts, num_emitted, verified.expected,
+                                            sampled)
+                           if verified.expected and any(sampled) else None)
             self._observe(verified.seconds, verified.num_query_tokens, sum(num_emitted),
                           any(k > 0 for k in scheduled_drafts), verified.draft_seconds,
                           unrated=unrated, read_prompts=verified.read_prompts,
-                          num_reqs=len(num_emitted))
-        pending, self._pending = self._pending, {}
+                          num_reqs=len(num_emitted), rate_tokens=rate_tokens)
         pending_extras, self._pending_extras = self._pending_extras, {}
-        scored = verified.scored or {}
         judged_parts: list[tuple[_Pending, list]] = []  # (sent, its judged_outcomes)
         for row, (req_id, scheduled, emitted) in enumerate(
                 zip(verified.req_ids, scheduled_drafts, num_emitted)):

@@ -37,6 +37,7 @@ from vllm.v1.sample.sampler import _SAMPLING_EPS
 from specplugin import host_kernels
 from specplugin.adaptive.arbiter import arbiter_for
 from specplugin.adaptive.cost import StepCostModel, StepTimer
+from specplugin.adaptive.estimator import expected_emitted
 from specplugin.adaptive.memory import open_memory
 from specplugin.config import SpecPluginConfig
 from specplugin.proposers.faults import EveryNth
@@ -773,8 +774,11 @@ class PluginDraftProposer(DraftModelProposer):
                     self.proposer_stats.verified(DraftCandidates.name, k, a)
             if self.arbiter is None or observed:  # (skip_drafting decided: speculate)
                 return True
-            self.arbiter.observe(num_reqs + sum(num_accepted),
-                                 None if context.read_prompts else self._step_seconds)
+            # sampled rows' drafts at their acceptance probabilities (see expected_emitted)
+            self.arbiter.observe(
+                expected_emitted(scheduled, [a + 1 for a in num_accepted],
+                                 context.expected_acceptance, sampled),
+                None if context.read_prompts else self._step_seconds)
             return self.arbiter.speculate(num_reqs, mostly_sampled)
         verified = Verified(tuple(context.req_ids[:num_reqs]), scheduled,
                             [a + 1 for a in num_accepted], self._step_seconds,
