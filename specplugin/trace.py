@@ -45,6 +45,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,12 @@ def run_lengths(choices: Sequence[str]) -> str:
     return " ".join(out)
 
 
+def _most_common(names: Iterable[str]) -> str | None:
+    """The most frequent of ``names``, ties to the alphabetically first (None: none)."""
+    counts = Counter(sorted(names))  # (ties keep the order first seen: sorted)
+    return counts.most_common(1)[0][0] if counts else None
+
+
 # Steps in the windows :func:`steps_to_steady` slides over the run.
 STEADY_WINDOW = 8
 
@@ -121,9 +128,8 @@ def step_choices(records: Sequence[Mapping[str, Any]]) -> list[str]:
     chosen = "plain"
     for record in records:
         if record["kind"] == "plan":
-            names = sorted(name for name in record["sources"] if name is not None)
-            chosen = (max(names, key=lambda n: (names.count(n), -names.index(n)))
-                      if names else "plain")
+            chosen = _most_common(name for name in record["sources"] if name is not None)
+            chosen = "plain" if chosen is None else chosen
         elif record["kind"] == "step":
             choices.append(chosen if record["speculative"] else "plain")
     return choices
@@ -138,8 +144,7 @@ def steps_to_steady(choices: Sequence[str],
     all its steps; an empty one has no choice."""
     if not choices:
         return None, 0
-    late = sorted(choices[len(choices) // 2:])
-    steady = max(late, key=lambda c: (late.count(c), -late.index(c)))
+    steady = _most_common(choices[len(choices) // 2:])
     hits = [c == steady for c in choices]
     reached = len(choices)
     for start in range(len(choices) - window, -1, -1):  # the windows, last first

@@ -1172,7 +1172,7 @@ def test_peeks_that_find_nothing_come_ever_less_often_until_new_text_arrives():
     union.plain_step(0.01, 1, 1, False, peek=lambda: peeked.append("early") or _peek(copies)())
     assert peeked == [0]  # between two peeks, the copy waits for the next one
     assert union.plain_step(0.01, 1, 1, False, peek=_peek(copies))  # found: speculate
-    assert union._peek_gap == 1
+    assert union._peek.gap == 1
 
 
 def test_plain_steps_teach_the_estimator_what_the_peeks_copies_would_have_brought():
@@ -1652,4 +1652,4 @@ def test_the_draft_gate_is_asked_on_a_doubling_gap_while_it_keeps_the_draft_off(
     assert fresh.begin(None, 8, sampled=False)
     assert fresh.draft_gate_due(1)
     assert np.asarray(fresh.plan_draft(_batch(rows), [], 1, np.full(8, 8), 0.002)).any()
-    assert fresh.draft_gate_due(1) and fresh._steps_to_gate == 0
+    assert fresh.draft_gate_due(1) and fresh._gate.wait == 0

@@ -273,7 +273,7 @@ def test_the_steps_of_a_foretold_run_count_down_to_the_next_peek():
     peeked = []
     fresh = _peek([7, 3, 9, 1, 4, 8, 2, 6, 5, 11])
     assert not union.plain_step(0.01, 1, 1, False, peek=lambda: peeked.append(1) or fresh())
-    assert peeked == [1] and union._peek_gap == 2  # nothing found: the next peek in 2 steps
+    assert peeked == [1] and union._peek.gap == 2  # nothing found: the next peek in 2 steps
     union.plain_steps_ran([0.01] * 3, 1)
     union.plain_step(0.01, 1, 1, False, peek=lambda: peeked.append(2) or fresh())
     assert peeked == [1, 2]

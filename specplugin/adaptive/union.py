@@ -144,6 +144,37 @@ class _Pending:
 
 
 @dataclass
+class _Backoff:
+    """Asks spaced out while they find nothing (the plain steps' peeks, the draft's gate):
+    after an ask that found nothing the gap to the next one doubles, up to a limit; after
+    one that found something, or when new text arrives, the next step asks again."""
+
+    gap: int = 1  # steps from one ask to the next
+    wait: int = 0  # steps until the next ask
+
+    def due(self) -> bool:
+        """Whether this step asks (else one step of the wait is spent)."""
+        if self.wait > 0:
+            self.wait -= 1
+            return False
+        return True
+
+    def asked(self, found: bool, limit: int) -> None:
+        """This step asked and ``found`` something (or not): the next ask is due in 1, or
+        in the doubled gap (at most ``limit``)."""
+        self.gap = 1 if found else min(2 * self.gap, limit)
+        self.wait = self.gap - 1
+
+    def reset(self) -> None:
+        self.gap, self.wait = 1, 0
+
+    def skip(self, steps: int) -> None:
+        """``steps`` steps went by that could not ask (an ask coming due waits for the
+        next step that can)."""
+        self.wait = max(0, self.wait - steps)
+
+
+@dataclass
 class _Shadow:
     """A candidate the peek found on a plain step and did not send: judged against the
     tokens the target emits next (:meth:`Union._judge_shadows`)."""
@@ -220,10 +251,8 @@ class Union:
         self._shadows: dict[str, _Shadow] = {}  # req_id -> the peek's unsent candidate
         self._observed = False  # plain_step observed the last step and chose to speculate
         self._skipped_steps = 0  # plain steps since begin() last ran (estimator decay)
-        self._peek_gap = 1  # plain steps from one peek to the next (see MAX_PEEK_GAP)
-        self._gate_gap = 1  # speculative steps from one ask of the draft's gate to the next
-        self._steps_to_gate = 0  # speculative steps until the gate is asked again
-        self._steps_to_peek = 0  # plain steps until the next peek
+        self._peek = _Backoff()  # the plain steps' peeks (see MAX_PEEK_GAP)
+        self._gate = _Backoff()  # the draft's gate, in speculative steps (see MAX_GATE_GAP)
         self._draft_trials = DRAFT_TRIALS  # optimistic draft runs left (see plan_draft)
         # this step's time is not a rate of speculating that the step arbiter should weigh
         # (see _observe): it runs one of the draft's optimistic trials (its exploration),
@@ -317,15 +346,13 @@ class Union:
                       draft_seconds=draft_seconds, unrated=unrated, read_prompts=read_prompts,
                       num_reqs=num_reqs)
         self.speculating = self.arbiter.speculate(num_reqs, sampled)
-        if not self.speculating and peek is not None and self._peek_due():
-            if self._copy_in_sight(peek):
+        if not self.speculating and peek is not None and self._peek.due():
+            found = self._copy_in_sight(peek)
+            if found:
                 self.arbiter.speculate_now(num_reqs, sampled)
                 self.speculating = True
                 self.stats.steps_peeked += 1
-                self._peek_gap = 1
-            else:
-                self._peek_gap = min(2 * self._peek_gap, self.max_peek_gap)
-            self._steps_to_peek = self._peek_gap - 1
+            self._peek.asked(found, self.max_peek_gap)
         self._note_decision()
         if self.speculating:
             self._observed = True
@@ -366,7 +393,7 @@ class Union:
         self._count_plain_step(num_reqs, len(seconds))
         self._skipped_steps += len(seconds)
         self.stats.steps_skipped += len(seconds)
-        self._steps_to_peek = max(0, self._steps_to_peek - len(seconds))
+        self._peek.skip(len(seconds))
 
     def _note_decision(self) -> None:
         """After this step's arbiter decision: whether it speculates right after plain
@@ -374,20 +401,12 @@ class Union:
         self._after_plain = self.speculating and self._last_plain
         self._last_plain = not self.speculating
 
-    def _peek_due(self) -> bool:
-        """Whether this plain step peeks (every ``_peek_gap`` plain steps; see
-        :data:`MAX_PEEK_GAP`)."""
-        if self._steps_to_peek > 0:
-            self._steps_to_peek -= 1
-            return False
-        return True
-
     def new_requests(self, num_new: int, num_reqs: int) -> None:
         """``num_new`` of the batch's ``num_reqs`` requests arrived this step: new text, so
         the next plain step peeks at once (and the arbiter hears of it)."""
         if num_new > 0:
-            self._peek_gap, self._steps_to_peek = 1, 0
-            self._gate_gap, self._steps_to_gate = 1, 0
+            self._peek.reset()
+            self._gate.reset()
         if self.arbiter is not None:
             self.arbiter.new_requests(num_new, num_reqs)
 
@@ -551,18 +570,16 @@ class Union:
         the gap doubling up to :data:`MAX_GATE_GAP` (see there). A step that does not ask
         runs no draft and weighs the token-level candidates alone, at the price of the
         step it plans (what the gate would have planned too when it stays closed)."""
-        if self.draft_always or self._steps_to_gate <= 0 or self._after_plain:
+        if (self.draft_always or self._gate.wait <= 0 or self._after_plain
+                or self._draft_trial_due(draft_index)):
             return True
-        if (self._draft_trials > 0
-                and self.estimator.judged_tokens(draft_index) < DRAFT_TRIAL_EVIDENCE):
-            return True
-        self._steps_to_gate -= 1
-        return False
+        return self._gate.due()
 
-    def _gate_closed(self) -> None:
-        """The gate kept the draft off this step: ask it again after the doubled gap."""
-        self._gate_gap = min(2 * self._gate_gap, MAX_GATE_GAP)
-        self._steps_to_gate = self._gate_gap - 1
+    def _draft_trial_due(self, draft_index: int) -> bool:
+        """Whether the draft's next run is one of its optimistic trials (see
+        :meth:`plan_draft`): trials left, and too few of its tokens judged yet."""
+        return (self._draft_trials > 0
+                and self.estimator.judged_tokens(draft_index) < DRAFT_TRIAL_EVIDENCE)
 
     def plan_draft(self, batch: StepBatch, offers, draft_index: int, caps: np.ndarray,
                    forward_seconds: float,
@@ -644,9 +661,7 @@ class Union:
         if self.draft_always:
             self._draft_price = (forward_seconds, run_seconds, max(lengths_list))
             return lengths_list
-        trial = (
-            self._draft_trials > 0
-            and self.estimator.judged_tokens(draft_index) < DRAFT_TRIAL_EVIDENCE)
+        trial = self._draft_trial_due(draft_index)
         # the draft's tokens before it runs: one cell per (mode, position, history)
         sampled, pooled_cells = batch.sampled, self.estimator.pooled_cells
         trial_rows = self._trial_rows(lengths_list, catch_up_seconds) if trial else ()
@@ -669,14 +684,14 @@ class Union:
         # if it is worth more than the row's best (one plan fewer when no row does)
         best_with, gains_draft = with_candidates(best, added, theta)
         if not gains_draft:  # no row would choose the draft's candidate: it cannot run
-            self._gate_closed()
+            self._gate.asked(False, MAX_GATE_GAP)
             return [0] * batch.num_reqs
         with_draft = planned(acceptance, self.cost, spec_overhead=spec_overhead,
                              best=best_with)[0]
         k = [c.num_tokens if n and c.candidate == len(acceptance[r]) - 1 else 0
              for r, (c, n) in enumerate(zip(with_draft, lengths_list))]  # [num_reqs]
         if not any(k):
-            self._gate_closed()
+            self._gate.asked(False, MAX_GATE_GAP)
             return [0] * batch.num_reqs
         # the with-draft plan cut to m = 1 .. max k forwards: the other rows' part is
         # fixed, the draft rows add their P_m while they have an m-th token
@@ -716,9 +731,9 @@ class Union:
                               forward_ms=forward_seconds * 1e3, run_ms=run_seconds * 1e3,
                               overhead_ms=overhead * 1e3)
         if not best:
-            self._gate_closed()
+            self._gate.asked(False, MAX_GATE_GAP)
             return [0] * batch.num_reqs
-        self._gate_gap, self._steps_to_gate = 1, 0
+        self._gate.asked(True, MAX_GATE_GAP)
         self._draft_price = (forward_seconds, run_seconds, best)  # (m: until choose knows)
         self._draft_trials -= trial
         self._unrated_step = trial or catch_up
@@ -973,11 +988,13 @@ class Union:
         if observe:
             # the arbiter's rate: sampled rows' drafts at their acceptance probabilities
             # (rows with the scorer's extras: their emitted tokens)
-            sampled = [req_id in pending and pending[req_id].sampled and req_id not in scored
-                       for req_id in verified.req_ids]
-            rate_tokens = (expected_emitted(scheduled_drafts, num_emitted, verified.expected,
-                                            sampled)
-                           if verified.expected and any(sampled) else None)
+            rate_tokens = None
+            if verified.expected:
+                sampled = [req_id in pending and pending[req_id].sampled
+                           and req_id not in scored for req_id in verified.req_ids]
+                if any(sampled):
+                    rate_tokens = expected_emitted(scheduled_drafts, num_emitted,
+                                                   verified.expected, sampled)
             self._observe(verified.seconds, verified.num_query_tokens, sum(num_emitted),
                           any(k > 0 for k in scheduled_drafts), verified.draft_seconds,
                           unrated=unrated, read_prompts=verified.read_prompts,
