@@ -1587,6 +1587,8 @@ def test_steps_to_steady_choice():
     records = [plan("ngram", None, "suffix", "suffix"), step(), step(False),
                plan("draft", "ngram"), step(), plan(None, None), step(False)]
     assert trace.step_choices(records) == ["suffix", "plain", "draft", "plain"]
+    # a tie goes to the name first in alphabetical order, whatever the rows' order
+    assert trace.step_choices([plan("suffix", "ngram"), step()]) == ["ngram"]
     # plain for 10 steps, suffix and draft by turns, then suffix for good
     choices = ["plain"] * 10 + ["suffix", "draft"] * 6 + ["suffix"] * 30
     steady, reached = trace.steps_to_steady(choices, window=8)
