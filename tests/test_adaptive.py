@@ -1655,3 +1655,10 @@ def test_the_draft_gate_is_asked_on_a_doubling_gap_while_it_keeps_the_draft_off(
     assert fresh.draft_gate_due(1)
     assert np.asarray(fresh.plan_draft(_batch(rows), [], 1, np.full(8, 8), 0.002)).any()
     assert fresh.draft_gate_due(1) and fresh._gate.wait == 0
+    # an untried draft whose optimistic trial does not pay either: the gap grows, and
+    # the trial waits for the next step that asks
+    untried = _union(Fixed("ngram", [], 0.5), Fixed("draft", [], 0.5))
+    assert untried.begin(None, 8, sampled=False)
+    union = untried
+    assert asks(len(expected), forward_seconds=0.5) == expected
+    assert untried._draft_trials == 4
