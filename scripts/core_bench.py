@@ -90,7 +90,7 @@ def run(batch: int, steps: int, cold: bool, repeats: int) -> list[float]:
                 continue
             offers = union.ask(step_batch, range(2))
             caps = (np.asarray(union.plan_draft(step_batch, offers, 2, np.full(batch, K), 0.0015))
-                    if union.draft_gate_due(2) else np.zeros(batch, dtype=np.int64))
+                    if union.draft_gate_due() else np.zeros(batch, dtype=np.int64))
             spent[0] += time.perf_counter() - start
             guesses = np.zeros((batch, K), dtype=np.int64)
             for r in range(batch):

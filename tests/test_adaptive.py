@@ -1632,7 +1632,7 @@ def test_the_draft_gate_is_asked_on_a_doubling_gap_while_it_keeps_the_draft_off(
     def asks(steps, forward_seconds):
         due = []
         for _ in range(steps):
-            due.append(union.draft_gate_due(1))
+            due.append(union.draft_gate_due())
             if due[-1]:
                 union.plan_draft(_batch(rows), [], 1, np.full(8, 8), forward_seconds)
         return due
@@ -1652,13 +1652,13 @@ def test_the_draft_gate_is_asked_on_a_doubling_gap_while_it_keeps_the_draft_off(
     # a gate that opens (here an untried draft's optimistic trial) is asked every step
     fresh = _union(Fixed("ngram", [], 0.5), Fixed("draft", [], 0.5))
     assert fresh.begin(None, 8, sampled=False)
-    assert fresh.draft_gate_due(1)
+    assert fresh.draft_gate_due()
     assert np.asarray(fresh.plan_draft(_batch(rows), [], 1, np.full(8, 8), 0.002)).any()
-    assert fresh.draft_gate_due(1) and fresh._gate.wait == 0
+    assert fresh.draft_gate_due() and fresh._gate.wait == 0
     # an untried draft whose optimistic trial does not pay either: the gap grows, and
     # the trial waits for the next step that asks
     untried = _union(Fixed("ngram", [], 0.5), Fixed("draft", [], 0.5))
     assert untried.begin(None, 8, sampled=False)
-    union = untried
+    union = untried  # (the union asks() reads from here on)
     assert asks(len(expected), forward_seconds=0.5) == expected
     assert untried._draft_trials == 4

@@ -560,7 +560,7 @@ class Union:
         return [(r, i, c) for i, cands in per_proposer.items()
                 for r, c in enumerate(cands) if c is not None]
 
-    def draft_gate_due(self, draft_index: int) -> bool:
+    def draft_gate_due(self) -> bool:
         """Whether this speculative step asks the draft model's gate (:meth:`plan_draft`),
         for a batch with rows that may use the draft: every step while the gate opens,
         and in a step right after plain ones (a re-check of speculation must weigh the
@@ -577,9 +577,7 @@ class Union:
         step for a trial that never ran, the gate cost the whole run its prices (measured
         on the validation pair, fresh engine, complete/b8/t0: asked in 45 of 50 steps, no
         draft run, 0.284 ms a step for the plan, 3% of the step)."""
-        if self.draft_always or self._gate.wait <= 0 or self._after_plain:
-            return True
-        return self._gate.due()
+        return self.draft_always or self._after_plain or self._gate.due()
 
     def _draft_trial_due(self, draft_index: int) -> bool:
         """Whether the draft's next run is one of its optimistic trials (see

@@ -809,7 +809,7 @@ class PluginDraftProposer(DraftModelProposer):
         draft_index = len(self.union.proposers) - 1
         offers = self.union.ask(batch, range(draft_index))
         rows = sum(1 for c in caps if c > 0)
-        if not rows or not self.union.draft_gate_due(draft_index):
+        if not rows or not self.union.draft_gate_due():
             return offers, [0] * len(caps)  # (the gate's prices not even computed)
         forward = self._forward_price(rows)
         room = self.max_model_len
