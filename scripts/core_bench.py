@@ -52,8 +52,9 @@ def _texts(batch: int) -> list[np.ndarray]:
     return texts
 
 
-def run(batch: int, steps: int, cold: bool, repeats: int) -> list[float]:
-    """ms per step of the core, one figure per repeat (after 50 untimed steps)."""
+def run(batch: int, steps: int, cold: bool, repeats: int, choose_only: bool = False) -> list[float]:
+    """ms per step of the core, one figure per repeat (after 50 untimed steps);
+    ``choose_only``: of ``Union.choose`` alone (estimates, plan, alternates, remembering)."""
     weights = [torch.randn(1024, 1024) for _ in range(8)]
     x = torch.randn(8, 1024)
 
@@ -91,7 +92,8 @@ def run(batch: int, steps: int, cold: bool, repeats: int) -> list[float]:
             offers = union.ask(step_batch, range(2))
             caps = (np.asarray(union.plan_draft(step_batch, offers, 2, np.full(batch, K), 0.0015))
                     if union.draft_gate_due() else np.zeros(batch, dtype=np.int64))
-            spent[0] += time.perf_counter() - start
+            if not choose_only:
+                spent[0] += time.perf_counter() - start
             guesses = np.zeros((batch, K), dtype=np.int64)
             for r in range(batch):
                 n = num_tokens[r]
@@ -130,9 +132,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cold", action="store_true",
                         help="sweep the caches before each call, as a forward does")
+    parser.add_argument("--choose-only", action="store_true",
+                        help="time Union.choose alone (what scripts/flat_plan_bench.py "
+                             "compares with)")
     args = parser.parse_args()
-    figures = run(args.batch, args.steps, args.cold, args.repeats)
-    print(f"batch {args.batch}, {'cold' if args.cold else 'warm'} caches: "
+    figures = run(args.batch, args.steps, args.cold, args.repeats, args.choose_only)
+    print(f"batch {args.batch}, {'choose, ' if args.choose_only else ''}"
+          f"{'cold' if args.cold else 'warm'} caches: "
           f"{min(figures):.3f} ms a step (best of {args.repeats}), "
           f"median {float(np.median(figures)):.3f}")
 
