@@ -23,6 +23,11 @@ import numba
 import numpy as np
 import torch
 
+from specplugin.adaptive.controller import NO_CANDIDATE, planned
+
+K = 8  # tokens per offer
+OFFERS = 3  # offers per row (n-gram, suffix, the draft model)
+
 
 @numba.njit(cache=True)
 def plan_flat(tok_cell, off_start, off_row, n, s, pn, ps, per_parent, g, m, m0, prior_mean,
@@ -90,7 +95,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=1)
     batch = parser.parse_args().batch
-    K = 8
     torch.set_num_threads(1)
     weights = [torch.randn(1024, 1024) for _ in range(8)]
     x = torch.randn(8, 1024)
@@ -100,15 +104,19 @@ def main() -> None:
         for w in weights:
             y = y @ w
     rng = np.random.default_rng(0)
-    C, per_parent = 3 * 2 * 10 * 5 * 4 + 400, 5 * 4
+    C, per_parent = OFFERS * 400, 5 * 4  # cells: 400 per proposer; 20 per parent
     n = rng.uniform(0, 50, C)
     s = n * rng.uniform(0, 1, C)
     pn = rng.uniform(0, 500, C // per_parent + 1)
     ps = pn * rng.uniform(0, 1, pn.size)
-    times = (0.004 + 0.0002 * np.arange(3 * batch * K + 4)).copy()
-    # per row two offers (n-gram, suffix) of K tokens: cells and signals as the union has them
-    signals = [rng.uniform(0.3, 1.0, K) for _ in range(3 * batch)]
-    rows = np.repeat(np.arange(batch), 3).astype(np.int64)
+    times = 0.004 + 0.0002 * np.arange(OFFERS * batch * K + 4)  # T(n0), T(n0 + 1), ...
+    # each offer's K tokens' signals; each token's cell from its proposer, position, signal
+    signals = [rng.uniform(0.3, 1.0, K) for _ in range(OFFERS * batch)]
+    rows = np.repeat(np.arange(batch), OFFERS).astype(np.int64)
+
+    def cells_of(o: int, signal: np.ndarray) -> list[int]:
+        return [(o % OFFERS) * 400 + 20 * j + min(int(v * 5), 4)
+                for j, v in enumerate(signal.tolist())]
     out_offer, out_k = np.empty(batch, np.int64), np.empty(batch, np.int64)
 
     def flat_step():
@@ -116,29 +124,25 @@ def main() -> None:
         # then one flat array
         cells = []
         for o, sig in enumerate(signals):
-            base = (o % 3) * 400
-            cells += [base + 20 * j + min(int(v * 5), 4) for j, v in enumerate(sig.tolist())]
+            cells += cells_of(o, sig)
         tok_cell = np.array(cells, dtype=np.int64)
-        off_start = np.arange(0, (3 * batch + 1) * K, K, dtype=np.int64)
+        off_start = np.arange(0, (OFFERS * batch + 1) * K, K, dtype=np.int64)
         plan_flat(tok_cell, off_start, rows, n, s, pn, ps, per_parent, 0.99, 10.0, 50.0, 0.5,
                   times, batch, 0.0005, out_offer, out_k)
 
     flat_step()  # compile
     # the same choice as the union's controller on the same posterior means
-    from specplugin.adaptive.controller import NO_CANDIDATE, planned
-
     acceptance = [[] for _ in range(batch)]
     for o, sig in enumerate(signals):
-        cells = [(o % 3) * 400 + 20 * j + min(int(v * 5), 4) for j, v in enumerate(sig.tolist())]
         means = []
-        for c in cells:
+        for c in cells_of(o, sig):
             p = c // per_parent
             parent = (ps[p] * 0.99 + 50.0 * 0.5) / (pn[p] * 0.99 + 50.0)
             means.append((s[c] * 0.99 + 10.0 * parent) / (n[c] * 0.99 + 10.0))
         acceptance[int(rows[o])].append(np.array(means))
     choices = planned(acceptance, lambda k: times[k - batch], batch, 0.0005)[0]
     assert [c.num_tokens for c in choices] == out_k.tolist() and out_k.any(), (choices, out_k)
-    assert [3 * r + c.candidate if c.candidate != NO_CANDIDATE else -1
+    assert [OFFERS * r + c.candidate if c.candidate != NO_CANDIDATE else -1
             for r, c in enumerate(choices)] == out_offer.tolist()
     for cold in (False, True):
         total = 0.0
