@@ -3,7 +3,7 @@ vectorised estimate and plan per step" would cost. One numba call does the choos
 of a step (each offered token's posterior mean from the estimator's tables, each row's
 candidate worth most at the step's token price, the batch's best prefix of tokens by
 their cumulative acceptance) on flat arrays, the Python glue that builds them (each
-token's cell) included; timed warm and with cold caches as ``scripts/core_bench.py``
+token's cell, from the project's ``AcceptanceEstimator``) included; timed warm and with cold caches as ``scripts/core_bench.py``
 times them. Left out beside ``Union.choose``: the Thompson draw of one row, the scorer's
 alternates, remembering what was sent. Compare with::
 
@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from specplugin.adaptive.controller import NO_CANDIDATE, planned
+from specplugin.adaptive.estimator import AcceptanceEstimator
 
 K = 8  # tokens per offer
 OFFERS = 3  # offers per row (n-gram, suffix, the draft model)
@@ -36,7 +37,7 @@ def plan_flat(tok_cell, off_start, off_row, n, s, pn, ps, per_parent, g, m, m0, 
     ``off_start[o]:off_start[o + 1]``, ``off_row`` [num_offers] its row; ``n``, ``s`` the
     cells' judged and accepted counts, ``pn``, ``ps`` their parents' (one per
     ``per_parent`` cells), ``g`` the decay scale, ``m``, ``m0``, ``prior_mean`` the
-    priors (as ``AcceptanceEstimator._posterior``); ``times`` [T(n0), T(n0 + 1), ...].
+    priors: ``AcceptanceEstimator``'s tables and posterior mean, as its ``_posterior``; ``times`` [T(n0), T(n0 + 1), ...].
     Writes each row's chosen offer (-1: none) and its tokens to ``out_offer``, ``out_k``
     [num_reqs] (as ``controller.planned`` chooses)."""
     num_offers = off_row.shape[0]
@@ -103,42 +104,38 @@ def main() -> None:
         y = x
         for w in weights:
             y = y @ w
+    # the estimator's tables with counts as a few thousand judged tokens leave them; the
+    # kernel reads them as arrays (what a flat-array estimator would keep)
     rng = np.random.default_rng(0)
-    C, per_parent = OFFERS * 400, 5 * 4  # cells: 400 per proposer; 20 per parent
-    n = rng.uniform(0, 50, C)
-    s = n * rng.uniform(0, 1, C)
-    pn = rng.uniform(0, 500, C // per_parent + 1)
-    ps = pn * rng.uniform(0, 1, pn.size)
+    estimator = AcceptanceEstimator(("ngram", "suffix", "draft"))
+    judged = rng.uniform(0, 50, estimator.shape)
+    estimator.set_counts(judged, judged * rng.uniform(0, 1, estimator.shape))
+    tables = [np.array(t) for t in (estimator._n, estimator._s, estimator._parent_n,
+                                    estimator._parent_s)]
+    per_parent = estimator._strides[2]
     times = 0.004 + 0.0002 * np.arange(OFFERS * batch * K + 4)  # T(n0), T(n0 + 1), ...
-    # each offer's K tokens' signals; each token's cell from its proposer, position, signal
+    # each offer's K tokens' signals (greedy rows, the first history bucket)
     signals = [rng.uniform(0.3, 1.0, K) for _ in range(OFFERS * batch)]
     rows = np.repeat(np.arange(batch), OFFERS).astype(np.int64)
-
-    def cells_of(o: int, signal: np.ndarray) -> list[int]:
-        return [(o % OFFERS) * 400 + 20 * j + min(int(v * 5), 4)
-                for j, v in enumerate(signal.tolist())]
     out_offer, out_k = np.empty(batch, np.int64), np.empty(batch, np.int64)
 
     def flat_step():
-        # the glue: cells of every offered token in Python (as Union._estimate's cells),
-        # then one flat array
+        # the glue: every offered token's cell (the estimator's own, as Union._estimate
+        # asks it), then one flat array
         cells = []
         for o, sig in enumerate(signals):
-            cells += cells_of(o, sig)
+            cells += estimator.cells(o % OFFERS, False, 0, sig)
         tok_cell = np.array(cells, dtype=np.int64)
         off_start = np.arange(0, (OFFERS * batch + 1) * K, K, dtype=np.int64)
-        plan_flat(tok_cell, off_start, rows, n, s, pn, ps, per_parent, 0.99, 10.0, 50.0, 0.5,
-                  times, batch, 0.0005, out_offer, out_k)
+        plan_flat(tok_cell, off_start, rows, *tables, per_parent, estimator._scale,
+                  estimator.m, estimator.m0, estimator.prior_mean, times, batch, 0.0005,
+                  out_offer, out_k)
 
     flat_step()  # compile
-    # the same choice as the union's controller on the same posterior means
+    # the same choice as the union's controller on the estimator's posterior means
     acceptance = [[] for _ in range(batch)]
     for o, sig in enumerate(signals):
-        means = []
-        for c in cells_of(o, sig):
-            p = c // per_parent
-            parent = (ps[p] * 0.99 + 50.0 * 0.5) / (pn[p] * 0.99 + 50.0)
-            means.append((s[c] * 0.99 + 10.0 * parent) / (n[c] * 0.99 + 10.0))
+        means = estimator.estimate_cells(estimator.cells(o % OFFERS, False, 0, sig))
         acceptance[int(rows[o])].append(np.array(means))
     choices = planned(acceptance, lambda k: times[k - batch], batch, 0.0005)[0]
     assert [c.num_tokens for c in choices] == out_k.tolist() and out_k.any(), (choices, out_k)
