@@ -133,8 +133,7 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true",
                         help="sweep the caches before each call, as a forward does")
     parser.add_argument("--choose-only", action="store_true",
-                        help="time Union.choose alone (what scripts/flat_plan_bench.py "
-                             "compares with)")
+                        help="time Union.choose alone (the compiled plan and its glue)")
     args = parser.parse_args()
     figures = run(args.batch, args.steps, args.cold, args.repeats, args.choose_only)
     print(f"batch {args.batch}, {'choose, ' if args.choose_only else ''}"

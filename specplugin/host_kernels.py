@@ -35,7 +35,7 @@ import numba
 import numpy as np
 from llvmlite.binding import ffi
 
-_JIT = {"cache": True, "nogil": True}
+JIT = {"cache": True, "nogil": True}
 
 
 def _answer_dict_lookups() -> None:
@@ -60,7 +60,7 @@ _answer_dict_lookups()
 _WEIGHTS = ["int64(float64[::1], float64)", "int64(float32[:], float64)"]  # [vocab_size]
 
 
-@numba.njit(_WEIGHTS, **_JIT)
+@numba.njit(_WEIGHTS, **JIT)
 def first_reaching(weights, target):  # weights: [vocab_size] >= 0
     """The first index whose running float64 sum of ``weights`` reaches ``target``."""
     running = 0.0
@@ -71,7 +71,7 @@ def first_reaching(weights, target):  # weights: [vocab_size] >= 0
     return weights.shape[0] - 1  # (unreachable for a target at most the total)
 
 
-@numba.njit(_WEIGHTS, **_JIT)
+@numba.njit(_WEIGHTS, **JIT)
 def cdf_draw(weights, u):  # weights: [vocab_size] >= 0; u in (0, 1]
     """The first index whose running float64 sum of ``weights`` reaches ``u * total``:
     a draw in proportion to ``weights`` (index 0 when they have no mass at all)."""
@@ -81,7 +81,7 @@ def cdf_draw(weights, u):  # weights: [vocab_size] >= 0; u in (0, 1]
     return first_reaching(weights, u * total)
 
 
-@numba.njit("void(float32[:, :], float64[:], boolean[::1], int64[::1], float32[::1])", **_JIT)
+@numba.njit("void(float32[:, :], float64[:], boolean[::1], int64[::1], float32[::1])", **JIT)
 def draw_rows(probs, uniforms, greedy, token_ids, confidence):
     """One draft token per row of ``probs`` ([num_rows, vocab_size], rows summing to 1):
     the argmax where ``greedy``, else the draw of :func:`cdf_draw` at the row's uniform
@@ -103,7 +103,7 @@ def draw_rows(probs, uniforms, greedy, token_ids, confidence):
 
 @numba.njit("void(float32[:, :], float32[:, :], int64[::1], boolean[::1], int64[::1], "
             "float32[:, :], boolean, float64[::1], int32[:, ::1], float32[::1], "
-            "float64[::1])", **_JIT)
+            "float64[::1])", **JIT)
 def verify_rows(logits, target_probs, counts, greedy, draft_token_ids, draft_probs, has_q,
                 uniforms, output, expected, work):
     """Verification of a batch, request by request, as
@@ -180,7 +180,7 @@ def verify_rows(logits, target_probs, counts, greedy, draft_token_ids, draft_pro
 
 
 @numba.njit("int64(int64[::1], int64[::1], int64[::1], int32[:, :], int32[:, :], int64, "
-            "int32[::1], int64[:, ::1])", **_JIT)
+            "int32[::1], int64[:, ::1])", **JIT)
 def first_pass_inputs(rows, starts, ends, token_ids, block_table, block_size, cu_query_lens,
                       out):
     """A draft run's first pass reads row ``rows[i]``'s positions ``[starts[i], ends[i])``:
@@ -202,7 +202,7 @@ def first_pass_inputs(rows, starts, ends, token_ids, block_table, block_size, cu
 
 
 @numba.njit("void(int32[:, :], int64[::1], int64, int64, int64, int64[:, :, ::1], "
-            "int32[:, ::1])", **_JIT)
+            "int32[:, ::1])", **JIT)
 def decode_pass_inputs(block_table, ends, block_size, max_model_len, padding_slot, out,
                        seq_lens):
     """The positions and slots (``out`` [2, num_passes, num_rows]) and sequence lengths

@@ -43,6 +43,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specplugin.adaptive import kernels
+
 POSITION_EDGES = np.array([1, 2, 3, 4, 8])  # groups: 0, 1, 2, 3, 4-7, 8+
 HISTORY_EDGES = np.array([0.3, 0.7])  # recent acceptance: low, mid, high (+ "new")
 _HISTORY_EDGE_LIST = HISTORY_EDGES.tolist()
@@ -69,13 +71,13 @@ class TokenCells:
 class AcceptanceEstimator:
     """The cells' counts and posteriors (see the module docstring).
 
-    Kept in plain Python lists, not numpy arrays: the union reads a few dozen cells and
-    learns a few dozen tokens per step, right after the target's forward has evicted
-    the caches, where each numpy call costs several microseconds and a list lookup a
-    fraction of one (measured: 13 small numpy calls 105 us cold against 23 us for the
-    same work on lists). Decay is a common scale (the stored counts times ``_scale``
-    are the counts), so fading every cell costs one multiplication; the sums a cell's
-    parent and its signal-pooled cell need are kept beside the counts, updated with them.
+    Kept in flat float64 arrays that the union's compiled step reads and writes
+    (:mod:`specplugin.adaptive.kernels`: the posterior means of a step's offers and the
+    plan in one call, a batch of verdicts in another), right after the target's forward has
+    evicted the caches, where Python pays for every call and object it touches. Decay is a
+    common scale (the stored counts times ``_scale`` are the counts), so fading every cell
+    costs one multiplication; the sums a cell's parent and its signal-pooled cell need are
+    kept beside the counts, updated with them.
     """
 
     def __init__(self, proposers: tuple[str, ...], num_signal_buckets: int = 8,
@@ -87,11 +89,16 @@ class AcceptanceEstimator:
         self.decay = 1.0 - 1.0 / memory
         self.shape = (len(proposers), 2, len(POSITION_EDGES) + 1, num_signal_buckets,
                       len(HISTORY_EDGES) + 2)
-        self.random = random.Random(seed)  # the draws (seeded: runs repeat)
+        self.random = random.Random(seed)  # the pooled draws (seeded: runs repeat)
+        kernels.seed(seed)  # the cells' draws (kernels.posterior_draw)
         _, modes, groups, buckets, histories = self.shape
         self._strides = (modes * groups * buckets * histories, groups * buckets * histories,
                          buckets * histories, histories)
         self._position_list = [g * buckets * histories for g in position_groups(64)]
+        self._groups = np.array(position_groups(64), dtype=np.int64)  # (the last repeats)
+        # what the compiled plan needs to build a token's cell (kernels.plan_offers)
+        self.strides = (self._strides[0], self._strides[1], buckets * histories, histories,
+                        buckets)
         self.set_counts(0.0, 0.0)
 
     # -- the counts -------------------------------------------------------------------
@@ -112,14 +119,31 @@ class AcceptanceEstimator:
         n = np.broadcast_to(np.asarray(judged, dtype=float), self.shape)
         s = np.broadcast_to(np.asarray(accepted, dtype=float), self.shape)
         self._scale = 1.0
-        self._n, self._s = n.ravel().tolist(), s.ravel().tolist()
+        self._n, self._s = n.ravel().copy(), s.ravel().copy()
         # per (proposer, mode, position): the parent; and per (..., history): pooled
-        self._parent_n, self._parent_s = (a.sum(axis=(3, 4)).ravel().tolist() for a in (n, s))
-        self._pool_n, self._pool_s = (a.sum(axis=3).ravel().tolist() for a in (n, s))
+        self._parent_n, self._parent_s = (a.sum(axis=(3, 4)).ravel() for a in (n, s))
+        self._pool_n, self._pool_s = (a.sum(axis=3).ravel() for a in (n, s))
+        # each cell's posterior draw, kept while its stamp is the tables' (_changed)
+        self._drawn = np.zeros(self._n.size)
+        self._stamps = np.full(self._n.size, -1, dtype=np.int64)
+        self._stamp = 0
+        self._arrays = (self._n, self._s, self._parent_n, self._parent_s, self._drawn,
+                        self._stamps, self._groups, self._strides[2])
+        self._priors = (float(self.m), float(self.m0), float(self.prior_mean))
         self._changed()
+
+    @property
+    def tables(self) -> tuple:
+        """What the compiled estimates read (:func:`kernels.posterior_value
+        <specplugin.adaptive.kernels.posterior_value>`, after the token's code): the counts,
+        the parents' counts, the kept draws and their stamps, the position groups (for
+        :func:`kernels.plan_offers <specplugin.adaptive.kernels.plan_offers>`), cells per
+        parent, the decay scale, the priors and the tables' stamp."""
+        return self._arrays + (self._scale,) + self._priors + (self._stamp,)
 
     def _changed(self) -> None:
         """The counts changed: every kept estimate and draw is stale."""
+        self._stamp += 1
         # (pooled, draw) -> cell -> its posterior mean or draw (see _value)
         self._kept: dict[tuple[bool, bool], dict[int, float]] = {
             (pooled, draw): {} for pooled in (False, True) for draw in (False, True)}
@@ -131,28 +155,19 @@ class AcceptanceEstimator:
             g = self._scale
             for table in (self._n, self._s, self._parent_n, self._parent_s,
                           self._pool_n, self._pool_s):
-                table[:] = [x * g for x in table]
+                table *= g
             self._scale = 1.0
         self._changed()
 
     def update_cells(self, cells: Sequence[int], accepted: Sequence[bool | float]) -> None:
         """One judged token per entry: its cell (:meth:`cells`) and whether it was accepted,
         or the probability that it would be (a sampled token's, as the verifier computed
-        it: the same average with less noise)."""
-        inc = 1.0 / self._scale
-        per_parent, histories = self._strides[2], self._strides[3]
-        n, s, pn, ps, qn, qs = (self._n, self._s, self._parent_n, self._parent_s,
-                                self._pool_n, self._pool_s)
-        for c, a in zip(cells, accepted):
-            p = c // per_parent
-            q = p * histories + c % histories
-            n[c] += inc
-            pn[p] += inc
-            qn[q] += inc
-            if a:
-                s[c] += inc * a
-                ps[p] += inc * a
-                qs[q] += inc * a
+        it: the same average with less noise). One compiled call
+        (:func:`kernels.update_cells <specplugin.adaptive.kernels.update_cells>`)."""
+        kernels.update_cells(self._n, self._s, self._parent_n, self._parent_s, self._pool_n,
+                             self._pool_s, np.asarray(cells, dtype=np.int64),
+                             np.asarray(accepted, dtype=np.float64), 1.0 / self._scale,
+                             self._strides[2], self._strides[3])
         self._changed()
 
     def update(self, t: TokenCells, accepted: np.ndarray) -> None:
@@ -165,7 +180,8 @@ class AcceptanceEstimator:
     def judged_tokens(self, proposer: int) -> float:
         """Judged tokens of one proposer in all (decayed), without building :attr:`judged`."""
         per_proposer = len(self._parent_n) // self.shape[0]
-        return sum(self._parent_n[proposer * per_proposer:(proposer + 1) * per_proposer]) * self._scale
+        start = proposer * per_proposer
+        return float(self._parent_n[start:start + per_proposer].sum()) * self._scale
 
     # -- cells --------------------------------------------------------------------------
 
@@ -204,10 +220,10 @@ class AcceptanceEstimator:
         and history brought)."""
         g, per_parent, histories = self._scale, self._strides[2], self._strides[3]
         p = c // histories if pooled else c // per_parent
-        parent = ((self._parent_s[p] * g + self.m0 * self.prior_mean)
-                  / (self._parent_n[p] * g + self.m0))
+        parent = ((self._parent_s[p].item() * g + self.m0 * self.prior_mean)
+                  / (self._parent_n[p].item() * g + self.m0))
         n, s = ((self._pool_n[c], self._pool_s[c]) if pooled else (self._n[c], self._s[c]))
-        n, s = n * g, s * g
+        n, s = n.item() * g, s.item() * g
         alpha = s + self.m * parent
         return alpha, max(n - s, 0.0) + self.m * (1.0 - parent), alpha / (n + self.m)
 
@@ -229,7 +245,16 @@ class AcceptanceEstimator:
         (``draw``) one posterior draw per cell, kept until the counts change (tokens of the
         same cell, within a step and across the steps until the next update, get the same
         draw: Thompson sampling with the estimator's batched updates)."""
-        return [self._value(c, False, draw) for c in cells]
+        return self.values([-c - 1 for c in cells] if draw else list(cells))
+
+    def values(self, codes: list[int]) -> list[float]:
+        """Acceptance of tokens given by their codes: cell ``c`` its posterior mean,
+        ``-(c + 1)`` its draw (as :meth:`estimate_cells`), in one compiled call
+        (:func:`kernels.posterior_values <specplugin.adaptive.kernels.posterior_values>`)."""
+        out = np.empty(len(codes))
+        tables = self.tables
+        kernels.posterior_values(np.array(codes, dtype=np.int64), *tables[:6], *tables[7:], out)
+        return out.tolist()
 
     def estimate(self, t: TokenCells, signal_known: bool = True,
                  draw: np.ndarray | None = None) -> np.ndarray:  # [num_tokens]

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specplugin.adaptive import kernels
 from specplugin.adaptive.arbiter import StepArbiter
 from specplugin.adaptive.controller import (NO_CANDIDATE, Choice, best_candidates, cumulative,
                                            divergence, expand, plan, planned, token_price,
@@ -141,6 +142,9 @@ class _Pending:
     # a proposer's alternative (not its own best guess): verified only as an extra
     # candidate, and never learned from (see _learn_extras)
     alternative: bool = False
+    # [k] the estimator cells of the tokens sent, where the plan had them (None: from
+    # the signals when learned)
+    cells: list[int] | None = None
 
 
 @dataclass
@@ -182,6 +186,38 @@ class _Shadow:
     sent: _Pending
     tokens: np.ndarray  # [k] the candidate's tokens
     start: int  # the request's context length when it was found
+
+
+@dataclass
+class _FlatPlan:
+    """One step's offers and plan as :meth:`Union._plan` made it: offer ``o`` is
+    ``offers[o]`` (in row order), its tokens' cells ``cells[starts[o]:starts[o + 1]]``."""
+
+    offers: list  # [num_offers] (row, proposer index, candidate)
+    cells: np.ndarray  # [num_tokens] each offered token's estimator cell (a buffer's view)
+    starts: list[int]  # [num_offers + 1]
+    # [num_tokens] each token's estimate (mean or draw); a view of the union's buffer,
+    # valid until its next plan
+    acceptance_of_tokens: np.ndarray
+    offer: list[int]  # [num_reqs] each row's chosen offer (-1: none)
+    num_tokens: list[int]  # [num_reqs] the tokens it verifies of it
+    expected: float  # tokens the step is expected to emit
+    seconds: float  # its predicted seconds (the draft's forwards not included)
+
+    def acceptance(self) -> list[list[np.ndarray]]:
+        """[num_reqs][candidates] each row's offers' token estimates, in offer order."""
+        out: list[list[np.ndarray]] = [[] for _ in self.offer]
+        for o, (r, _, _) in enumerate(self.offers):
+            out[r].append(self.acceptance_of_tokens[self.starts[o]:self.starts[o + 1]])
+        return out
+
+    def choices(self) -> list[Choice]:
+        """[num_reqs] the plan as the controller's choices (candidates indexed per row)."""
+        first: dict[int, int] = {}
+        for o, (r, _, _) in enumerate(self.offers):
+            first.setdefault(r, o)
+        return [Choice(o - first[r], k) if o >= 0 else Choice(NO_CANDIDATE, 0)
+                for r, (o, k) in enumerate(zip(self.offer, self.num_tokens))]
 
 
 class Union:
@@ -227,14 +263,18 @@ class Union:
         # the draft run plan_draft let go this step, priced for the arbiter's prediction:
         # (seconds a forward, a run's fixed seconds, forwards planned)
         self._draft_price = (0.0, 0.0, 0)
-        # id(candidate) -> its tokens' acceptance as plan_draft estimated it this step:
-        # choose reuses them (one estimate, one posterior draw per step for the gate and
-        # the choice), estimating only the draft model's candidates, known after it ran
-        self._estimated: dict[int, list[float]] = {}
-        # plan_draft's plan over the token-level candidates alone (their ids, the plan):
-        # when the draft model then runs for no row, choose has nothing else to weigh
-        # (and its expected tokens and seconds, for the arbiter's prediction)
-        self._plan_without: tuple[tuple[int, ...], tuple[list[Choice], float, float]] | None = None
+        # id(candidate) of the offers plan_draft estimated this step: choose weighs them
+        # as the gate did (one posterior draw per step for the gate and the choice, the
+        # same explorer row; the draws are kept per cell until the counts change), and the
+        # draft model's candidates, known only after it ran, at their posterior means
+        self._estimated: set[int] = set()
+        # the row whose offers this step's estimates draw from the posterior (see
+        # _explorer; None: not picked yet this step, -1: none)
+        self._step_explorer: int | None = None
+        # the compiled plan's outputs, kept from step to step (grown when a step needs more)
+        self._token_buffer = np.empty(0)  # each offered token's estimate
+        self._plan_buffer = np.empty(0, dtype=np.int64)  # each row's offer, then its tokens
+        self._cell_buffer = np.empty(0, dtype=np.int64)  # each offered token's cell
         # (this step's batch, its rows' history buckets): see _histories
         self._step_histories: tuple[StepBatch, list[int]] | None = None
         self.learn_every = learn_every
@@ -299,7 +339,7 @@ class Union:
         After :meth:`plain_step` said True, the step was observed and decided there."""
         self._alternative_offers = []
         self._draft_price = (0.0, 0.0, 0)
-        self._estimated, self._plan_without = {}, None
+        self._estimated, self._step_explorer = set(), None
         self._step_histories = None
         observed, self._observed = self._observed, False
         unrated, self._unrated_step = self._unrated_step, False
@@ -653,15 +693,16 @@ class Union:
         histories = self._histories(batch)
         acceptance: list[list] = [[] for _ in range(batch.num_reqs)]  # [num_reqs][candidates]
         offers = sorted(offers, key=lambda o: o[0])
-        for (r, _, c), a in zip(offers, self._estimate(offers, batch, histories)):
+        explorer = self._explorer(offers) if self.explore and offers else -1
+        for (r, _, c), a in zip(offers, self._estimate(offers, batch, histories,
+                                                       explorer=explorer)):
             acceptance[r].append(a)
-            self._estimated[id(c)] = a
+            self._estimated.add(id(c))
         spec_overhead = self.cost.spec_overhead_s
         theta = token_price(self.cost, batch.num_reqs)
         best = best_candidates(acceptance, theta)  # [num_reqs] the token-level candidates'
-        plan_without = planned(acceptance, self.cost, spec_overhead=spec_overhead, best=best)
-        without, kept, kept_seconds = plan_without
-        self._plan_without = (tuple(id(c) for _, _, c in offers), plan_without)
+        without, kept, kept_seconds = planned(acceptance, self.cost,
+                                              spec_overhead=spec_overhead, best=best)
         if self.draft_always:
             self._draft_price = (forward_seconds, run_seconds, max(lengths_list))
             return lengths_list
@@ -789,18 +830,10 @@ class Union:
         more, the prediction ran high for reasons neither the estimator nor the cost
         model has, and its correction would have held speculation back."""
         histories = self._histories(batch)
-        acceptance: list[list[np.ndarray]] = [[] for _ in range(batch.num_reqs)]
         order = sorted(range(len(offers)), key=lambda o: offers[o][0])  # by row, stable
         offers = [offers[o] for o in order]
-        for (r, _, _), a in zip(offers, self._acceptance(offers, batch, histories)):
-            acceptance[r].append(a)
-        kept = self._plan_without
-        if kept is not None and kept[0] == tuple(id(c) for _, _, c in offers):
-            choices, expected, seconds = kept[1]  # the same candidates, estimates and costs
-        else:
-            choices, expected, seconds = planned(acceptance, self.cost,
-                                                 spec_overhead=self.cost.spec_overhead_s)
-        drafts, sources = self._remember(batch, offers, histories, choices)
+        flat = self._plan(batch, offers, histories)
+        drafts, sources = self._remember(batch, offers, histories, flat)
         if trace.TRACE is not None:
             trace.TRACE.write("plan", sources=[None if i is None else self.proposers[i].name
                                                for i in sources])
@@ -812,12 +845,13 @@ class Union:
             # the draft's forwards, if it ran, are the step's too
             per_forward, run_seconds, planned_forwards = self._draft_price
             forwards = planned_forwards if draft_forwards is None else draft_forwards
-            seconds += per_forward * forwards + run_seconds * (forwards > 0)
             num_drafts = sum(len(d) for d in drafts)
-            self.arbiter.predicted(expected, seconds, batch.num_reqs + num_drafts,
+            seconds = flat.seconds + per_forward * forwards + run_seconds * (forwards > 0)
+            self.arbiter.predicted(flat.expected, seconds, batch.num_reqs + num_drafts,
                                    num_drafts > 0)
-        alternates: list[list[list[int]]] = [[] for _ in choices]
+        alternates: list[list[list[int]]] = [[] for _ in range(batch.num_reqs)]
         if self.max_candidates > 1:
+            acceptance, choices = flat.acceptance(), flat.choices()
             alternatives = sorted(self._alternative_offers, key=lambda o: o[0])
             for (r, _, _), a in zip(alternatives, self._estimate(alternatives, batch, histories)):
                 acceptance[r].append(a)
@@ -825,17 +859,50 @@ class Union:
                              alternates, histories, len(offers))
         return StepPlan(drafts, sources, alternates)
 
-    def _acceptance(self, offers, batch: StepBatch, histories: list[int]) -> list[np.ndarray]:
-        """Each offer's acceptance: plan_draft's estimate where it made one this step (the
-        token-level candidates, their explorer draw included), else estimated now (the
-        draft model's candidates, whose signals are known once it ran; posterior means
-        when plan_draft already drew this step's exploration)."""
-        known = self._estimated
-        if not known:
-            return self._estimate(offers, batch, histories)
-        fresh = [o for o in offers if id(o[2]) not in known]
-        estimates = iter(self._estimate(fresh, batch, histories, explore=False))
-        return [known[id(c)] if id(c) in known else next(estimates) for _, _, c in offers]
+    def _plan(self, batch: StepBatch, offers, histories: list[int]) -> _FlatPlan:
+        """The controller's plan over ``offers`` (in row order), in one compiled call
+        (:func:`kernels.plan_offers <specplugin.adaptive.kernels.plan_offers>`): each
+        offer's row, proposer, mode and history bucket, its tokens' signals, and the step
+        times, packed in two arrays; the kernel builds each token's estimator cell and
+        reads its estimate from the estimator's tables. The explorer row's offers take
+        their posterior draws (the gate's, where :meth:`plan_draft` estimated them this
+        step: kept per cell, they are the same numbers), every other token its mean."""
+        estimator, sampled, num_reqs = self.estimator, batch.sampled, batch.num_reqs
+        explorer, gate = -1, self._estimated
+        if offers and self.explore:
+            explorer = self._explorer(offers if not gate else
+                                      [o for o in offers if id(o[2]) in gate])
+        meta, starts, signals = [], [0], []
+        for r, i, c in offers:
+            meta += (r, i, int(sampled[r]), histories[r],
+                     r == explorer and (not gate or id(c) in gate))
+            starts.append(starts[-1] + len(c.signal))
+            signals.append(c.signal)
+        num_tokens = starts[-1]
+        if len(self._token_buffer) < num_tokens or len(self._plan_buffer) < 2 * num_reqs:
+            self._token_buffer = np.empty(max(2 * num_tokens, 256))
+            self._cell_buffer = np.empty(max(2 * num_tokens, 256), dtype=np.int64)
+            self._plan_buffer = np.empty(max(4 * num_reqs, 64), dtype=np.int64)
+        tables = estimator.tables
+        ints, floats = kernels.pack_plan(num_reqs, meta, starts, signals,
+                                         self.cost.step_times(num_reqs, num_tokens + 2), tables,
+                                         estimator.strides, self.cost.spec_overhead_s)
+        expected, seconds = kernels.plan_offers(ints, floats, *tables[:7], self._token_buffer,
+                                                self._cell_buffer, self._plan_buffer)
+        chosen = self._plan_buffer[:2 * num_reqs].tolist()
+        return _FlatPlan(offers, self._cell_buffer[:num_tokens], starts,
+                         self._token_buffer[:num_tokens], chosen[:num_reqs],
+                         chosen[num_reqs:], expected, seconds)
+
+    def _explorer(self, offers) -> int:
+        """This step's explorer row (-1: none): picked once per step, at random among the
+        rows of ``offers`` (in proportion to their offers), so that the gate and the choice
+        explore the same row."""
+        if self._step_explorer is None:
+            if not offers:
+                return -1
+            self._step_explorer = offers[self.estimator.random.randrange(len(offers))][0]
+        return self._step_explorer
 
     def _alternates(self, batch: StepBatch, offers, acceptance, choices, drafts, alternates,
                     histories, num_main: int) -> None:
@@ -922,45 +989,49 @@ class Union:
         return [c if c is not None and len(c) else None for c in candidates]
 
     def _estimate(self, offers, batch: StepBatch, histories: list[int],
-                  explore: bool | None = None) -> list[list[float]]:
-        """Acceptance of every offered token, per offer (``explore``: one row's drawn from
-        the posterior; default: the union's setting). Plain Python over the estimator's
-        tables (:meth:`~specplugin.adaptive.estimator.AcceptanceEstimator.estimate_cells`):
-        a step estimates a few dozen tokens."""
+                  explore: bool | None = None, explorer: int | None = None) -> list[list[float]]:
+        """Acceptance of every offered token, per offer: posterior means in one compiled
+        call (:meth:`~specplugin.adaptive.estimator.AcceptanceEstimator.estimate_cells`),
+        the ``explorer`` row's drawn from the posterior (None: one row picked at random
+        here if ``explore``, default the union's setting; -1: none)."""
         if not offers:
             return []
-        estimator, sampled = self.estimator, batch.sampled
-        explorer = -1
-        if self.explore if explore is None else explore:
-            explorer = offers[estimator.random.randrange(len(offers))][0]
-        return [estimator.estimate_cells(
-                    estimator.cells(i, sampled[r], histories[r], c.signal), draw=r == explorer)
-                for r, i, c in offers]
+        estimator, sampled, cells_of = self.estimator, batch.sampled, self.estimator.cells
+        if explorer is None:
+            explorer = -1
+            if self.explore if explore is None else explore:
+                explorer = offers[estimator.random.randrange(len(offers))][0]
+        codes, starts = [], [0]
+        for r, i, c in offers:
+            cells = cells_of(i, sampled[r], histories[r], c.signal)
+            codes += [-x - 1 for x in cells] if r == explorer else cells
+            starts.append(len(codes))
+        values = estimator.values(codes)
+        return [values[starts[o]:starts[o + 1]] for o in range(len(offers))]
 
-    def _remember(self, batch: StepBatch, offers, histories, choices):
-        """Record what each row sends (to learn from its verdict); returns the drafts and
-        their sources ([num_reqs] each)."""
+    def _remember(self, batch: StepBatch, offers, histories, flat: _FlatPlan):
+        """Record what each row sends (to learn from its verdict, with the cells its tokens
+        were estimated in); returns the drafts and their sources ([num_reqs] each)."""
         self._pending, self._pending_extras = {}, {}
         drafts: list[list[int]] = []
-        sources: list[int | None] = [None] * len(choices)
-        self.stats.steps += 1
-        by_row: dict[int, list] = {}
-        for r, i, c in offers:
-            by_row.setdefault(r, []).append((i, c))
-        for r, choice in enumerate(choices):
-            self.stats.k_histogram[choice.num_tokens] += 1
-            if choice.candidate == NO_CANDIDATE:
+        sources: list[int | None] = [None] * batch.num_reqs
+        stats, histogram = self.stats, self.stats.k_histogram
+        stats.steps += 1
+        for r, (o, k) in enumerate(zip(flat.offer, flat.num_tokens)):
+            histogram[k] += 1
+            if o < 0:
                 drafts.append([])
                 continue
-            index, candidate = by_row[r][choice.candidate]
-            k = choice.num_tokens
+            _, index, candidate = offers[o]
             sources[r] = index
             drafts.append(candidate.token_ids[:k].tolist())
+            start = flat.starts[o]
             self._pending[batch.req_ids[r]] = _Pending(
-                index, bool(batch.sampled[r]), histories[r], candidate.signal[:k])
-            self.stats.chosen[self.proposers[index].name] += 1
+                index, bool(batch.sampled[r]), histories[r], candidate.signal[:k],
+                cells=flat.cells[start:start + k].tolist())
+            stats.chosen[self.proposers[index].name] += 1
         if not any(drafts):
-            self.stats.steps_without_drafts += 1
+            stats.steps_without_drafts += 1
         return drafts, sources
 
     def _learn_extras(self, extras: list[_Pending], outcome: Scored, emitted: int,
@@ -1044,8 +1115,9 @@ class Union:
         if judged_parts:
             estimator, cells, accepted = self.estimator, [], []
             for sent, outcomes in judged_parts:
-                cells += estimator.cells(sent.proposer, sent.sampled, sent.history,
-                                         sent.signal[:len(outcomes)])
+                cells += (sent.cells[:len(outcomes)] if sent.cells is not None else
+                          estimator.cells(sent.proposer, sent.sampled, sent.history,
+                                          sent.signal[:len(outcomes)]))
                 accepted += outcomes
             estimator.update_cells(cells, accepted)
             self._learned_tokens += len(cells)

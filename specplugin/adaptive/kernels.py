@@ -1,0 +1,231 @@
+"""Compiled loops for the union's per-step decisions (numba, which vLLM requires).
+
+Why compiled: the union estimates, plans and learns right after the target's forward has
+swept the processor's caches, and there Python pays for every function and every object it
+touches (measured in the union's core, ``scripts/core_bench.py --cold --choose-only``, batch
+1: ``Union.choose`` 0.123-0.128 ms a step in plain Python over the estimator's tables; the
+same choice as one compiled call on flat arrays was 0.047-0.069 ms in an experiment that
+left out the draws and the bookkeeping, at ``7e6f63e``).
+So a step's offers are flat arrays (each token's estimator cell, each offer's first token
+and row) and the estimate and the plan are one call.
+
+The arithmetic is the Python code's it stands for, operation for operation, so that the
+same estimator tables and step times give the same choice: the posterior mean as
+:meth:`AcceptanceEstimator._posterior
+<specplugin.adaptive.estimator.AcceptanceEstimator._posterior>`, the best candidate and the
+batch's prefix as :func:`specplugin.adaptive.controller.planned` (tested against it on
+random batches in ``tests/test_kernels.py``).
+
+Every kernel is compiled for one signature when this module is imported (cached on disk
+by numba after the first time), so that no compile lands inside a timed step.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from specplugin.host_kernels import JIT
+
+
+@numba.njit("float64(int64, float64[::1], float64[::1], float64[::1], float64[::1], int64, "
+            "float64, float64, float64, float64)", **JIT)
+def posterior_mean(c, n, s, pn, ps, per_parent, g, m, m0, prior_mean):
+    """Cell ``c``'s posterior mean from the estimator's tables (counts times the decay
+    scale ``g``): the cell shrunk toward its parent (``per_parent`` cells share one), the
+    parent toward ``prior_mean``."""
+    p = c // per_parent
+    parent = (ps[p] * g + m0 * prior_mean) / (pn[p] * g + m0)
+    return (s[c] * g + m * parent) / (n[c] * g + m)
+
+
+@numba.njit("void(int64)", **JIT)
+def seed(value):
+    """Seed the draws of :func:`posterior_draw` (numba's generator: one per process)."""
+    np.random.seed(value)
+
+
+@numba.njit("float64(int64, float64[::1], float64[::1], float64[::1], float64[::1], "
+            "float64[::1], int64[::1], int64, float64, float64, float64, float64, int64)", **JIT)
+def posterior_draw(c, n, s, pn, ps, drawn, stamps, per_parent, g, m, m0, prior_mean, stamp):
+    """One draw from cell ``c``'s posterior, ``Beta(s + m * parent, n - s + m * (1 -
+    parent))`` (clipped into (0, 1)), kept in ``drawn[c]`` while ``stamps[c]`` is the
+    tables' ``stamp`` (the estimator's count of changes): the same draw for every token of
+    the cell until the counts change."""
+    if stamps[c] == stamp:
+        return drawn[c]
+    p = c // per_parent
+    parent = (ps[p] * g + m0 * prior_mean) / (pn[p] * g + m0)
+    judged, accepted = n[c] * g, s[c] * g
+    alpha = accepted + m * parent
+    beta = max(judged - accepted, 0.0) + m * (1.0 - parent)
+    x = min(max(np.random.beta(alpha, beta), 1e-6), 1.0 - 1e-6)
+    drawn[c] = x
+    stamps[c] = stamp
+    return x
+
+
+@numba.njit("float64(int64, float64[::1], float64[::1], float64[::1], float64[::1], "
+            "float64[::1], int64[::1], int64, float64, float64, float64, float64, int64)", **JIT)
+def posterior_value(code, n, s, pn, ps, drawn, stamps, per_parent, g, m, m0, prior_mean, stamp):
+    """A token's acceptance from its code: cell ``c`` >= 0 its posterior mean, ``-(c + 1)``
+    its posterior draw (:func:`posterior_draw`)."""
+    if code >= 0:
+        return posterior_mean(code, n, s, pn, ps, per_parent, g, m, m0, prior_mean)
+    return posterior_draw(-code - 1, n, s, pn, ps, drawn, stamps, per_parent, g, m, m0,
+                          prior_mean, stamp)
+
+
+@numba.njit("void(int64[::1], float64[::1], float64[::1], float64[::1], float64[::1], "
+            "float64[::1], int64[::1], int64, float64, float64, float64, float64, int64, "
+            "float64[::1])", **JIT)
+def posterior_values(codes, n, s, pn, ps, drawn, stamps, per_parent, g, m, m0, prior_mean,
+                     stamp, out):
+    """:func:`posterior_value` of each of ``codes`` [num_tokens] into ``out``."""
+    for t in range(codes.shape[0]):
+        out[t] = posterior_value(codes[t], n, s, pn, ps, drawn, stamps, per_parent, g, m, m0,
+                                 prior_mean, stamp)
+
+
+@numba.njit("void(float64[::1], float64[::1], float64[::1], float64[::1], float64[::1], "
+            "float64[::1], int64[::1], float64[::1], float64, int64, int64)", **JIT)
+def update_cells(n, s, pn, ps, qn, qs, cells, accepted, inc, per_parent, histories):
+    """One judged token per entry of ``cells`` [num_tokens]: ``inc`` more judged in its
+    cell, its parent and its signal-pooled cell, and ``inc * accepted`` more accepted
+    (``accepted``: 1/0, or the probability that it would be)."""
+    for t in range(cells.shape[0]):
+        c = cells[t]
+        a = accepted[t]
+        p = c // per_parent
+        q = p * histories + c % histories
+        n[c] += inc
+        pn[p] += inc
+        qn[q] += inc
+        if a != 0.0:
+            s[c] += inc * a
+            ps[p] += inc * a
+            qs[q] += inc * a
+
+
+# where plan_offers finds its scalars at the head of its two packed inputs
+PLAN_INTS = 9  # [num_offers, num_reqs, per_parent, stamp, the cells' strides (5), ...]
+PLAN_FLOATS = 5  # [decay scale, m, m0, prior mean, speculative overhead, ...]
+OFFER_INTS = 5  # per offer: row, proposer, sampled, history bucket, drawn
+
+
+@numba.njit("UniTuple(float64, 2)(int64[::1], float64[::1], float64[::1], float64[::1], "
+            "float64[::1], float64[::1], float64[::1], int64[::1], int64[::1], float64[::1], "
+            "int64[::1], int64[::1])", **JIT)
+def plan_offers(ints, floats, n, s, pn, ps, drawn, stamps, groups, tok_acc, tok_cell, out):
+    """The step's plan over flat offers, its inputs packed in two arrays (two conversions
+    from Python a step instead of one per input or per offer: each costs microseconds
+    with cold caches).
+
+    ``ints`` = [num_offers, num_reqs, cells per parent, the tables' stamp, the cells'
+    strides (per proposer, per mode, per position group, per signal bucket = the history
+    buckets, the signal buckets), then per offer (row, proposer, sampled, history bucket,
+    drawn), offers in row order, then each offer's first token (num_offers + 1 of them,
+    offer ``o``'s tokens at ``first[o]:first[o + 1]``)]. ``floats`` = [decay scale, m, m0,
+    prior mean, the speculative machinery's seconds, then [T(n0), T(n0 + 1), ...] as far
+    as every offered token, then every offered token's signal]. ``groups``: the position
+    group of draft positions 0, 1, ... (the last repeats).
+
+    Each token's estimator cell is :meth:`AcceptanceEstimator.cells
+    <specplugin.adaptive.estimator.AcceptanceEstimator.cells>`'s (written to
+    ``tok_cell``), its acceptance the cell's posterior mean, or its kept draw for a drawn
+    offer (:func:`posterior_value`; written to ``tok_acc``). Writes each row's chosen offer
+    (-1: none) to ``out[:num_reqs]`` and its tokens to ``out[num_reqs:2 * num_reqs]``;
+    returns the tokens the step is expected to emit and its seconds, as
+    :func:`~specplugin.adaptive.controller.planned`: each row's offer worth most at the
+    price ``theta`` (ties to the earlier), then the prefix of their tokens in decreasing
+    cumulative acceptance with the best rate."""
+    num_offers, num_reqs, per_parent, stamp = ints[0], ints[1], ints[2], ints[3]
+    per_proposer, per_mode, per_group, histories, buckets = (ints[4], ints[5], ints[6],
+                                                             ints[7], ints[8])
+    g, m, m0, prior_mean, spec_overhead = floats[0], floats[1], floats[2], floats[3], floats[4]
+    meta = ints[PLAN_INTS:PLAN_INTS + OFFER_INTS * num_offers]
+    off_start = ints[PLAN_INTS + OFFER_INTS * num_offers:]
+    total = off_start[num_offers]
+    times = floats[PLAN_FLOATS:floats.shape[0] - total]
+    signals = floats[floats.shape[0] - total:]
+    out_offer = out[:num_reqs]
+    out_k = out[num_reqs:2 * num_reqs]
+    theta = (times[1] - times[0]) * num_reqs / times[0]
+    cum = np.empty(total)
+    best_worth = np.zeros(num_reqs)
+    out_offer[:] = -1
+    out_k[:] = 0
+    last_group = groups.shape[0] - 1
+    for o in range(num_offers):
+        r = meta[OFFER_INTS * o]
+        base = (meta[OFFER_INTS * o + 1] * per_proposer + meta[OFFER_INTS * o + 2] * per_mode
+                + meta[OFFER_INTS * o + 3])
+        draw = meta[OFFER_INTS * o + 4] != 0
+        p, worth = 1.0, 0.0
+        for t in range(off_start[o], off_start[o + 1]):
+            x = signals[t]  # its bucket: clip(int(x * buckets)), NaN -> 0
+            bucket = int(x * buckets) if 0.0 <= x < 1.0 else (buckets - 1 if x >= 1.0 else 0)
+            c = base + groups[min(t - off_start[o], last_group)] * per_group + histories * bucket
+            tok_cell[t] = c
+            a = posterior_value(-c - 1 if draw else c, n, s, pn, ps, drawn, stamps,
+                                per_parent, g, m, m0, prior_mean, stamp)
+            tok_acc[t] = a
+            p *= a
+            cum[t] = p
+            if p > theta:
+                worth += p - theta
+        if worth > best_worth[r]:
+            best_worth[r] = worth
+            out_offer[r] = o
+    count = 0
+    for r in range(num_reqs):
+        o = out_offer[r]
+        if o >= 0:
+            count += off_start[o + 1] - off_start[o]
+    t0 = times[0]
+    if count == 0:
+        return float(num_reqs), t0
+    values = np.empty(count)
+    rows = np.empty(count, np.int64)
+    i = 0
+    for r in range(num_reqs):  # (row, position) order: the sort below is stable
+        o = out_offer[r]
+        if o >= 0:
+            for t in range(off_start[o], off_start[o + 1]):
+                values[i] = cum[t]
+                rows[i] = r
+                i += 1
+    order = np.argsort(-values, kind="mergesort")
+    taken, best_rate, expected, best_expected = 0, num_reqs / t0, float(num_reqs), 0.0
+    for j in range(count):
+        expected += values[order[j]]
+        rate = expected / (times[j + 1] + spec_overhead)
+        if rate > best_rate:
+            taken, best_rate, best_expected = j + 1, rate, expected
+    for j in range(taken):
+        out_k[rows[order[j]]] += 1
+    for r in range(num_reqs):
+        if out_k[r] == 0:
+            out_offer[r] = -1
+    if taken == 0:
+        return float(num_reqs), t0
+    return best_expected, times[taken] + spec_overhead
+
+
+def pack_plan(num_reqs: int, meta: list[int], starts: list[int], signals: list,
+              times: list[float], tables: tuple, strides: tuple[int, ...],
+              spec_overhead: float) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`plan_offers`'s two packed inputs (``meta``: per offer its row, proposer,
+    sampled, history bucket, drawn; ``signals``: each offer's [k] signals; ``tables``: the
+    estimator's, :attr:`AcceptanceEstimator.tables
+    <specplugin.adaptive.estimator.AcceptanceEstimator.tables>`; ``strides``: its cells',
+    :attr:`AcceptanceEstimator.strides
+    <specplugin.adaptive.estimator.AcceptanceEstimator.strides>`)."""
+    per_parent, scale, m, m0, prior_mean, stamp = tables[7:]
+    ints = np.array([len(starts) - 1, num_reqs, per_parent, stamp, *strides] + meta + starts,
+                    dtype=np.int64)
+    head = [scale, m, m0, prior_mean, spec_overhead] + times
+    for signal in signals:
+        head += signal.tolist() if isinstance(signal, np.ndarray) else signal
+    floats = np.array(head, dtype=np.float64)
+    return ints, floats
