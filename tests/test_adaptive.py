@@ -335,8 +335,9 @@ def test_exploration_at_large_batch_does_not_make_most_steps_speculative():
     """16 requests whose candidates are always rejected: exploring every row would let
     some row's optimistic draw make nearly every step speculative (the whole batch then
     pays the speculative machinery); one exploring row per step keeps that rare (over
-    four seeds of the draws: 8-13 speculative steps of 300 each; every row exploring, 19
-    on one seed)."""
+    four seeds of the draws: 8-13 speculative steps of 300 each). (Draws are kept per
+    cell and these rows share their cells: every row drawing reads 2-4 a seed, so this
+    bounds the speculative steps rather than telling one explorer from many.)"""
     speculative = 0
     for seed in range(4):
         rng = np.random.default_rng(0)

@@ -28,8 +28,10 @@ nothing). :meth:`AcceptanceEstimator.estimate_cells` therefore can draw a token'
 acceptance from its cell's posterior, ``Beta(s + m * parent, n - s + m * (1 - parent))``
 (Thompson sampling): a cell with little evidence is sometimes tried, one with much
 evidence behaves like its mean. One draw per cell, kept until the counts change; draws
-are seeded, so runs repeat. (The union
-explores through one request per step; see :class:`~specplugin.adaptive.union.Union`.)
+are seeded, so runs repeat (a token's cell draws from numba's generator, compiled with the
+union's plan, :mod:`specplugin.adaptive.kernels`: one per process, so two estimators in one
+process share its stream; the draft model's pooled cells from the estimator's own). (The
+union explores through one request per step; see :class:`~specplugin.adaptive.union.Union`.)
 
 The request's recent acceptance is an exponential average of its own judged
 tokens (accepted = 1, rejected = 0), bucketed; a new request has its own bucket.
