@@ -727,21 +727,48 @@ def test_the_choice_weighs_the_gates_estimates_of_token_level_candidates():
         assert union.begin(None, 2, sampled=False)
         offers = union.ask(batch, [0])
         union.plan_draft(batch, offers, 1, np.full(2, 8), forward_seconds=0.0)
-        gate = estimates[-1]
+        gate = [row[0] for row in plans[-1].acceptance(plans[-1].values())]  # [row] ngram's
         explorer = union._step_explorer
-        assert explorer in (0, 1)
+        assert explorer in (0, 1) and len(plans) == 1 + 2 * len(draws)
         union.choose(batch, offers + union.ask(batch, [1]))
         chosen = plans[-1].acceptance()
         for r in range(2):
-            assert np.array_equal(chosen[r][0], gate[r])  # the gate's, draw or mean
+            assert chosen[r][0].tolist() == gate[r]  # the gate's, draw or mean
             mean = union.estimator.estimate_cells(
                 union.estimator.cells(1, False, union._histories(batch)[r], [0.5, 0.5]))
             assert chosen[r][1].tolist() == mean  # the draft's: its mean, explorer or not
         means = union._estimate(offers, batch, union._histories(batch), explorer=-1)
         assert gate[explorer] != means[explorer] and gate[1 - explorer] == means[1 - explorer]
+        assert len(estimates) == len(draws) + 1  # (only the line above asked _estimate)
         draws.append(gate[explorer])
         union.flush_learning()  # the counts change: new draws
     assert draws[0] != draws[1]
+
+
+def test_a_step_the_draft_skips_is_planned_once(monkeypatch):
+    """When the draft's gate plans the draft model out for every row, the choice weighs
+    exactly the candidates, estimates and costs the gate's plan without it did: that plan
+    is the choice, not computed a second time; with the draft's candidates in, it is."""
+    from specplugin.adaptive import kernels
+
+    calls = []
+    real = kernels.plan_offers
+    monkeypatch.setattr(kernels, "plan_offers", lambda *a: calls.append(1) or real(*a))
+    union = _union(Fixed("ngram", [1, 2, 3], 0.9), Fixed("draft", [4, 5], 0.9), explore=False)
+    batch = _batch(["r0", "r1"])
+    assert union.begin(None, 2, sampled=False)
+    offers = union.ask(batch, [0])
+    assert not any(union.plan_draft(batch, offers, 1, np.full(2, 8), forward_seconds=10.0))
+    assert len(calls) == 1
+    drafts = union.choose(batch, list(offers)).drafts  # the draft did not run: nothing new
+    assert len(calls) == 1 and all(drafts)
+    union._gate_plan = None  # planned afresh, the choice is the same
+    assert union.choose(batch, list(offers)).drafts == drafts and len(calls) == 2
+    assert union.begin(None, 2, sampled=False)
+    offers = union.ask(batch, [0])
+    union.plan_draft(batch, offers, 1, np.full(2, 8), forward_seconds=10.0)
+    union.choose(batch, offers + union.ask(batch, [1]))  # the draft's candidates too
+    assert len(calls) == 4
 
 
 def test_the_draft_models_time_is_kept_out_of_the_target_step_cost():

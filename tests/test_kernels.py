@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from specplugin.adaptive import kernels
-from specplugin.adaptive.controller import NO_CANDIDATE, planned
+from specplugin.adaptive.controller import NO_CANDIDATE, best_candidates, planned, token_price
 from specplugin.adaptive.cost import StepCostModel
 from specplugin.adaptive.estimator import AcceptanceEstimator
 
@@ -58,16 +58,25 @@ def test_the_compiled_plan_is_the_controllers(seed, num_reqs, drawn, overhead):
         acceptance[r].append(np.array(estimates[starts[o]:starts[o + 1]]))
     choices, expected, seconds = planned(acceptance, cost, spec_overhead=overhead)
 
-    out_acc, out_cell = np.empty(len(cells)), np.empty(len(cells), dtype=np.int64)
-    out = np.empty(2 * num_reqs, dtype=np.int64)
+    out_acc = np.empty(2 * len(cells) + num_reqs)
+    out_cell, out = np.empty(len(cells), dtype=np.int64), np.empty(3 * num_reqs, dtype=np.int64)
     times = cost.step_times(num_reqs, len(cells) + 2)
     ints, floats = kernels.pack_plan(num_reqs, meta, starts, signals, times, estimator.tables,
                                      estimator.strides, overhead)
     got = kernels.plan_offers(ints, floats, *estimator.tables[:7], out_acc, out_cell, out)
-    out_offer, out_k = out[:num_reqs], out[num_reqs:]
+    out_offer, out_k = out[:num_reqs], out[num_reqs:2 * num_reqs]
     assert out_cell.tolist() == cells
-    assert out_acc.tolist() == estimates
+    assert out_acc[:len(cells)].tolist() == estimates
+    # each row's best offer before the prefix is cut, its cumulative P and worth
+    best = best_candidates(acceptance, token_price(cost, num_reqs))
     first = {r: rows.index(r) for r in set(rows)}
+    assert out[2 * num_reqs:].tolist() == [NO_CANDIDATE if c == NO_CANDIDATE else first[r] + c
+                                           for r, (c, _, _) in enumerate(best)]
+    assert out_acc[2 * len(cells):].tolist() == [worth for _, _, worth in best]
+    for r, (c, probs, _) in enumerate(best):
+        if c != NO_CANDIDATE:
+            o = first[r] + c
+            assert out_acc[len(cells) + starts[o]:len(cells) + starts[o + 1]].tolist() == probs
     assert out_offer.tolist() == [NO_CANDIDATE if c.candidate == NO_CANDIDATE
                                   else first[r] + c.candidate for r, c in enumerate(choices)]
     assert out_k.tolist() == [c.num_tokens for c in choices]

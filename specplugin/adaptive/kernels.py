@@ -133,9 +133,12 @@ def plan_offers(ints, floats, n, s, pn, ps, drawn, stamps, groups, tok_acc, tok_
     Each token's estimator cell is :meth:`AcceptanceEstimator.cells
     <specplugin.adaptive.estimator.AcceptanceEstimator.cells>`'s (written to
     ``tok_cell``), its acceptance the cell's posterior mean, or its kept draw for a drawn
-    offer (:func:`posterior_value`; written to ``tok_acc``). Writes each row's chosen offer
-    (-1: none) to ``out[:num_reqs]`` and its tokens to ``out[num_reqs:2 * num_reqs]``;
-    returns the tokens the step is expected to emit and its seconds, as
+    offer (:func:`posterior_value`). ``tok_acc`` [2 * num_tokens + num_reqs] gets each
+    token's acceptance, then each token's cumulative acceptance along its offer, then each
+    row's best offer's worth at the price (0: none worth anything). ``out`` [3 * num_reqs]
+    gets each row's chosen offer (-1: none), its tokens, then each row's best offer before
+    the batch's prefix is cut (-1: none; what the draft's gate weighs the draft against).
+    Returns the tokens the step is expected to emit and its seconds, as
     :func:`~specplugin.adaptive.controller.planned`: each row's offer worth most at the
     price ``theta`` (ties to the earlier), then the prefix of their tokens in decreasing
     cumulative acceptance with the best rate."""
@@ -150,9 +153,11 @@ def plan_offers(ints, floats, n, s, pn, ps, drawn, stamps, groups, tok_acc, tok_
     signals = floats[floats.shape[0] - total:]
     out_offer = out[:num_reqs]
     out_k = out[num_reqs:2 * num_reqs]
+    out_best = out[2 * num_reqs:3 * num_reqs]
     theta = (times[1] - times[0]) * num_reqs / times[0]
-    cum = np.empty(total)
-    best_worth = np.zeros(num_reqs)
+    cum = tok_acc[total:2 * total]
+    best_worth = tok_acc[2 * total:2 * total + num_reqs]
+    best_worth[:] = 0.0
     out_offer[:] = -1
     out_k[:] = 0
     last_group = groups.shape[0] - 1
@@ -177,6 +182,7 @@ def plan_offers(ints, floats, n, s, pn, ps, drawn, stamps, groups, tok_acc, tok_
         if worth > best_worth[r]:
             best_worth[r] = worth
             out_offer[r] = o
+    out_best[:] = out_offer
     count = 0
     for r in range(num_reqs):
         o = out_offer[r]
@@ -229,3 +235,25 @@ def pack_plan(num_reqs: int, meta: list[int], starts: list[int], signals: list,
         head += signal.tolist() if isinstance(signal, np.ndarray) else signal
     floats = np.array(head, dtype=np.float64)
     return ints, floats
+
+
+def _warm_up() -> None:
+    """Call each kernel once on a tiny input: a kernel's first call in a process costs ~4
+    ms beyond its compile (numba's dispatcher sets itself up; measured in a fresh process,
+    the first ``posterior_values`` 3,985 us, the next ~3-12 us), which would land in an
+    engine's first planned step. No draw is made (the generator's stream is untouched)."""
+    tables = [np.zeros(4), np.zeros(4), np.zeros(4), np.zeros(4)]
+    drawn, stamps = np.zeros(4), np.zeros(4, dtype=np.int64)
+    out = np.empty(4)
+    posterior_values(np.zeros(1, dtype=np.int64), *tables, drawn, stamps, 1, 1.0, 4.0, 2.0,
+                     0.5, 1, out)
+    update_cells(*tables, np.zeros(4), np.zeros(4), np.zeros(1, dtype=np.int64), np.zeros(1),
+                 0.0, 1, 1)
+    ints, floats = pack_plan(1, [0, 0, 0, 0, 0], [0, 1], [np.full(1, 0.5)], [1.0, 1.1, 1.2],
+                             (*tables, drawn, stamps, np.zeros(1, dtype=np.int64), 1, 1.0, 4.0,
+                              2.0, 0.5, 1), (1, 1, 1, 1, 1), 0.0)
+    plan_offers(ints, floats, *tables, drawn, stamps, np.zeros(1, dtype=np.int64), out,
+                np.empty(1, dtype=np.int64), np.empty(3, dtype=np.int64))
+
+
+_warm_up()

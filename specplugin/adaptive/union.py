@@ -33,7 +33,7 @@ import numpy as np
 
 from specplugin.adaptive import kernels
 from specplugin.adaptive.arbiter import StepArbiter
-from specplugin.adaptive.controller import (NO_CANDIDATE, Choice, best_candidates, cumulative,
+from specplugin.adaptive.controller import (NO_CANDIDATE, Choice, cumulative,
                                            divergence, expand, plan, planned, token_price,
                                            with_candidates)
 from specplugin.adaptive.cost import StepCostModel
@@ -190,34 +190,63 @@ class _Shadow:
 
 @dataclass
 class _FlatPlan:
-    """One step's offers and plan as :meth:`Union._plan` made it: offer ``o`` is
-    ``offers[o]`` (in row order), its tokens' cells ``cells[starts[o]:starts[o + 1]]``."""
+    """One step's offers and plan as :meth:`Union._plan` made it
+    (:func:`kernels.plan_offers <specplugin.adaptive.kernels.plan_offers>`): offer ``o`` is
+    ``offers[o]`` (in row order), its tokens' cells ``cells[starts[o]:starts[o + 1]]``.
+    The arrays are views of the union's buffers, valid until its next plan."""
 
     offers: list  # [num_offers] (row, proposer index, candidate)
-    cells: np.ndarray  # [num_tokens] each offered token's estimator cell (a buffer's view)
+    cells: np.ndarray  # [num_tokens] each offered token's estimator cell
     starts: list[int]  # [num_offers + 1]
-    # [num_tokens] each token's estimate (mean or draw); a view of the union's buffer,
-    # valid until its next plan
-    acceptance_of_tokens: np.ndarray
+    # [2 * num_tokens + num_reqs] each token's estimate (mean or draw), each token's
+    # cumulative estimate along its offer, each row's best offer's worth at the price
+    estimates: np.ndarray
     offer: list[int]  # [num_reqs] each row's chosen offer (-1: none)
     num_tokens: list[int]  # [num_reqs] the tokens it verifies of it
+    best_offer: list[int]  # [num_reqs] each row's best offer before the prefix's cut
     expected: float  # tokens the step is expected to emit
     seconds: float  # its predicted seconds (the draft's forwards not included)
 
-    def acceptance(self) -> list[list[np.ndarray]]:
-        """[num_reqs][candidates] each row's offers' token estimates, in offer order."""
-        out: list[list[np.ndarray]] = [[] for _ in self.offer]
+    def values(self) -> list[float]:
+        """:attr:`estimates` as floats (one conversion; see :meth:`acceptance`)."""
+        return self.estimates.tolist()
+
+    def acceptance(self, values: list[float] | None = None) -> list[list]:
+        """[num_reqs][candidates] each row's offers' token estimates, in offer order
+        (lists, from ``values``, else arrays)."""
+        values = self.estimates if values is None else values
+        out: list[list] = [[] for _ in self.offer]
         for o, (r, _, _) in enumerate(self.offers):
-            out[r].append(self.acceptance_of_tokens[self.starts[o]:self.starts[o + 1]])
+            out[r].append(values[self.starts[o]:self.starts[o + 1]])
+        return out
+
+    def best(self, values: list[float]) -> list[tuple[int, list[float], float]]:
+        """[num_reqs] each row's candidate worth most at the step's price, as
+        :func:`~specplugin.adaptive.controller.best_candidates` gives it: (index in the
+        row, cumulative estimates, worth), from ``values`` (:meth:`values`)."""
+        total = self.starts[-1]
+        first = self._first()
+        out = []
+        for r, o in enumerate(self.best_offer):
+            if o < 0:
+                out.append((NO_CANDIDATE, [], 0.0))
+            else:
+                out.append((o - first[r], values[total + self.starts[o]:total + self.starts[o + 1]],
+                            values[2 * total + r]))
         return out
 
     def choices(self) -> list[Choice]:
         """[num_reqs] the plan as the controller's choices (candidates indexed per row)."""
+        first = self._first()
+        return [Choice(o - first[r], k) if o >= 0 else Choice(NO_CANDIDATE, 0)
+                for r, (o, k) in enumerate(zip(self.offer, self.num_tokens))]
+
+    def _first(self) -> dict[int, int]:
+        """Row -> its first offer."""
         first: dict[int, int] = {}
         for o, (r, _, _) in enumerate(self.offers):
             first.setdefault(r, o)
-        return [Choice(o - first[r], k) if o >= 0 else Choice(NO_CANDIDATE, 0)
-                for r, (o, k) in enumerate(zip(self.offer, self.num_tokens))]
+        return first
 
 
 class Union:
@@ -271,6 +300,9 @@ class Union:
         # the row whose offers this step's estimates draw from the posterior (see
         # _explorer; None: not picked yet this step, -1: none)
         self._step_explorer: int | None = None
+        # plan_draft's plan over the token-level candidates (their ids, the plan): when the
+        # draft model then runs for no row, choose has nothing else to weigh
+        self._gate_plan: tuple[tuple[int, ...], _FlatPlan] | None = None
         # the compiled plan's outputs, kept from step to step (grown when a step needs more)
         self._token_buffer = np.empty(0)  # each offered token's estimate
         self._plan_buffer = np.empty(0, dtype=np.int64)  # each row's offer, then its tokens
@@ -339,7 +371,7 @@ class Union:
         After :meth:`plain_step` said True, the step was observed and decided there."""
         self._alternative_offers = []
         self._draft_price = (0.0, 0.0, 0)
-        self._estimated, self._step_explorer = set(), None
+        self._estimated, self._step_explorer, self._gate_plan = set(), None, None
         self._step_histories = None
         observed, self._observed = self._observed, False
         unrated, self._unrated_step = self._unrated_step, False
@@ -691,18 +723,18 @@ class Union:
         if not self.speculating or not any(lengths_list):
             return [0] * batch.num_reqs
         histories = self._histories(batch)
-        acceptance: list[list] = [[] for _ in range(batch.num_reqs)]  # [num_reqs][candidates]
         offers = sorted(offers, key=lambda o: o[0])
-        explorer = self._explorer(offers) if self.explore and offers else -1
-        for (r, _, c), a in zip(offers, self._estimate(offers, batch, histories,
-                                                       explorer=explorer)):
-            acceptance[r].append(a)
-            self._estimated.add(id(c))
+        # the token-level candidates' plan: what choose also makes when the draft then
+        # runs for no row (kept for it), and the rows' best candidates the draft must beat
+        flat = self._plan(batch, offers, histories)
+        self._estimated = {id(c) for _, _, c in offers}
+        self._gate_plan = (tuple(self._estimated), flat)
+        values = flat.values()
+        acceptance = flat.acceptance(values)  # [num_reqs][candidates]
+        best = flat.best(values)  # [num_reqs] the token-level candidates' best
+        kept, kept_seconds = flat.expected, flat.seconds
         spec_overhead = self.cost.spec_overhead_s
         theta = token_price(self.cost, batch.num_reqs)
-        best = best_candidates(acceptance, theta)  # [num_reqs] the token-level candidates'
-        without, kept, kept_seconds = planned(acceptance, self.cost,
-                                              spec_overhead=spec_overhead, best=best)
         if self.draft_always:
             self._draft_price = (forward_seconds, run_seconds, max(lengths_list))
             return lengths_list
@@ -832,7 +864,12 @@ class Union:
         histories = self._histories(batch)
         order = sorted(range(len(offers)), key=lambda o: offers[o][0])  # by row, stable
         offers = [offers[o] for o in order]
-        flat = self._plan(batch, offers, histories)
+        gate = self._gate_plan
+        if gate is not None and len(gate[0]) == len(offers) and all(
+                id(c) in gate[0] for _, _, c in offers):
+            flat = gate[1]  # the gate's plan over the same candidates (the draft ran for none)
+        else:
+            flat = self._plan(batch, offers, histories)
         drafts, sources = self._remember(batch, offers, histories, flat)
         if trace.TRACE is not None:
             trace.TRACE.write("plan", sources=[None if i is None else self.proposers[i].name
@@ -879,20 +916,23 @@ class Union:
             starts.append(starts[-1] + len(c.signal))
             signals.append(c.signal)
         num_tokens = starts[-1]
-        if len(self._token_buffer) < num_tokens or len(self._plan_buffer) < 2 * num_reqs:
-            self._token_buffer = np.empty(max(2 * num_tokens, 256))
+        if (len(self._cell_buffer) < num_tokens
+                or len(self._token_buffer) < 2 * num_tokens + num_reqs
+                or len(self._plan_buffer) < 3 * num_reqs):
+            self._token_buffer = np.empty(max(4 * num_tokens + 2 * num_reqs, 512))
             self._cell_buffer = np.empty(max(2 * num_tokens, 256), dtype=np.int64)
-            self._plan_buffer = np.empty(max(4 * num_reqs, 64), dtype=np.int64)
+            self._plan_buffer = np.empty(max(6 * num_reqs, 96), dtype=np.int64)
         tables = estimator.tables
         ints, floats = kernels.pack_plan(num_reqs, meta, starts, signals,
                                          self.cost.step_times(num_reqs, num_tokens + 2), tables,
                                          estimator.strides, self.cost.spec_overhead_s)
         expected, seconds = kernels.plan_offers(ints, floats, *tables[:7], self._token_buffer,
                                                 self._cell_buffer, self._plan_buffer)
-        chosen = self._plan_buffer[:2 * num_reqs].tolist()
+        chosen = self._plan_buffer[:3 * num_reqs].tolist()
         return _FlatPlan(offers, self._cell_buffer[:num_tokens], starts,
-                         self._token_buffer[:num_tokens], chosen[:num_reqs],
-                         chosen[num_reqs:], expected, seconds)
+                         self._token_buffer[:2 * num_tokens + num_reqs], chosen[:num_reqs],
+                         chosen[num_reqs:2 * num_reqs], chosen[2 * num_reqs:], expected,
+                         seconds)
 
     def _explorer(self, offers) -> int:
         """This step's explorer row (-1: none): picked once per step, at random among the
