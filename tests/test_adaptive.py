@@ -745,6 +745,31 @@ def test_the_choice_weighs_the_gates_estimates_of_token_level_candidates():
     assert draws[0] != draws[1]
 
 
+def test_the_cost_model_learns_held_steps_as_it_would_have_learned_each():
+    """Past its warm-up the cost model holds speculative steps and learns them four at a
+    time: after a flush (or a plain step, which flushes first) it is the model that
+    learned each step as it came, bit for bit; before, at most three steps late."""
+    rng = np.random.default_rng(0)
+    steps = [(int(rng.integers(1, 40)), float(rng.uniform(0.004, 0.02)), bool(rng.random() < 0.7))
+             for _ in range(200)]
+    held, each = (StepCostModel(max_tokens=64, warmup=4) for _ in range(2))
+    for cost in (held, each):
+        cost.calibrate(np.array([1, 8, 64]), np.array([0.004, 0.005, 0.012]))
+    for j, (n, seconds, speculative) in enumerate(steps):
+        if j % 9 == 8:  # now and then a plain step: learned after the held ones
+            held.observe_plain(n, seconds)
+            each.observe_plain(n, seconds)
+            continue
+        held.observe(n, seconds, speculative)
+        each.observe(n, seconds, speculative)
+        each.flush()
+        assert len(held._held) < 4
+    held.flush()
+    assert held._f == each._f and held.overhead_s == each.overhead_s
+    assert held.spec_overhead_s == each.spec_overhead_s > 0
+    assert held.step_times(1, 40) == each.step_times(1, 40)
+
+
 def test_a_step_the_draft_skips_is_planned_once(monkeypatch):
     """When the draft's gate plans the draft model out for every row, the choice weighs
     exactly the candidates, estimates and costs the gate's plan without it did: that plan

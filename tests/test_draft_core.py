@@ -246,9 +246,33 @@ def test_the_draft_cost_model_learns_summed_plain_steps_as_that_many_steps():
         one.observe_step(0.010, 4, 0, 0)
     for _ in range(8):
         summed.observe_plain_step(0.010, 4)
+    one.flush()  # (past its warm-up it holds steps four at a time: see observe_step)
     assert summed.token_s == pytest.approx(one.token_s)
     assert summed.thresholds() == pytest.approx(one.thresholds(), rel=0.15)
     assert summed._num_steps == one._num_steps
+
+
+def test_the_draft_cost_model_learns_held_steps_as_it_would_have_learned_each():
+    """Past its warm-up the draft's cost model holds steps and learns them four at a time,
+    each with the forward price of its own step: after a flush (or a plain step, which
+    flushes first) it is the model that learned each step as it came, bit for bit."""
+    rng = np.random.default_rng(0)
+    held, each = CostModel(warmup=4), CostModel(warmup=4)
+    for j in range(300):
+        seconds, forwards = float(rng.uniform(0.005, 0.02)), int(rng.integers(0, 4))
+        forward = float(rng.uniform(0.0005, 0.002))
+        for costs in (held, each):
+            if j % 7 == 3:  # a forward timed between steps: its price moves
+                costs.observe_forward(forward)
+            if j % 11 == 10:
+                costs.observe_plain_step(seconds, 4)
+            else:
+                costs.observe_step(seconds, 4 + forwards, forwards, 2 * forwards)
+        each.flush()
+        assert len(held._held) < 4
+    held.flush()
+    assert held._moments == each._moments and held.token_s == each.token_s
+    assert held.thresholds() == each.thresholds()
 
 
 def test_the_draft_forward_price_leaves_out_an_engines_first_forwards_and_stalls():

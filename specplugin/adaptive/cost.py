@@ -64,6 +64,8 @@ class StepCostModel:
         self._residual = {False: 0.0, True: 0.0}  # plain / speculative steps (EMA, from 0)
         self._residual_weight = {False: 0.0, True: 0.0}  # the weight the EMA holds so far
         self._counts = {False: 0, True: 0}
+        self._spec_overhead = 0.0  # spec_overhead_s, kept from one observation to the next
+        self._held: list[tuple[int, float, bool]] = []  # steps observe holds (see there)
         self._plain_sums = StepSums()  # plain steps not learned yet (observe_plain)
         self._forward_table: list[float] = []  # F(0), F(1), ... until a knot moves (step_times)
 
@@ -75,11 +77,16 @@ class StepCostModel:
     @property
     def spec_overhead_s(self) -> float:
         """0 until :attr:`_machinery_known`; then the difference of the bias-corrected
-        averages (see the module docstring)."""
+        averages (see the module docstring). Computed when they change (:meth:`_observe`),
+        not each time it is read (several times a step)."""
+        return self._spec_overhead
+
+    def _update_spec_overhead(self) -> None:
         if not self._machinery_known:
-            return 0.0
+            self._spec_overhead = 0.0
+            return
         spec, plain = (self._residual[c] / self._residual_weight[c] for c in (True, False))
-        return max(0.0, spec - plain)
+        self._spec_overhead = max(0.0, spec - plain)
 
     @property
     def forward_s(self) -> np.ndarray:  # [num_knots] F at each knot (a copy)
@@ -151,15 +158,39 @@ class StepCostModel:
         return self.forward_seconds(num_tokens + np.asarray(extra)) - self.forward_seconds(num_tokens)
 
     def observe(self, num_tokens: int, seconds: float, speculative: bool = False) -> None:
-        """One engine step's wall time (``speculative``: it verified drafts), learned now
-        (after the plain steps :meth:`observe_plain` still holds). A step over 20x the
-        model's estimate is an idle gap (no requests), not a step, and is ignored."""
-        self._learn_sum(self._plain_sums.flush())
-        self._observe(num_tokens, seconds, speculative)
+        """One engine step's wall time (``speculative``: it verified drafts), learned after
+        the plain steps :meth:`observe_plain` still holds. A step over 20x the model's
+        estimate is an idle gap (no requests), not a step, and is ignored.
+
+        Once both kinds of steps were seen ``warmup`` times, steps are held and learned
+        :data:`LEARN_EVERY` at a time, each as itself and in order (:meth:`flush`): the
+        model runs right after the target's forward has swept the caches, where one update
+        cost ~35 us (the union's core, batch 1, ``scripts/core_bench.py --cold``), and
+        four updates in a row cost little more than one. What it learns is the same, at
+        most ``LEARN_EVERY - 1`` steps late."""
+        if not self._machinery_known:
+            self._learn_sum(self._plain_sums.flush())
+            self._observe(num_tokens, seconds, speculative)
+            return
+        held = self._held
+        held.append((num_tokens, seconds, speculative))
+        if len(held) >= LEARN_EVERY:
+            self.flush()
+
+    def flush(self) -> None:
+        """Learn the steps :meth:`observe` holds, in order (the plain steps summed before
+        them first)."""
+        held, self._held = self._held, []
+        for num_tokens, seconds, speculative in held:
+            self._learn_sum(self._plain_sums.flush())
+            self._observe(num_tokens, seconds, speculative)
 
     def observe_plain(self, num_tokens: int, seconds: float) -> None:
         """A plain step's wall time, summed with the next plain steps of its size and
-        learned 8 at a time as their mean, weighted as 8 steps (see :class:`StepSums`)."""
+        learned 8 at a time as their mean, weighted as 8 steps (see :class:`StepSums`),
+        after the steps :meth:`observe` holds."""
+        if self._held:
+            self.flush()
         self._learn_sum(self._plain_sums.add(num_tokens, seconds))
 
     def _learn_sum(self, summed: tuple | None) -> None:
@@ -190,6 +221,7 @@ class StepCostModel:
         held = self._residual_weight[speculative]
         self._residual_weight[speculative] = held + weight * (1.0 - held)
         self._counts[speculative] += count
+        self._update_spec_overhead()
         if speculative:  # the fixed part and the knots learn from plain steps' terms only
             if not self._machinery_known:
                 # the machinery's part of this residual is not known yet: taken as the
@@ -228,6 +260,10 @@ class StepCostModel:
         if i >= len(knots) - 2:  # past the last knot F follows the last two: it moved
             for n in range(knots[-1], len(table)):
                 table[n] = self.forward_one(n)
+
+
+# steps observe holds before it learns them (see there)
+LEARN_EVERY = 4
 
 
 class StepSums:

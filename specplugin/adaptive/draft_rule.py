@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specplugin.adaptive.cost import StepSums
+from specplugin.adaptive.cost import LEARN_EVERY, StepSums
 from specplugin.adaptive.estimator import as_list, judged_outcomes
 
 # An engine's first draft forwards are not timed into the price: they pay one-time costs
@@ -109,6 +109,7 @@ class CostModel:
         self._moments = [0.0] * 5
         self._num_steps = 0
         self._plain_sums = StepSums()  # plain steps not learned yet (observe_plain_step)
+        self._held: list[tuple] = []  # steps observe_step holds (see there)
         self._warm_first_s: float | None = None  # first passes right after a draft step
         self._warm_passes = 0
         # weighted averages of 1, x, y, xx, xy over the other first passes: x their
@@ -181,25 +182,49 @@ class CostModel:
                      num_draft_tokens: int) -> None:
         """One engine step: ``seconds`` of wall time, ``num_tokens`` emitted by the batch,
         ``num_forwards`` draft forwards, ``num_draft_tokens`` drafts verified; learned
-        now (after the plain steps :meth:`observe_plain_step` still holds). A step over
-        20x the average time per token is an idle gap, not a step, and is ignored."""
-        self._learn_sum(self._plain_sums.flush())
-        self._observe_step(seconds, num_tokens, num_forwards, num_draft_tokens)
+        after the plain steps :meth:`observe_plain_step` still holds. A step over 20x the
+        average time per token is an idle gap, not a step, and is ignored.
+
+        Past ``warmup`` steps, held and learned :data:`~specplugin.adaptive.cost.LEARN_EVERY`
+        at a time, in order, each with the draft forward's price of its own step (as the
+        step cost model's, :meth:`StepCostModel.observe
+        <specplugin.adaptive.cost.StepCostModel.observe>`: after the target's forward one
+        update costs several times what it costs right after another)."""
+        held = (seconds, num_tokens, num_forwards, num_draft_tokens, self.draft_forward_s)
+        if self._num_steps < self.warmup:
+            self._learn_sum(self._plain_sums.flush())
+            self._observe_step(*held)
+            return
+        self._held.append(held)
+        if len(self._held) >= LEARN_EVERY:
+            self.flush()
+
+    def flush(self) -> None:
+        """Learn the steps :meth:`observe_step` holds, in order."""
+        held, self._held = self._held, []
+        for step in held:
+            self._learn_sum(self._plain_sums.flush())
+            self._observe_step(*step)
 
     def observe_plain_step(self, seconds: float, num_tokens: int) -> None:
         """A step in which the draft model neither ran nor had drafts verified: summed
         with the next such steps of its batch size and learned 8 at a time as their mean,
-        weighted as 8 steps (:class:`~specplugin.adaptive.cost.StepSums`)."""
+        weighted as 8 steps (:class:`~specplugin.adaptive.cost.StepSums`), after the steps
+        :meth:`observe_step` holds."""
+        if self._held:
+            self.flush()
         self._learn_sum(self._plain_sums.add(num_tokens, seconds))
 
     def _learn_sum(self, summed: tuple | None) -> None:
         if summed is not None:
             num_tokens, seconds, count = summed
-            self._observe_step(seconds, num_tokens, 0, 0, count)
+            self._observe_step(seconds, num_tokens, 0, 0, None, count)
 
     def _observe_step(self, seconds: float, num_tokens: int, num_forwards: int,
-                      num_draft_tokens: int, count: int = 1) -> None:
-        """``seconds``: the mean of ``count`` equal such steps, learned as that many."""
+                      num_draft_tokens: int, forward_s: float | None,
+                      count: int = 1) -> None:
+        """``seconds``: the mean of ``count`` equal such steps, learned as that many;
+        ``forward_s``: a draft forward's price when the step ran."""
         if num_tokens <= 0 or count < 1:
             return
         if self.token_s is not None and seconds / num_tokens > 20 * self.token_s:
@@ -211,7 +236,7 @@ class CostModel:
         self._step_tokens = self._ema(self._step_tokens, float(num_tokens), smoothing)
         self.token_s = self._step_s / self._step_tokens
         x = float(num_draft_tokens)
-        y = seconds - (self.draft_forward_s or 0.0) * num_forwards
+        y = seconds - (forward_s or 0.0) * num_forwards
         weight = smoothing if self._num_steps else 1.0
         self._moments = [m + weight * (v - m)
                          for m, v in zip(self._moments, (1.0, x, y, x * x, x * y))]
