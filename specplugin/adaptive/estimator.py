@@ -146,9 +146,9 @@ class AcceptanceEstimator:
     def _changed(self) -> None:
         """The counts changed: every kept estimate and draw is stale."""
         self._stamp += 1
-        # (pooled, draw) -> cell -> its posterior mean or draw (see _value)
-        self._kept: dict[tuple[bool, bool], dict[int, float]] = {
-            (pooled, draw): {} for pooled in (False, True) for draw in (False, True)}
+        # draw -> signal-pooled cell -> its posterior mean or draw (see _pooled_value; a
+        # token's own cell's are kept by the compiled estimates, kernels.posterior_draw)
+        self._kept: dict[bool, dict[int, float]] = {False: {}, True: {}}
 
     def step(self, num_steps: int = 1) -> None:
         """Once per engine step (or for ``num_steps`` steps at once): old evidence fades."""
@@ -232,13 +232,13 @@ class AcceptanceEstimator:
     def _draw(self, alpha: float, beta: float) -> float:
         return min(max(self.random.betavariate(alpha, beta), 1e-6), 1.0 - 1e-6)
 
-    def _value(self, c: int, pooled: bool, draw: bool) -> float:
-        """Cell ``c``'s posterior mean, or (``draw``) one draw from it, kept until the
-        counts change (``pooled``: see :meth:`_posterior`)."""
-        kept = self._kept[pooled, draw]
+    def _pooled_value(self, c: int, draw: bool) -> float:
+        """Signal-pooled cell ``c``'s posterior mean, or (``draw``) one draw from it, kept
+        until the counts change (see :meth:`_posterior`)."""
+        kept = self._kept[draw]
         x = kept.get(c)
         if x is None:
-            alpha, beta, mean = self._posterior(c, pooled)
+            alpha, beta, mean = self._posterior(c, pooled=True)
             x = kept[c] = self._draw(alpha, beta) if draw else mean
         return x
 
@@ -288,7 +288,7 @@ class AcceptanceEstimator:
         many independent ones whose average is the mean again)."""
         _, modes, groups, _, histories = self.shape
         base = (proposer * modes + int(sampled)) * groups
-        return [self._value((base + g) * histories + history, True, draw)
+        return [self._pooled_value((base + g) * histories + history, draw)
                 for g in position_groups(num_tokens)]
 
 

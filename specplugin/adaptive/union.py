@@ -292,17 +292,16 @@ class Union:
         # the draft run plan_draft let go this step, priced for the arbiter's prediction:
         # (seconds a forward, a run's fixed seconds, forwards planned)
         self._draft_price = (0.0, 0.0, 0)
-        # id(candidate) of the offers plan_draft estimated this step: choose weighs them
-        # as the gate did (one posterior draw per step for the gate and the choice, the
-        # same explorer row; the draws are kept per cell until the counts change), and the
-        # draft model's candidates, known only after it ran, at their posterior means
-        self._estimated: set[int] = set()
         # the row whose offers this step's estimates draw from the posterior (see
         # _explorer; None: not picked yet this step, -1: none)
         self._step_explorer: int | None = None
-        # plan_draft's plan over the token-level candidates (their ids, the plan): when the
-        # draft model then runs for no row, choose has nothing else to weigh
-        self._gate_plan: tuple[tuple[int, ...], _FlatPlan] | None = None
+        # plan_draft's plan over the token-level candidates this step (the id()s of those
+        # candidates, the plan): when the draft model then runs for no row, choose has
+        # nothing else to weigh; else choose weighs them as the gate did (one posterior
+        # draw per step for the gate and the choice, the same explorer row; the draws are
+        # kept per cell until the counts change), and the draft model's candidates, known
+        # only after it ran, at their posterior means
+        self._gate_plan: tuple[frozenset[int], _FlatPlan] | None = None
         # the compiled plan's outputs, kept from step to step (grown when a step needs more)
         self._token_buffer = np.empty(0)  # each offered token's estimate
         self._plan_buffer = np.empty(0, dtype=np.int64)  # each row's offer, then its tokens
@@ -371,7 +370,7 @@ class Union:
         After :meth:`plain_step` said True, the step was observed and decided there."""
         self._alternative_offers = []
         self._draft_price = (0.0, 0.0, 0)
-        self._estimated, self._step_explorer, self._gate_plan = set(), None, None
+        self._step_explorer, self._gate_plan = None, None
         self._step_histories = None
         observed, self._observed = self._observed, False
         unrated, self._unrated_step = self._unrated_step, False
@@ -727,8 +726,7 @@ class Union:
         # the token-level candidates' plan: what choose also makes when the draft then
         # runs for no row (kept for it), and the rows' best candidates the draft must beat
         flat = self._plan(batch, offers, histories)
-        self._estimated = {id(c) for _, _, c in offers}
-        self._gate_plan = (tuple(self._estimated), flat)
+        self._gate_plan = (frozenset(id(c) for _, _, c in offers), flat)
         values = flat.values()
         acceptance = flat.acceptance(values)  # [num_reqs][candidates]
         best = flat.best(values)  # [num_reqs] the token-level candidates' best
@@ -905,7 +903,8 @@ class Union:
         their posterior draws (the gate's, where :meth:`plan_draft` estimated them this
         step: kept per cell, they are the same numbers), every other token its mean."""
         estimator, sampled, num_reqs = self.estimator, batch.sampled, batch.num_reqs
-        explorer, gate = -1, self._estimated
+        gate = self._gate_plan[0] if self._gate_plan is not None else frozenset()
+        explorer = -1
         if offers and self.explore:
             explorer = self._explorer(offers if not gate else
                                       [o for o in offers if id(o[2]) in gate])
