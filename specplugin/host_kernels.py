@@ -101,6 +101,28 @@ def draw_rows(probs, uniforms, greedy, token_ids, confidence):
         token_ids[i] = best if greedy[i] else first_reaching(row, uniforms[i] * total)
 
 
+@numba.njit(["void(int64[::1], int32[::1], int64[::1], int32[:, ::1], int32)",
+             "void(int64[::1], int64[::1], int64[::1], int32[:, ::1], int32)"], **JIT)
+def greedy_rows(best, draft_token_ids, counts, output, placeholder):
+    """Greedy verification from each row's argmax, request by request, as
+    :func:`specplugin.scorers.rejection.greedy_verify` documents it: ``best``:
+    [num_drafted + num_reqs] the argmax of each row of logits (a request's draft rows, then
+    its bonus row); ``counts``: [num_reqs] draft tokens; ``output``: [num_reqs, max_k + 1],
+    every slot written (``placeholder`` past a request's emitted tokens)."""
+    row = start = 0  # the request's first row of logits, its first draft token
+    for r in range(counts.shape[0]):
+        k = counts[r]
+        accepted = 0
+        while accepted < k and draft_token_ids[start + accepted] == best[row + accepted]:
+            output[r, accepted] = best[row + accepted]
+            accepted += 1
+        output[r, accepted] = best[row + accepted]  # the correction, or the bonus token
+        for j in range(accepted + 1, output.shape[1]):
+            output[r, j] = placeholder
+        row += k + 1
+        start += k
+
+
 @numba.njit("void(float32[:, :], float32[:, :], int64[::1], boolean[::1], int64[::1], "
             "float32[:, :], boolean, float64[::1], int32[:, ::1], float32[::1], "
             "float64[::1])", **JIT)
@@ -222,3 +244,15 @@ def decode_pass_inputs(block_table, ends, block_size, max_model_len, padding_slo
             out[1, j, i] = (np.int64(block_table[i, block]) * block_size
                             + position % block_size)
             seq_lens[j, i] = position + 1
+
+
+def _warm_up() -> None:
+    """Call :func:`greedy_rows` once on a tiny input: a kernel's first call in a process
+    costs ~4 ms beyond its compile (numba's dispatcher sets itself up; see
+    ``specplugin.adaptive.kernels``), which would land in an engine's first verified step."""
+    output = np.empty((1, 2), dtype=np.int32)
+    greedy_rows(np.zeros(2, dtype=np.int64), np.zeros(1, dtype=np.int32),
+                np.ones(1, dtype=np.int64), output, -1)
+
+
+_warm_up()

@@ -94,7 +94,7 @@ class Scored:
     winner: int | None  # index of the extra candidate whose tokens were emitted (None: the draft's)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Verified:
     """The engine step that just ran, for the requests of the current batch rows."""
 
@@ -116,7 +116,7 @@ class Verified:
     read_prompts: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StepPlan:
     """One step's decision for the whole batch, what :meth:`Union.step` and
     :meth:`Union.choose` return: each row's draft, whose candidate it is, and the extra

@@ -424,7 +424,7 @@ class PluginDraftProposer(DraftModelProposer):
         num_accepted = _num_accepted(scheduled, rejected)
         # accepted draft tokens whose draft KV the last run's decode passes wrote
         self.cursor.accepted(context.req_ids[:num_reqs], num_accepted)
-        rule = self._rule_for_this_step(context, num_accepted, rejected)
+        self._learn_draft_step(context, num_accepted, rejected)
         sampled = _sampled_rows(sampling_metadata, num_reqs)
         # rows still in chunked prefill have no token to draft from yet
         caps = _caps(context.remaining_tokens[:num_reqs], context.max_k[:num_reqs],
@@ -444,6 +444,9 @@ class PluginDraftProposer(DraftModelProposer):
                 self._last_draft_seconds = 0.0
                 return self._finish_without_draft(batch, offers)
             finish = functools.partial(self._finish_union, offers=offers)
+        # the stop rule only for a step the draft model runs in (its thresholds are read
+        # from the draft's cost model: a few calls on cold caches, in most steps for nothing)
+        rule = self._rule_with_thresholds()
         return batch, np.asarray(caps, dtype=np.int64), rule, sampled, finish
 
     def _draft(self, run: DraftRun, batch: StepBatch, rows: np.ndarray, starts: np.ndarray,
@@ -559,16 +562,16 @@ class PluginDraftProposer(DraftModelProposer):
         return decode_passes(cad.block_table_tensor, ends, num_passes, self.block_size,
                              self.max_model_len)
 
-    def _rule_for_this_step(self, context, num_accepted: list[int],
-                            rejected: list[int] | None) -> StopRule:
+    def _learn_draft_step(self, context, num_accepted: list[int],
+                          rejected: list[int] | None) -> None:
         """Learn from the step just verified (``num_accepted``: [num_reqs] draft tokens
-        each row had accepted, whichever proposer drafted them), then set this step's
-        threshold."""
+        each row had accepted, whichever proposer drafted them): the draft's outcomes and
+        the step's time (the stop rule's thresholds follow, :meth:`_rule_with_thresholds`)."""
         num_reqs = len(num_accepted)
         self.outcomes.resolve(context.req_ids, context.num_scheduled_drafts[:num_reqs], rejected,
                               context.expected_acceptance)
         if self._observed:  # skip_drafting timed this step already
-            return self._rule_with_thresholds()
+            return
         # wall time of the step just run (None: first step, or the last one failed)
         self._step_seconds = self.timer.lap()
         if self.clock.shared:
@@ -578,7 +581,6 @@ class PluginDraftProposer(DraftModelProposer):
             # every row emitted one token plus its accepted drafts
             self.costs.observe_step(self._step_seconds, num_reqs + sum(num_accepted),
                                     self._last_forwards, self._last_draft_tokens)
-        return self._rule_with_thresholds()
 
     def _rule_with_thresholds(self) -> StopRule:
         """This step's stop rule; rebuilt only when its thresholds moved (every step asks)."""
@@ -1031,9 +1033,10 @@ def _step_batch(input_batch, context, sampled: list[bool], caps: list[int],
     rows = tuple(r for r, c in enumerate(caps) if c > 0)
     for r in rows:
         buffer[r, known[r]] = next_tokens[r]
+    # (one numpy call per array: after the forward each costs microseconds)
     return StepBatch(tuple(context.req_ids[:num_reqs]), buffer,
-                     np.array(known, dtype=np.int64) + 1,
-                     np.asarray(context.num_prompt_tokens[:num_reqs]),
+                     np.array([n + 1 for n in known], dtype=np.int64),
+                     context.num_prompt_tokens[:num_reqs],
                      np.array(caps, dtype=np.int64), np.array(sampled, dtype=bool), rows,
                      context.allowed)
 

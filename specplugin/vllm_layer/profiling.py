@@ -105,7 +105,7 @@ WORKER_TIMED: Timed = (
     # the draft-model drafter
     (_DRAFT, "PluginDraftProposer", "propose", "plugin: other"),
     (_DRAFT, "PluginDraftProposer", "propose_before_vllm_inputs", "plugin: other"),
-    (_DRAFT, "PluginDraftProposer", "_rule_for_this_step", "plugin: learn"),
+    (_DRAFT, "PluginDraftProposer", "_learn_draft_step", "plugin: learn"),
     (_DRAFT, "PluginDraftProposer", "_speculating", "plugin: learn"),
     (_DRAFT, None, "_step_batch", "plugin: context"),
     (_DRAFT, "PluginDraftProposer", "_union_offers", "plugin: plan"),

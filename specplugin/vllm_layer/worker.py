@@ -53,7 +53,7 @@ CALIBRATION_CONTEXT_LEN = 128
 logger = logging.getLogger("specplugin")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StepContext:
     """The batch as proposers see it at drafting time (rows = the runner's batch rows)."""
 
@@ -134,24 +134,26 @@ class PluginRunnerMixin:
     def step_context(self) -> StepContext:
         batch = self.input_batch
         req_ids = list(batch.req_ids)
-        states = [self.requests[r] for r in req_ids]
-        params = [s.sampling_params for s in states]
-        remaining = [
-            _NO_LIMIT if p is None or p.max_tokens is None else p.max_tokens - len(s.output_token_ids)
-            for p, s in zip(params, states)
-        ]
         so = self.step_scheduler_output
         scheduled = getattr(so, "scheduled_spec_decode_tokens", None) or {}
-        num_scheduled = [len(scheduled.get(r, ())) for r in req_ids]
-        options = [self.request_options.get(r, None if p is None else p.extra_args)
-                   for r, p in zip(req_ids, params)]
-        server_k = self.request_options.server_k
-        max_k = [o.cap(server_k) for o in options]
-        allowed = tuple(o.proposers for o in options)
+        request_options, server_k = self.request_options, self.request_options.server_k
+        # one loop over the rows (each comprehension is a call of its own, on cold caches)
+        params, remaining, num_scheduled, max_k, allowed = [], [], [], [], []
+        for r in req_ids:
+            state = self.requests[r]
+            p = state.sampling_params
+            params.append(p)
+            remaining.append(_NO_LIMIT if p is None or p.max_tokens is None
+                             else p.max_tokens - len(state.output_token_ids))
+            num_scheduled.append(len(scheduled.get(r, ())))
+            options = request_options.get(r, None if p is None else p.extra_args)
+            max_k.append(options.cap(server_k))
+            allowed.append(options.proposers)
+        restricted = any(a is not None for a in allowed)
         return StepContext(req_ids, params, remaining, num_scheduled,
                            batch.num_prompt_tokens[: len(req_ids)],
                            getattr(so, "total_num_scheduled_tokens", 0), max_k,
-                           None if all(a is None for a in allowed) else allowed,
+                           tuple(allowed) if restricted else None,
                            None if self.expander is None else dict(self.expander.outcomes),
                            None if self._heard is None else self._heard.per_row(),
                            _read_prompts(so))
