@@ -222,10 +222,11 @@ class AcceptanceEstimator:
         and history brought)."""
         g, per_parent, histories = self._scale, self._strides[2], self._strides[3]
         p = c // histories if pooled else c // per_parent
-        parent = ((self._parent_s[p].item() * g + self.m0 * self.prior_mean)
-                  / (self._parent_n[p].item() * g + self.m0))
-        n, s = ((self._pool_n[c], self._pool_s[c]) if pooled else (self._n[c], self._s[c]))
-        n, s = n.item() * g, s.item() * g
+        # (arr.item(i): one call for a Python float, where arr[i].item() makes two)
+        parent = ((self._parent_s.item(p) * g + self.m0 * self.prior_mean)
+                  / (self._parent_n.item(p) * g + self.m0))
+        n, s = ((self._pool_n, self._pool_s) if pooled else (self._n, self._s))
+        n, s = n.item(c) * g, s.item(c) * g
         alpha = s + self.m * parent
         return alpha, max(n - s, 0.0) + self.m * (1.0 - parent), alpha / (n + self.m)
 
@@ -288,8 +289,12 @@ class AcceptanceEstimator:
         many independent ones whose average is the mean again)."""
         _, modes, groups, _, histories = self.shape
         base = (proposer * modes + int(sampled)) * groups
-        return [self._pooled_value((base + g) * histories + history, draw)
-                for g in position_groups(num_tokens)]
+        values, last, x = [], -1, 0.0
+        for g in position_groups(num_tokens):  # (non-decreasing: one lookup per group)
+            if g != last:
+                x, last = self._pooled_value((base + g) * histories + history, draw), g
+            values.append(x)
+        return values
 
 
 def as_list(values) -> list:
