@@ -66,9 +66,11 @@ class ProposerStats:
     accepted_tokens: Counter = field(default_factory=Counter)  # proposer -> tokens accepted
     verified_candidates: Counter = field(default_factory=Counter)  # proposer -> drafts judged
     won_candidates: Counter = field(default_factory=Counter)  # proposer -> extra candidates won
-    # (proposer, position) -> draft tokens verified / accepted at that draft position
-    draft_tokens_per_pos: Counter = field(default_factory=Counter)
-    accepted_per_pos: Counter = field(default_factory=Counter)
+    # (proposer, n) -> drafts of n tokens verified / with n tokens accepted (the
+    # per-position counts follow from these, see draft_tokens_per_pos: two counts a draft
+    # instead of two a token, on every speculative step)
+    verified_lengths: Counter = field(default_factory=Counter)
+    accepted_lengths: Counter = field(default_factory=Counter)
     k_histogram: Counter = field(default_factory=Counter)  # k -> requests (0: no drafts)
     steps: int = 0
     steps_without_drafts: int = 0
@@ -85,10 +87,8 @@ class ProposerStats:
         self.verified_candidates[proposer] += 1
         self.draft_tokens[proposer] += num_draft_tokens
         self.accepted_tokens[proposer] += num_accepted
-        for position in range(num_draft_tokens):
-            self.draft_tokens_per_pos[proposer, position] += 1
-            if position < num_accepted:
-                self.accepted_per_pos[proposer, position] += 1
+        self.verified_lengths[proposer, num_draft_tokens] += 1
+        self.accepted_lengths[proposer, min(num_accepted, num_draft_tokens)] += 1
 
     def won(self, proposer: str, num_accepted: int) -> None:
         """An extra candidate of ``proposer`` beat the request's draft (the batch-expanding
@@ -97,28 +97,48 @@ class ProposerStats:
         proposer's, as in vLLM's own counters."""
         self.won_candidates[proposer] += 1
         self.accepted_tokens[proposer] += num_accepted
-        for position in range(num_accepted):
-            self.accepted_per_pos[proposer, position] += 1
+        self.accepted_lengths[proposer, num_accepted] += 1
+
+    @property
+    def draft_tokens_per_pos(self) -> Counter:
+        """(proposer, position) -> draft tokens verified at that draft position."""
+        return _per_position(self.verified_lengths)
+
+    @property
+    def accepted_per_pos(self) -> Counter:
+        """(proposer, position) -> draft tokens accepted at that draft position."""
+        return _per_position(self.accepted_lengths)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-able snapshot (keys are strings; per-position counts are lists)."""
         names = sorted(set(self.chosen) | set(self.verified_candidates) | set(self.won_candidates))
+        draft_per_pos, accepted_per_pos = self.draft_tokens_per_pos, self.accepted_per_pos
         proposers = {}
         for name in names:
-            depth = 1 + max((p for n, p in self.draft_tokens_per_pos if n == name), default=-1)
+            depth = 1 + max((p for n, p in draft_per_pos if n == name), default=-1)
             proposers[name] = {
                 "chosen": self.chosen[name], "drafts": self.verified_candidates[name],
                 "won": self.won_candidates[name],
                 "draft_tokens": self.draft_tokens[name],
                 "accepted_tokens": self.accepted_tokens[name],
-                "draft_tokens_per_pos": [self.draft_tokens_per_pos[name, p] for p in range(depth)],
-                "accepted_tokens_per_pos": [self.accepted_per_pos[name, p] for p in range(depth)]}
+                "draft_tokens_per_pos": [draft_per_pos[name, p] for p in range(depth)],
+                "accepted_tokens_per_pos": [accepted_per_pos[name, p] for p in range(depth)]}
         return {"steps": self.steps, "steps_without_drafts": self.steps_without_drafts,
                 "steps_skipped": self.steps_skipped, "steps_peeked": self.steps_peeked,
                 "steps_without_draft_model": self.steps_without_draft_model,
                 "extra_candidates": self.extra_candidates,
                 "k_histogram": {str(k): n for k, n in sorted(self.k_histogram.items())},
                 "proposers": proposers}
+
+
+def _per_position(lengths: Counter) -> Counter:
+    """(proposer, position) -> how many of the counted lengths reach past that position,
+    from (proposer, length) -> count."""
+    out: Counter = Counter()
+    for (proposer, length), count in lengths.items():
+        for position in range(length):
+            out[proposer, position] += count
+    return out
 
 
 class FailureCounter:

@@ -770,6 +770,26 @@ def test_the_cost_model_learns_held_steps_as_it_would_have_learned_each():
     assert held.step_times(1, 40) == each.step_times(1, 40)
 
 
+def test_the_forward_table_follows_the_knots_after_held_steps():
+    """The table of F(n) that step_times reads is brought up to date once per flush of
+    held steps (not once per step): wherever the steps moved the knots, over many
+    flushes and shapes (below the first knot, between knots, past the last), it is the
+    curve the knots give."""
+    rng = np.random.default_rng(1)
+    cost = StepCostModel(max_tokens=64, warmup=4)
+    cost.calibrate(np.array([1, 8, 64]), np.array([0.004, 0.005, 0.012]))
+    for j in range(400):
+        n = int(rng.choice([1, 2, 3, 5, 7, 9, 15, 20, 33, 50, 63, 64, 70]))
+        if j % 11 == 10:
+            cost.observe_plain(n, float(rng.uniform(0.004, 0.02)))
+        else:
+            cost.observe(n, float(rng.uniform(0.004, 0.02)), bool(rng.random() < 0.7))
+        table = cost.step_times(0, 80)  # (read every step, as the controller does)
+        if not cost._held:
+            expected = [cost.overhead_s + cost.forward_one(m) for m in range(80)]
+            assert np.allclose(table, expected, rtol=1e-12, atol=0.0), j
+
+
 def test_a_step_the_draft_skips_is_planned_once(monkeypatch):
     """When the draft's gate plans the draft model out for every row, the choice weighs
     exactly the candidates, estimates and costs the gate's plan without it did: that plan

@@ -68,6 +68,8 @@ class StepCostModel:
         self._held: list[tuple[int, float, bool]] = []  # steps observe holds (see there)
         self._plain_sums = StepSums()  # plain steps not learned yet (observe_plain)
         self._forward_table: list[float] = []  # F(0), F(1), ... until a knot moves (step_times)
+        # during flush: the first and last knot pairs moved (the table refreshed after it)
+        self._moved: tuple[int, int] | None = None
 
     @property
     def _machinery_known(self) -> bool:
@@ -179,11 +181,19 @@ class StepCostModel:
 
     def flush(self) -> None:
         """Learn the steps :meth:`observe` holds, in order (the plain steps summed before
-        them first)."""
+        them first); the forward table is brought up to date once, after the last of
+        them (nothing in between reads it)."""
         held, self._held = self._held, []
-        for num_tokens, seconds, speculative in held:
-            self._learn_sum(self._plain_sums.flush())
-            self._observe(num_tokens, seconds, speculative)
+        self._moved = (len(self._knot_list), -1)
+        try:
+            for num_tokens, seconds, speculative in held:
+                self._learn_sum(self._plain_sums.flush())
+                self._observe(num_tokens, seconds, speculative)
+        finally:
+            first, last = self._moved
+            self._moved = None
+            if last >= 0:
+                self._refresh_table(first, last)
 
     def observe_plain(self, num_tokens: int, seconds: float) -> None:
         """A plain step's wall time, summed with the next plain steps of its size and
@@ -242,14 +252,21 @@ class StepCostModel:
         f = self._f
         f[i - 1] = max(1e-6, f[i - 1] + (1 - w) * delta)
         f[i] = max(f[i - 1], f[i] + w * delta)
-        # F moved between the knots around these two: those entries of the table again,
-        # segment by segment (F is linear between two knots)
-        table = self._forward_table
+        if self._moved is not None:  # flush: the table once, after all its steps
+            self._moved = (min(self._moved[0], i), max(self._moved[1], i))
+        else:
+            self._refresh_table(i, i)
+
+    def _refresh_table(self, first: int, last: int) -> None:
+        """The forward table's entries again where F moved: around knots ``first - 1``
+        .. ``last`` (the pairs :meth:`_nudge_knots` moved), segment by segment (F is
+        linear between two knots)."""
+        knots, f, table = self._knot_list, self._f, self._forward_table
         if not table:
             return
-        if i < 2:  # below the first knot F is the first knot's
+        if first < 2:  # below the first knot F is the first knot's
             table[:min(knots[0], len(table))] = [f[0]] * min(knots[0], len(table))
-        for j in range(max(i - 1, 1), min(i + 2, len(knots))):  # segments [knots[j-1], knots[j]]
+        for j in range(max(first - 1, 1), min(last + 2, len(knots))):  # [knots[j-1], knots[j]]
             lo, hi = knots[j - 1], knots[j]
             end = min(hi + 1, len(table))
             if end <= lo:
@@ -257,7 +274,7 @@ class StepCostModel:
             f_lo, slope = f[j - 1], (f[j] - f[j - 1]) / (hi - lo)
             # (one slice, not one store per entry: this runs on every speculative step)
             table[lo:end] = [f_lo + slope * d for d in range(end - lo)]
-        if i >= len(knots) - 2:  # past the last knot F follows the last two: it moved
+        if last >= len(knots) - 2:  # past the last knot F follows the last two: it moved
             for n in range(knots[-1], len(table)):
                 table[n] = self.forward_one(n)
 

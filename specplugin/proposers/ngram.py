@@ -153,9 +153,9 @@ class NgramProposer:
                 found = index.longest_match(self.max_n)
                 if found is not None:
                     match_len, end = found
-                    if match_len:
-                        candidates[row] = self._candidate(index.tokens[end + 1:], match_len,
-                                                          limit)
+                    if match_len:  # (the limit's tokens at most: the rest may be long)
+                        candidates[row] = self._candidate(
+                            index.tokens[end + 1:end + 1 + limit], match_len, limit)
                     continue
             match_len, ends = suffix_match_ends(context, self.min_n, self.max_n)
             if not match_len:
@@ -175,7 +175,8 @@ class NgramProposer:
         return candidates
 
     def _candidate(self, copied: list[int], match_len: int, limit: int) -> Candidate:
-        """The ``limit`` tokens that follow a match (``copied``: the context after it).
+        """The ``limit`` tokens that follow a match (``copied``: the context after it, or
+        its first ``limit`` tokens).
 
         When the copy runs into the end of the context it goes on copying its own
         output, exactly as the text would if it kept repeating: the continuation of a
