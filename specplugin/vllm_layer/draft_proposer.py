@@ -312,7 +312,8 @@ class PluginDraftProposer(DraftModelProposer):
         self._decided = None  # (one decision per step: never an earlier step's)
         try:
             vocab_size = runner.input_batch.vocab_size
-            sampled = sampled_token_ids[:num_reqs].tolist()  # [num_reqs][1 + drafts]
+            # [num_reqs][1 + drafts] (the tensor's rows are the batch's: no slice op first)
+            sampled = sampled_token_ids.tolist()[:num_reqs]
             valid = [sum(1 for t in row if 0 <= t < vocab_size) for row in sampled]
             # (rows in chunked prefill have no valid token: they draft nothing, see _caps)
             next_tokens = [row[v - 1] if v else 0 for row, v in zip(sampled, valid)]
