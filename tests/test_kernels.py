@@ -63,7 +63,9 @@ def test_the_compiled_plan_is_the_controllers(seed, num_reqs, drawn, overhead):
     times = cost.step_times(num_reqs, len(cells) + 2)
     ints, floats = kernels.pack_plan(num_reqs, meta, starts, signals, times, estimator.tables,
                                      estimator.strides, overhead)
-    got = kernels.plan_offers(ints, floats, *estimator.tables[:7], out_acc, out_cell, out)
+    tables = estimator.tables
+    got = kernels.plan_offers(ints, floats, *tables.posterior_arrays(), tables.groups, out_acc,
+                              out_cell, out)
     out_offer, out_k = out[:num_reqs], out[num_reqs:2 * num_reqs]
     assert out_cell.tolist() == cells
     assert out_acc[:len(cells)].tolist() == estimates
@@ -98,7 +100,8 @@ def test_the_compiled_update_is_the_tables_sums():
     np.testing.assert_allclose(estimator.accepted, accepted_counts, rtol=1e-12)
     rebuilt = AcceptanceEstimator(estimator.proposers)
     rebuilt.set_counts(judged, accepted_counts)
-    for mine, theirs in zip(estimator.tables[:4], rebuilt.tables[:4]):
+    for mine, theirs in zip(estimator.tables.posterior_arrays()[:4],
+                            rebuilt.tables.posterior_arrays()[:4]):
         np.testing.assert_allclose(mine * estimator._scale, theirs, rtol=1e-9, atol=1e-9)
     np.testing.assert_allclose(estimator._pool_n * estimator._scale, rebuilt._pool_n, rtol=1e-9)
     np.testing.assert_allclose(estimator._pool_s * estimator._scale, rebuilt._pool_s, rtol=1e-9,

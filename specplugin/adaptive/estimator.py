@@ -129,23 +129,23 @@ class AcceptanceEstimator:
         self._drawn = np.zeros(self._n.size)
         self._stamps = np.full(self._n.size, -1, dtype=np.int64)
         self._stamp = 0
-        self._arrays = (self._n, self._s, self._parent_n, self._parent_s, self._drawn,
-                        self._stamps, self._groups, self._strides[2])
-        self._priors = (float(self.m), float(self.m0), float(self.prior_mean))
         self._changed()
 
     @property
-    def tables(self) -> tuple:
+    def tables(self) -> kernels.EstimatorTables:
         """What the compiled estimates read (:func:`kernels.posterior_value
-        <specplugin.adaptive.kernels.posterior_value>`, after the token's code): the counts,
-        the parents' counts, the kept draws and their stamps, the position groups (for
-        :func:`kernels.plan_offers <specplugin.adaptive.kernels.plan_offers>`), cells per
-        parent, the decay scale, the priors and the tables' stamp."""
-        return self._arrays + (self._scale,) + self._priors + (self._stamp,)
+        <specplugin.adaptive.kernels.posterior_value>`, :func:`kernels.plan_offers
+        <specplugin.adaptive.kernels.plan_offers>`), by name; built when the counts
+        change, not on each read (several a step)."""
+        return self._tables
 
     def _changed(self) -> None:
         """The counts changed: every kept estimate and draw is stale."""
         self._stamp += 1
+        self._tables = kernels.EstimatorTables(
+            self._n, self._s, self._parent_n, self._parent_s, self._drawn, self._stamps,
+            self._groups, self._strides[2], self._scale, float(self.m), float(self.m0),
+            float(self.prior_mean), self._stamp)
         # draw -> signal-pooled cell -> its posterior mean or draw (see _pooled_value; a
         # token's own cell's are kept by the compiled estimates, kernels.posterior_draw)
         self._kept: dict[bool, dict[int, float]] = {False: {}, True: {}}
@@ -255,8 +255,9 @@ class AcceptanceEstimator:
         ``-(c + 1)`` its draw (as :meth:`estimate_cells`), in one compiled call
         (:func:`kernels.posterior_values <specplugin.adaptive.kernels.posterior_values>`)."""
         out = np.empty(len(codes))
-        tables = self.tables
-        kernels.posterior_values(np.array(codes, dtype=np.int64), *tables[:6], *tables[7:], out)
+        tables = self._tables
+        kernels.posterior_values(np.array(codes, dtype=np.int64), *tables.posterior_arrays(),
+                                 *tables.numbers(), out)
         return out.tolist()
 
     def estimate(self, t: TokenCells, signal_known: bool = True,

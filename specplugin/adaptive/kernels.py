@@ -22,10 +22,40 @@ by numba after the first time), so that no compile lands inside a timed step.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numba
 import numpy as np
 
 from specplugin.host_kernels import JIT
+
+
+class EstimatorTables(NamedTuple):
+    """What the kernels read of an :class:`~specplugin.adaptive.estimator.AcceptanceEstimator`
+    (its :attr:`~specplugin.adaptive.estimator.AcceptanceEstimator.tables`): the arrays are
+    the estimator's own, changed in place; the numbers are as of its last change."""
+
+    n: np.ndarray  # [num_cells] judged tokens per cell (over the decay scale)
+    s: np.ndarray  # [num_cells] of them accepted
+    parent_n: np.ndarray  # [num_parents] judged per (proposer, mode, position group)
+    parent_s: np.ndarray  # [num_parents] of them accepted
+    drawn: np.ndarray  # [num_cells] each cell's kept posterior draw
+    stamps: np.ndarray  # [num_cells] int64 the tables' stamp when it was drawn
+    groups: np.ndarray  # [positions] int64 each draft position's group
+    per_parent: int  # cells per parent
+    scale: float  # the decay scale: counts times it are the decayed counts
+    m: float  # the prior's weight around the parent's mean
+    m0: float  # the parent's prior weight
+    prior_mean: float  # the parent's prior mean
+    stamp: int  # the tables' count of changes (a draw older than it is stale)
+
+    def posterior_arrays(self) -> tuple:
+        """The arrays a posterior reads: counts, parents' counts, kept draws, stamps."""
+        return self.n, self.s, self.parent_n, self.parent_s, self.drawn, self.stamps
+
+    def numbers(self) -> tuple:
+        """per_parent, scale, m, m0, prior_mean, stamp (the kernels' order)."""
+        return self.per_parent, self.scale, self.m, self.m0, self.prior_mean, self.stamp
 
 
 @numba.njit("float64(int64, float64[::1], float64[::1], float64[::1], float64[::1], int64, "
@@ -219,7 +249,7 @@ def plan_offers(ints, floats, n, s, pn, ps, drawn, stamps, groups, tok_acc, tok_
 
 
 def pack_plan(num_reqs: int, meta: list[int], starts: list[int], signals: list,
-              times: list[float], tables: tuple, strides: tuple[int, ...],
+              times: list[float], tables: EstimatorTables, strides: tuple[int, ...],
               spec_overhead: float) -> tuple[np.ndarray, np.ndarray]:
     """:func:`plan_offers`'s two packed inputs (``meta``: per offer its row, proposer,
     sampled, history bucket, drawn; ``signals``: each offer's [k] signals; ``tables``: the
@@ -227,7 +257,7 @@ def pack_plan(num_reqs: int, meta: list[int], starts: list[int], signals: list,
     <specplugin.adaptive.estimator.AcceptanceEstimator.tables>`; ``strides``: its cells',
     :attr:`AcceptanceEstimator.strides
     <specplugin.adaptive.estimator.AcceptanceEstimator.strides>`)."""
-    per_parent, scale, m, m0, prior_mean, stamp = tables[7:]
+    per_parent, scale, m, m0, prior_mean, stamp = tables.numbers()
     ints = np.array([len(starts) - 1, num_reqs, per_parent, stamp, *strides] + meta + starts,
                     dtype=np.int64)
     head = [scale, m, m0, prior_mean, spec_overhead] + times
@@ -242,17 +272,17 @@ def _warm_up() -> None:
     ms beyond its compile (numba's dispatcher sets itself up; measured in a fresh process,
     the first ``posterior_values`` 3,985 us, the next ~3-12 us), which would land in an
     engine's first planned step. No draw is made (the generator's stream is untouched)."""
-    tables = [np.zeros(4), np.zeros(4), np.zeros(4), np.zeros(4)]
-    drawn, stamps = np.zeros(4), np.zeros(4, dtype=np.int64)
+    counts = [np.zeros(4), np.zeros(4), np.zeros(4), np.zeros(4)]
+    tables = EstimatorTables(*counts, np.zeros(4), np.zeros(4, dtype=np.int64),
+                             np.zeros(1, dtype=np.int64), 1, 1.0, 4.0, 2.0, 0.5, 1)
     out = np.empty(4)
-    posterior_values(np.zeros(1, dtype=np.int64), *tables, drawn, stamps, 1, 1.0, 4.0, 2.0,
-                     0.5, 1, out)
-    update_cells(*tables, np.zeros(4), np.zeros(4), np.zeros(1, dtype=np.int64), np.zeros(1),
+    posterior_values(np.zeros(1, dtype=np.int64), *tables.posterior_arrays(),
+                     *tables.numbers(), out)
+    update_cells(*counts, np.zeros(4), np.zeros(4), np.zeros(1, dtype=np.int64), np.zeros(1),
                  0.0, 1, 1)
     ints, floats = pack_plan(1, [0, 0, 0, 0, 0], [0, 1], [np.full(1, 0.5)], [1.0, 1.1, 1.2],
-                             (*tables, drawn, stamps, np.zeros(1, dtype=np.int64), 1, 1.0, 4.0,
-                              2.0, 0.5, 1), (1, 1, 1, 1, 1), 0.0)
-    plan_offers(ints, floats, *tables, drawn, stamps, np.zeros(1, dtype=np.int64), out,
+                             tables, (1, 1, 1, 1, 1), 0.0)
+    plan_offers(ints, floats, *tables.posterior_arrays(), tables.groups, out,
                 np.empty(1, dtype=np.int64), np.empty(3, dtype=np.int64))
 
 

@@ -925,7 +925,8 @@ class Union:
         ints, floats = kernels.pack_plan(num_reqs, meta, starts, signals,
                                          self.cost.step_times(num_reqs, num_tokens + 2), tables,
                                          estimator.strides, self.cost.spec_overhead_s)
-        expected, seconds = kernels.plan_offers(ints, floats, *tables[:7], self._token_buffer,
+        expected, seconds = kernels.plan_offers(ints, floats, *tables.posterior_arrays(),
+                                                tables.groups, self._token_buffer,
                                                 self._cell_buffer, self._plan_buffer)
         chosen = self._plan_buffer[:3 * num_reqs].tolist()
         return _FlatPlan(offers, self._cell_buffer[:num_tokens], starts,
