@@ -332,12 +332,13 @@ def test_exploration_tries_again_a_proposer_rejected_by_bad_luck():
 
 
 def test_exploration_at_large_batch_does_not_make_most_steps_speculative():
-    """16 requests whose candidates are always rejected: exploring every row would let
-    some row's optimistic draw make nearly every step speculative (the whole batch then
-    pays the speculative machinery); one exploring row per step keeps that rare (over
-    four seeds of the draws: 8-13 speculative steps of 300 each). (Draws are kept per
-    cell and these rows share their cells: every row drawing reads 2-4 a seed, so this
-    bounds the speculative steps rather than telling one explorer from many.)"""
+    """16 requests whose candidates are always rejected: exploration (posterior draws)
+    must not keep the batch speculating, where every speculative step costs the whole
+    batch the speculative machinery; once the rejections are learned, few steps speculate
+    (over four seeds of the draws: 8-13 speculative steps of 300 each; 560 in all with
+    the rejections not learned). It does not tell one exploring row from many: with draws
+    kept per cell and the cells' shared parent learning every rejection, every row drawing
+    read 9-13 a seed too, even with each row in a signal bucket of its own."""
     speculative = 0
     for seed in range(4):
         rng = np.random.default_rng(0)
