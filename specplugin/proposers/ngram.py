@@ -168,7 +168,7 @@ class NgramProposer:
                     firsts.add(context[end + 1])
                 if len(chosen) > self.num_alternatives:
                     break
-            found = [self._candidate(context[end + 1:].tolist(), match_len, limit)
+            found = [self._candidate(context[end + 1:end + 1 + limit].tolist(), match_len, limit)
                      for end in chosen]
             candidates[row] = (found[0] if len(found) == 1 else
                                dataclasses.replace(found[0], alternatives=tuple(found[1:])))
