@@ -19,6 +19,7 @@ being timed; outside a step (engine start, requests arriving) nothing is recorde
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -32,6 +33,9 @@ QUERY_TOKENS = "query_tokens"  # tokens the target ran (prefill, decode and draf
 DRAFT_TOKENS = "draft_tokens"  # draft tokens the scheduler sent for verification
 DRAFTED = "drafted"  # the step handed drafts (maybe empty) to the scheduler: drafting ran
 SYNC_PREFIX = "syncs:"  # + phase: .cpu()/.item()/.tolist() calls made inside that phase
+BACKGROUND = "background_s"  # seconds the union's background learning ran (a worker's)
+# of the step's own work, seconds it waited for that learning to finish (Union.settle)
+BACKGROUND_WAIT = "background_wait_s"
 TIMER_CALLS = "timer_calls"  # phases closed (the timers' own cost is this times one pair's)
 # plain steps this many steps or more after the last one that verified or handed back
 # drafts are steady plain decoding (those right after carry the speculative block's
@@ -54,7 +58,10 @@ class PhaseClock:
         self.sync = sync
         self.enabled = False  # steps are timed only while enabled (profile's window)
         # open phases, innermost last: [phase, start, seconds of closed nested phases]
-        self.stack: list[list[Any]] = []
+        self._stack: list[list[Any]] = []
+        # the thread that runs the steps: another thread (the union's background learning,
+        # specplugin.adaptive.background) sees no open step, and its calls go untimed
+        self._owner: int | None = None
         self._phases: dict[str, float] = {}  # this step's exclusive seconds per phase
         self._counts: dict[str, int] = {}
         self._num_exits = 0
@@ -65,6 +72,7 @@ class PhaseClock:
         """Open a root phase. ``step``: it is one engine step (a worker's other calls of
         the same step, e.g. sampling after the forward, are roots with ``step=False``)."""
         self._phases, self._counts, self._num_exits, self._is_step = {}, {}, 0, step
+        self._owner = threading.get_ident()
         self.enter(phase)
 
     def end_step(self) -> None:
@@ -76,22 +84,28 @@ class PhaseClock:
                                       self._counts.get(DRAFT_TOKENS, 0),
                                       self._counts.get(DRAFTED, 0)))
 
+    @property
+    def stack(self) -> list[list[Any]] | tuple:
+        """The open phases, as the thread that runs the steps sees them (empty for any
+        other thread: what it runs is not the step's)."""
+        return self._stack if threading.get_ident() == self._owner else ()
+
     def enter(self, phase: str) -> None:
         if self.sync is not None:
             self.sync()
-        self.stack.append([phase, time.perf_counter(), 0.0])
+        self._stack.append([phase, time.perf_counter(), 0.0])
 
     def exit(self) -> float:
         """Close the innermost phase; its inclusive seconds."""
         if self.sync is not None:
             self.sync()
         now = time.perf_counter()
-        phase, start, nested = self.stack.pop()
+        phase, start, nested = self._stack.pop()
         self._num_exits += 1
         elapsed = now - start
         self._phases[phase] = self._phases.get(phase, 0.0) + elapsed - nested
-        if self.stack:
-            self.stack[-1][2] += elapsed
+        if self._stack:
+            self._stack[-1][2] += elapsed
         return elapsed
 
     def count(self, name: str, n: int = 1) -> None:
@@ -102,7 +116,7 @@ class PhaseClock:
     def count_sync(self) -> None:
         """A host-device sync, charged to the innermost open phase."""
         if self.stack:
-            key = SYNC_PREFIX + self.stack[-1][0]
+            key = SYNC_PREFIX + self._stack[-1][0]
             self._counts[key] = self._counts.get(key, 0) + 1
 
     def take(self) -> Ledger:
@@ -238,6 +252,10 @@ def summarize(ledger: Ledger, num_output_tokens: int, seconds: float,
         "own_ms": plugin_ms - forward_ms,
         "busy_share": ledger.wall_s / seconds if seconds > 0 else 0.0,
         "timer_calls_per_step": ledger.counts.get(TIMER_CALLS, 0) / steps,
+        # the union's learning that ran on the worker's wait for its next step, off the
+        # step (specplugin.adaptive.background): not in step_ms, not in own_ms
+        "background_ms": ledger.counts.get(BACKGROUND, 0.0) * 1e3 / steps,
+        "background_wait_ms": ledger.counts.get(BACKGROUND_WAIT, 0.0) * 1e3 / steps,
         **_plain_summary(ledger, batch_size),
     }
 

@@ -484,6 +484,21 @@ def _teach(union, proposer, rate, num_tokens=400, sampled=False):
     union.estimator.update(cells, np.random.default_rng(0).random(num_tokens) < rate)
 
 
+def test_the_draft_plans_beside_a_row_with_no_candidate_at_all():
+    """A row the draft may not draft for (its cap 0: a request in prefill, or at its
+    max_tokens) and with no token-level candidate sits beside a row the draft runs for:
+    the plan runs the draft for the one and nothing for the other (it had raised
+    IndexError and cost the step its drafts; seen red without the skip of such rows)."""
+    union = _union(Fixed("ngram", [1, 2, 3, 4], 0.9), Fixed("draft", [], 0.5))
+    union._draft_trials = 0
+    two = StepBatch(("a", "b"), np.zeros((2, 32), dtype=np.int32), np.full(2, 10),
+                    np.full(2, 5), np.full(2, 8), np.zeros(2, bool), (0, 1))
+    assert union.begin(None, 2, sampled=False)
+    union.estimator.pooled_cells = lambda proposer, sampled, history, n, draw=False: [0.99] * n
+    caps = union.plan_draft(two, [], 1, np.array([0, 8]), forward_seconds=0.0001)
+    assert caps[0] == 0 and caps[1] > 0
+
+
 def test_the_draft_runs_where_its_priced_forwards_pay():
     """Before any evidence the draft's tokens are coin flips: with cheap forwards the plan
     runs it for a few positions, not its whole cap; forwards that cost more than the

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specplugin.adaptive.background import Background
 from specplugin.config import (
     DraftSettings,
     SpecPluginConfigError,
@@ -978,6 +979,7 @@ def test_the_draft_models_arbiter_learns_foretold_plain_steps_as_if_it_had_decid
         d._last_draft_seconds, d._steps_since_run = 0.0, 2
         d.outcomes, d.cursor = SimpleNamespace(forget=lambda: None), SimpleNamespace(
             forget_pending=lambda: None)
+        d.background, d._held_jobs = Background(), []
         return d
 
     each, ahead = drafter(), drafter()

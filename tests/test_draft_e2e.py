@@ -313,6 +313,7 @@ def test_a_failing_draft_step_costs_its_drafts_not_the_requests():
     import logging
 
     from specplugin.adaptive.arbiter import StepArbiter
+    from specplugin.adaptive.background import Background
     from specplugin.adaptive.cost import StepTimer
     from specplugin.metrics import FailureCounter, ProposerStats
     from specplugin.adaptive.draft_rule import AcceptanceCalibration, OutcomeTracker
@@ -328,6 +329,7 @@ def test_a_failing_draft_step_costs_its_drafts_not_the_requests():
     drafter.arbiter = StepArbiter()
     drafter.proposer_stats = ProposerStats()
     drafter.timer = StepTimer()
+    drafter.background, drafter._held_jobs = Background(), []
 
     def broken(*args, **kwargs):
         raise RuntimeError("draft model exploded")
@@ -345,6 +347,7 @@ def _bare_drafter(num_reqs: int, scheduled: list[int]):
 
     import logging
 
+    from specplugin.adaptive.background import Background
     from specplugin.adaptive.cost import StepTimer
     from specplugin.metrics import FailureCounter, ProposerStats
     from specplugin.adaptive.draft_rule import AcceptanceCalibration, OutcomeTracker
@@ -364,6 +367,7 @@ def _bare_drafter(num_reqs: int, scheduled: list[int]):
     drafter.proposer_stats = ProposerStats()
     drafter.timer = StepTimer()
     drafter._decided = None
+    drafter.background, drafter._held_jobs = Background(), []
     return drafter, context
 
 

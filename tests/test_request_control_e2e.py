@@ -87,7 +87,7 @@ for name, extra in job["refused"].items():
 heard = {"greedy": [], "sampled": []}
 # and whether each step it learns from read new prompts (StepContext.read_prompts)
 read_prompts = {"greedy": [], "sampled": []}
-learn = Union._learn
+learn = Union._learn_rows
 
 def recording_learn(self, verified, *args, **kwargs):
     rows = [[None if verified.expected is None else list(verified.expected[r]), int(k)]
@@ -96,11 +96,11 @@ def recording_learn(self, verified, *args, **kwargs):
     read_prompts[job_mode].append(verified.read_prompts)
     return learn(self, verified, *args, **kwargs)
 
-Union._learn = recording_learn
+Union._learn_rows = recording_learn
 for job_mode, temperature in (("greedy", 0.0), ("sampled", 1.0)):
     llm.generate(prompts[:2], SamplingParams(temperature=temperature, max_tokens=32, seed=0,
                                              ignore_eos=True), use_tqdm=False)
-Union._learn = learn
+Union._learn_rows = learn
 plain = llm.generate(prompts, params({"specplugin_max_k": 0}), use_tqdm=False)
 for record in asked.values():
     record.clear()

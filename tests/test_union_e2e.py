@@ -62,6 +62,15 @@ def test_greedy_output_is_identical_token_for_token(request, baseline, union):
         assert want == got, f"prompt {i}: first difference at output position {first}"
 
 
+def test_the_worker_froze_what_start_up_built(full_union):
+    """The plugin's worker freezes its heap after warm-up, as vLLM freezes its engine
+    core's (in the layout users run, the worker is a process of its own, which vLLM does
+    not freeze): a full collection while serving then scans only what serving allocated
+    (measured on the zoo pair: 0.05 ms frozen against 0.67-0.84 s unfrozen, ~750,000
+    objects; seen red without the freeze)."""
+    assert full_union.worker_gc_frozen is not None and full_union.worker_gc_frozen > 100_000
+
+
 @pytest.mark.parametrize("union", ["token_union", "full_union"])
 def test_drafts_are_verified_and_accepted(request, union):
     run = request.getfixturevalue(union)

@@ -66,6 +66,9 @@ class StepCostModel:
         self._counts = {False: 0, True: 0}
         self._spec_overhead = 0.0  # spec_overhead_s, kept from one observation to the next
         self._held: list[tuple[int, float, bool]] = []  # steps observe holds (see there)
+        # the owner learns the held steps itself, once its step's plan is made
+        # (flush_due, from the union's background learning): observe only holds them
+        self.deferred_flush = False
         self._plain_sums = StepSums()  # plain steps not learned yet (observe_plain)
         self._forward_table: list[float] = []  # F(0), F(1), ... until a knot moves (step_times)
         # during flush: the first and last knot pairs moved (the table refreshed after it)
@@ -176,7 +179,13 @@ class StepCostModel:
             return
         held = self._held
         held.append((num_tokens, seconds, speculative))
-        if len(held) >= LEARN_EVERY:
+        if len(held) >= LEARN_EVERY and not self.deferred_flush:
+            self.flush()
+
+    def flush_due(self) -> None:
+        """Learn the held steps if :data:`LEARN_EVERY` of them are waiting (with
+        :attr:`deferred_flush`, what :meth:`observe` then leaves to its owner)."""
+        if len(self._held) >= LEARN_EVERY:
             self.flush()
 
     def flush(self) -> None:

@@ -110,6 +110,9 @@ class CostModel:
         self._num_steps = 0
         self._plain_sums = StepSums()  # plain steps not learned yet (observe_plain_step)
         self._held: list[tuple] = []  # steps observe_step holds (see there)
+        # the drafter learns the held steps itself once its step ran (flush_due, on the
+        # union's background learning): observe_step only holds them
+        self.deferred_flush = False
         self._warm_first_s: float | None = None  # first passes right after a draft step
         self._warm_passes = 0
         # weighted averages of 1, x, y, xx, xy over the other first passes: x their
@@ -196,6 +199,13 @@ class CostModel:
             self._observe_step(*held)
             return
         self._held.append(held)
+        if len(self._held) >= LEARN_EVERY and not self.deferred_flush:
+            self.flush()
+
+    def flush_due(self) -> None:
+        """Learn the held steps if :data:`~specplugin.adaptive.cost.LEARN_EVERY` of them
+        are waiting (with :attr:`deferred_flush`, what :meth:`observe_step` leaves to the
+        drafter)."""
         if len(self._held) >= LEARN_EVERY:
             self.flush()
 
@@ -480,9 +490,14 @@ class OutcomeTracker:
         """Drop pending drafts (their step failed: no verification result will match)."""
         self._pending = {}
 
+    def take(self) -> dict:
+        """The pending drafts, handed over (for :meth:`resolve` later, as ``pending``)."""
+        pending, self._pending = self._pending, {}
+        return pending
+
     def resolve(self, req_ids: list[str], num_scheduled: list[int],
                 num_rejected: list[int] | None,
-                expected: list[list[float]] | None = None) -> int:
+                expected: list[list[float]] | None = None, pending: dict | None = None) -> int:
         """Learn from the step just verified; returns its number of accepted draft tokens.
 
         ``num_scheduled[i]``: draft tokens the scheduler verified for row i in that step
@@ -493,8 +508,11 @@ class OutcomeTracker:
         (``expected[i]``, one per verified draft token of row i: the same average as the
         verdicts, without their noise). Pending drafts are consumed either
         way: a result can only belong to the step right after the drafts were recorded
-        (when vLLM skips drafting in between, the runner calls :meth:`forget`)."""
-        pending, self._pending = self._pending, {}
+        (when vLLM skips drafting in between, the runner calls :meth:`forget`).
+        ``pending``: drafts :meth:`take` handed over (the drafter learns a step once the
+        next one ran, on the union's background); default the ones pending now."""
+        if pending is None:
+            pending = self.take()
         if num_rejected is None:
             return 0
         confs, accepted, sampled, positions = [], [], [], []

@@ -119,6 +119,7 @@ class UnionMemory:
             arbiter.restore_bucket(key, rate, blocks, correction, num_reqs)
 
     def snapshot(self, union) -> dict:
+        union.settle()
         union.flush_learning()  # verdicts the estimator has not learned yet count too
         estimator = union.estimator
         buckets = [] if union.arbiter is None else [

@@ -2,9 +2,12 @@
 
 One step of :meth:`Union.step`, in order:
 
-1. **learn** from the step just verified (:class:`Verified`): for each request that
-   had drafts, which of them were accepted -> the difficulty estimator, the request's
-   recent acceptance, and the step's wall time -> the cost model;
+1. **learn** from the step just verified (:class:`Verified`): its wall time -> the cost
+   model and the step arbiter, at once (they decide this step); for each request that
+   had drafts, which of them were accepted -> the difficulty estimator and the
+   request's recent acceptance, once this step's plan is made, on the worker's wait
+   for its next step where a threaded :class:`~specplugin.adaptive.background.Background`
+   runs it (it shapes later plans, not this one);
 2. **ask** every proposer for candidates (a proposer that raises is counted and
    costs its own candidates only, never a request), unless the step arbiter
    (:mod:`specplugin.adaptive.arbiter`) has measured that plain decoding is faster
@@ -33,6 +36,7 @@ import numpy as np
 
 from specplugin.adaptive import kernels
 from specplugin.adaptive.arbiter import StepArbiter
+from specplugin.adaptive.background import Background
 from specplugin.adaptive.controller import (NO_CANDIDATE, Choice, cumulative,
                                            divergence, expand, plan, planned, token_price,
                                            with_candidates)
@@ -254,7 +258,8 @@ class Union:
                  estimator: AcceptanceEstimator | None = None, explore: bool = True,
                  arbiter: StepArbiter | None = None, max_candidates: int = 1,
                  decoy_primary: bool = False, max_peek_gap: int = MAX_PEEK_GAP,
-                 draft_always: bool = False, learn_every: int = LEARN_EVERY):
+                 draft_always: bool = False, learn_every: int = LEARN_EVERY,
+                 background: Background | None = None):
         """``explore``: one request per step (chosen at random among those with
         candidates) is judged by posterior draws (Thompson sampling), the others by
         posterior means, so that a proposer unlucky early on is tried again (see the
@@ -268,7 +273,9 @@ class Union:
         runs in every speculative step, for every row that may use it, whatever it costs
         (priced, a new request's catch-up over its whole prompt could keep it off a short
         test's every step).
-        ``learn_every``: see :data:`LEARN_EVERY` (1: the estimator learns every step)."""
+        ``learn_every``: see :data:`LEARN_EVERY` (1: the estimator learns every step).
+        ``background``: where a verified step's verdicts are learned once the next plan
+        is made (:mod:`~specplugin.adaptive.background`; default inline, at that point)."""
         self.explore = explore
         self.arbiter = arbiter
         if arbiter is not None:
@@ -311,6 +318,11 @@ class Union:
         self.learn_every = learn_every
         self.draft_always = draft_always
         self.history = RequestHistory()
+        self.background = background or Background()
+        self.cost.deferred_flush = True  # held steps learned with the verdicts (_learn_held)
+        # the verdicts begin() took from the step just verified, to learn once this step's
+        # plan is made (release): (verified record, its drafts' _Pending, the extras')
+        self._held: tuple[Verified, dict, dict] | None = None
         self._start_learning()
 
     def _start_learning(self) -> None:
@@ -349,6 +361,7 @@ class Union:
         batch 8: the suffix proposer's first token estimated 0.04, and 1 draft in the
         cell against 165 without the warm-up). A user's engine starts on its own text.
         Only between requests (nothing pending)."""
+        self.settle()
         self._start_learning()
         if trace.TRACE is not None:
             trace.TRACE.write("forget")
@@ -367,25 +380,71 @@ class Union:
         """Learn from ``verified``; whether this step speculates (the arbiter's call;
         ``sampled``: most requests sample). A plain step needs nothing else: no
         proposer runs, and the caller need not even build the step's batch.
-        After :meth:`plain_step` said True, the step was observed and decided there."""
+        After :meth:`plain_step` said True, the step was observed and decided there.
+
+        The step's verdicts are held, not learned: :meth:`release` (after this step's
+        plan, or here for a plain step) hands them to :attr:`background`, so that the
+        plan rests on the verdicts up to the step before, one step late, next to a memory
+        of thousands of steps. Not while the estimator is cold (fewer than
+        :data:`COLD_TOKENS` judged tokens learned, an engine's first steps): there each
+        verdict moves the estimates most, and a proposer whose first drafts all fail
+        would draft one step more on its prior and learn two rejections where it had one
+        (measured in the core, ``test_exploration_tries_again_a_proposer_rejected_by_bad_luck``:
+        a proposer rejected in its first two steps, then always right, had 4 tokens
+        accepted in all over eight seeds' 200 steps with the lag from the first step, 1,402
+        without it and 1,408 with this rule)."""
+        self.settle()
         self._alternative_offers = []
         self._draft_price = (0.0, 0.0, 0)
         self._step_explorer, self._gate_plan = None, None
         self._step_histories = None
         observed, self._observed = self._observed, False
         unrated, self._unrated_step = self._unrated_step, False
+        pending, self._pending = self._pending, {}
+        pending_extras, self._pending_extras = self._pending_extras, {}
         if verified is not None:
-            self._learn(verified, observe=not observed, unrated=unrated)
+            if not observed:
+                self._observe_verified(verified, pending, unrated)
+            self._held = (verified, pending, pending_extras)
         self._undecayed_steps += 1 + self._skipped_steps
         self._skipped_steps = 0
-        if self._undecayed_steps >= self.learn_every or self._learned_tokens < COLD_TOKENS:
+        if self._learned_tokens < COLD_TOKENS:  # cold: each verdict moves the plan, learn now
+            held, self._held = self._held, None
+            if held is not None:
+                self._learn_rows(*held)
+            self.cost.flush_due()
             self.flush_learning()
         if self.arbiter is not None and not observed:
             self.speculating = self.arbiter.speculate(num_reqs, sampled)
             self._note_decision()
         if not self.speculating:
             self._count_plain_step(num_reqs)
+            self.release()
         return self.speculating
+
+    def release(self) -> None:
+        """This step's plan is made: what :meth:`begin` held (the verified step's
+        verdicts, and the estimator's update when due) goes to :attr:`background`."""
+        held, self._held = self._held, None
+        if held is not None:
+            self.background.submit(lambda: self._learn_held(*held))
+
+    def settle(self) -> None:
+        """Everything learned so far is in: held verdicts that were never released (a
+        step whose drafting failed after :meth:`begin`) are learned now, and the
+        background's jobs are waited for. Every reader of what learning writes (the next
+        step, the counters, the saved state) calls this first."""
+        if self._held is not None:
+            self.release()
+        self.background.settle()
+
+    def _learn_held(self, verified: Verified, pending: dict, pending_extras: dict) -> None:
+        """The verdicts of ``verified`` (whose drafts ``pending`` and ``pending_extras``
+        recorded), then the estimator's update when one is due (see :data:`LEARN_EVERY`)."""
+        self._learn_rows(verified, pending, pending_extras)
+        self.cost.flush_due()
+        if self._undecayed_steps >= self.learn_every or self._learned_tokens < COLD_TOKENS:
+            self.flush_learning()
 
     def plain_step(self, seconds: float | None, num_reqs: int, num_query_tokens: int,
                    sampled: bool, peek: Callable[[], StepBatch] | None = None,
@@ -410,6 +469,7 @@ class Union:
         all and the arbiter starts a speculative block: a rate measured on earlier text
         must not keep decoding plainly through text that copies, and steps that proved
         slower than predicted must not undo the arbiter's measurements."""
+        self.settle()
         if self.arbiter is None or self._pending or self._pending_extras:
             return True
         unrated, self._unrated_step = self._unrated_step, False
@@ -458,6 +518,7 @@ class Union:
         would have learned from each (the cost model's and the arbiter's observations,
         the counters, the peek's countdown, a peek due then waiting for the next
         decision), without its decisions, which were foregone."""
+        self.settle()
         for step_seconds in seconds:
             self._observe(step_seconds, num_reqs, num_reqs, speculative=False,
                           num_reqs=num_reqs)
@@ -475,6 +536,7 @@ class Union:
     def new_requests(self, num_new: int, num_reqs: int) -> None:
         """``num_new`` of the batch's ``num_reqs`` requests arrived this step: new text, so
         the next plain step peeks at once (and the arbiter hears of it)."""
+        self.settle()
         if num_new > 0:
             self._peek.reset()
             self._gate.reset()
@@ -775,6 +837,8 @@ class Union:
         num_tokens = batch.num_reqs + sum(c.num_tokens for c in others)
         gains, reach = [0.0] * max(k), [0] * max(k)  # [max k] sum of P_m, rows with an m-th
         for r, kr in enumerate(k):
+            if not kr:  # (a row without the draft may have no candidate at all: nothing to add)
+                continue
             for j, p in enumerate(cumulative(acceptance[r][-1][:kr])):
                 gains[j] += p
                 reach[j] += 1
@@ -892,6 +956,7 @@ class Union:
                 acceptance[r].append(a)
             self._alternates(batch, offers + alternatives, acceptance, choices, drafts,
                              alternates, histories, len(offers))
+        self.release()
         return StepPlan(drafts, sources, alternates)
 
     def _plan(self, batch: StepBatch, offers, histories: list[int]) -> _FlatPlan:
@@ -1001,15 +1066,18 @@ class Union:
     def forget_pending(self) -> None:
         """The engine skipped drafting for a step: the drafts proposed before it were
         verified in a step whose results never reach :meth:`step`."""
+        self.settle()
         self._pending, self._pending_extras = {}, {}
         self._observed = False  # a plain_step's decision for a step that then failed
 
     @property
     def idle(self) -> bool:
         """No request the union knows of is running (an offline job's end)."""
+        self.settle()
         return not len(self.history) and not self._pending and not self._pending_extras
 
     def finish_requests(self, req_ids: Sequence[str]) -> None:
+        self.settle()  # (a held verdict of these requests must not outlive them)
         for proposer in self.proposers:
             proposer.finish_requests(req_ids)
         self.history.forget(req_ids)
@@ -1092,29 +1160,34 @@ class Union:
         if outcome.winner is not None and outcome.winner < len(extras):
             self.stats.won(self.proposers[extras[outcome.winner].proposer].name, emitted)
 
-    def _learn(self, verified: Verified, observe: bool = True, unrated: bool = False) -> None:
-        """One estimator update for every judged token of the step just verified
-        (``observe``: its wall time too, unless :meth:`plain_step` already did;
-        ``unrated``: its time is not a rate of speculating, see :meth:`_observe`)."""
+    def _observe_verified(self, verified: Verified, pending: dict, unrated: bool) -> None:
+        """The verified step's wall time, to the cost model and the step arbiter (at once:
+        they decide the step being planned); ``pending``: its drafts as sent;
+        ``unrated``: its time is not a rate of speculating (see :meth:`_observe`)."""
         scheduled_drafts = as_list(verified.num_scheduled_drafts)  # [num_reqs]
         num_emitted = as_list(verified.num_emitted)  # [num_reqs]
-        pending, self._pending = self._pending, {}
         scored = verified.scored or {}
-        if observe:
-            # the arbiter's rate: sampled rows' drafts at their acceptance probabilities
-            # (rows with the scorer's extras: their emitted tokens)
-            rate_tokens = None
-            if verified.expected:
-                sampled = [req_id in pending and pending[req_id].sampled
-                           and req_id not in scored for req_id in verified.req_ids]
-                if any(sampled):
-                    rate_tokens = expected_emitted(scheduled_drafts, num_emitted,
-                                                   verified.expected, sampled)
-            self._observe(verified.seconds, verified.num_query_tokens, sum(num_emitted),
-                          any(k > 0 for k in scheduled_drafts), verified.draft_seconds,
-                          unrated=unrated, read_prompts=verified.read_prompts,
-                          num_reqs=len(num_emitted), rate_tokens=rate_tokens)
-        pending_extras, self._pending_extras = self._pending_extras, {}
+        # the arbiter's rate: sampled rows' drafts at their acceptance probabilities
+        # (rows with the scorer's extras: their emitted tokens)
+        rate_tokens = None
+        if verified.expected:
+            sampled = [req_id in pending and pending[req_id].sampled
+                       and req_id not in scored for req_id in verified.req_ids]
+            if any(sampled):
+                rate_tokens = expected_emitted(scheduled_drafts, num_emitted,
+                                               verified.expected, sampled)
+        self._observe(verified.seconds, verified.num_query_tokens, sum(num_emitted),
+                      any(k > 0 for k in scheduled_drafts), verified.draft_seconds,
+                      unrated=unrated, read_prompts=verified.read_prompts,
+                      num_reqs=len(num_emitted), rate_tokens=rate_tokens)
+
+    def _learn_rows(self, verified: Verified, pending: dict, pending_extras: dict) -> None:
+        """What each row of ``verified`` accepted of the drafts ``pending`` (and the
+        scorer's ``pending_extras``) recorded: the request's history, the counters, and
+        one estimator update for every judged token (at the next flush)."""
+        scheduled_drafts = as_list(verified.num_scheduled_drafts)  # [num_reqs]
+        num_emitted = as_list(verified.num_emitted)  # [num_reqs]
+        scored = verified.scored or {}
         judged_parts: list[tuple[_Pending, list]] = []  # (sent, its judged_outcomes)
         for row, (req_id, scheduled, emitted) in enumerate(
                 zip(verified.req_ids, scheduled_drafts, num_emitted)):

@@ -172,6 +172,9 @@ def run_cell(llm, cell: dict[str, Any], return_token_ids: bool,
     if probe_ms is not None:
         result["memory_probe_ms"] = probe_ms
     if plugin:
+        # objects the plugin's workers froze after warm-up (the fewest of any worker)
+        frozen = [w["frozen"] for w in llm.collective_rpc("specplugin_gc", args=(False,))]
+        result["worker_gc_frozen"] = min(frozen)
         attributed_after, others_after = plugin_counters(llm)
         result["attribution"] = attribution_delta(attributed_after, attributed)
         if others_after is not None:

@@ -304,6 +304,8 @@ class EngineRun:
     # the plugin's own step counters for the cell (steps, steps_without_drafts,
     # steps_skipped); None when the engine does not run the plugin
     plugin_steps: dict[str, int] | None = None
+    # objects the plugin's workers froze after warm-up (None: no plugin)
+    worker_gc_frozen: int | None = None
     warnings: list[str] = field(default_factory=list)
     log_path: Path | None = None
 
@@ -315,6 +317,7 @@ class EngineRun:
                                          "accepted_per_pos")}
         return cls(token_ids=out["token_ids"], texts=out.get("texts"), seconds=out["seconds"],
                    startup_s=result.startup_s, plugin_steps=out.get("plugin_steps"),
+                   worker_gc_frozen=out.get("worker_gc_frozen"),
                    warnings=list(result.warnings),
                    log_path=result.log_path, **counters)
 

@@ -36,6 +36,7 @@ from vllm.v1.sample.sampler import _SAMPLING_EPS
 
 from specplugin import host_kernels
 from specplugin.adaptive.arbiter import arbiter_for
+from specplugin.adaptive.background import Background
 from specplugin.adaptive.cost import StepCostModel, StepTimer
 from specplugin.adaptive.estimator import expected_emitted
 from specplugin.adaptive.memory import open_memory
@@ -121,7 +122,9 @@ class PluginDraftProposer(DraftModelProposer):
                                arbiter=arbiter_for(plugin_config),
                                max_candidates=plugin_config.max_candidates,
                                decoy_primary=plugin_config.fault_injection.decoy_primary,
-                               draft_always=plugin_config.fault_injection.draft_always)
+                               draft_always=plugin_config.fault_injection.draft_always,
+                               # learning on the worker's wait for its next step
+                               background=Background(threaded=True))
         self.memory = None if self.union is None else open_memory(
             self.union, plugin_config.state_dir, vllm_config.model_config.model,
             plugin_config.draft_model, k_max, writer=tensor_parallel_rank() == 0)
@@ -130,6 +133,14 @@ class PluginDraftProposer(DraftModelProposer):
         self.arbiter = arbiter_for(plugin_config) if self.union is None else None
         # drafts and acceptances per proposer (the union keeps them itself)
         self.proposer_stats = ProposerStats() if self.union is None else self.union.stats
+        # what the drafter learns from a verified step (the draft's outcomes, its cost
+        # model's held steps), held until the step's drafts are made, then run on the
+        # worker's wait for its next step (the union's background, the same one the
+        # union's own learning runs on)
+        self.background = (Background(threaded=True) if self.union is None
+                           else self.union.background)
+        self._held_jobs: list = []
+        self.costs.deferred_flush = True
 
     @property
     def last_alternates(self) -> list[list[list[int]]]:
@@ -143,11 +154,31 @@ class PluginDraftProposer(DraftModelProposer):
         if self.union is not None:
             self.union.cost.calibrate(num_tokens, seconds)
 
+    def _defer(self, job) -> None:
+        """Learning for after this step's drafts (:meth:`_release_learning`)."""
+        self._held_jobs.append(job)
+
+    def _release_learning(self) -> None:
+        """This step's drafts are made: the held learning goes to the background."""
+        jobs, self._held_jobs = self._held_jobs, []
+        for job in jobs:
+            self.background.submit(job)
+
+    def _settle(self) -> None:
+        """Everything learned so far is in (held jobs included): before anything reads
+        what learning writes."""
+        self._release_learning()
+        if self.union is not None:
+            self.union.settle()
+        else:
+            self.background.settle()
+
     def restart_requests(self, req_ids) -> None:
         """Resumed after preemption: the draft re-reads their whole context."""
         self.cursor.forget(req_ids)
 
     def finish_requests(self, req_ids) -> None:
+        self._settle()
         self.cursor.forget(req_ids)
         if self.union is not None:
             self.union.finish_requests(list(req_ids))
@@ -178,6 +209,7 @@ class PluginDraftProposer(DraftModelProposer):
         :meth:`Union._observe <specplugin.adaptive.union.Union._observe>`)."""
         if self.clock.shared:
             return False
+        self._settle()
         self._step_seconds = self.timer.lap()
         seconds = None if read_prompts else self._step_seconds  # what the step teaches
         if seconds is None:
@@ -237,6 +269,7 @@ class PluginDraftProposer(DraftModelProposer):
         ``times``, their wall times on :attr:`timer` (None: no step measured), ``num_reqs``
         requests decoding one token each (the runner calls this before the next step it
         runs reaches the drafter)."""
+        self._settle()
         try:
             for seconds in times:
                 if seconds is not None:
@@ -261,6 +294,8 @@ class PluginDraftProposer(DraftModelProposer):
             num_reqs = len(self.plugin_runner.input_batch.req_ids)
             self._failed(num_reqs)
             return torch.zeros((num_reqs, 1), dtype=torch.int64, device=self.device)
+        finally:
+            self._release_learning()
 
     def propose_decided(self, num_speculative_tokens: int, common_attn_metadata,
                         sampling_metadata) -> torch.Tensor:  # [num_reqs, num_positions]
@@ -325,18 +360,22 @@ class PluginDraftProposer(DraftModelProposer):
             decided = self._decide(context, num_reqs, rejected, next_tokens, sampling_metadata)
         except Exception:
             self._failed(num_reqs)
+            self._release_learning()
             return [[] for _ in range(num_reqs)]
         if decided is None:
+            self._release_learning()
             return [[] for _ in range(num_reqs)]
         if isinstance(decided, list):
             self.proposer_stats.steps_without_draft_model += 1
+            self._release_learning()
             return decided
-        self._decided = decided
+        self._decided = decided  # (the draft runs: propose releases the learning)
         return None
 
     def forget_learned(self) -> None:
         """See :meth:`Union.forget_learned <specplugin.adaptive.union.Union.forget_learned>`
         (the draft model alone: its step arbiter's rates)."""
+        self._settle()
         self.forget_pending()
         if self.union is not None:
             self.union.forget_learned()
@@ -346,6 +385,7 @@ class PluginDraftProposer(DraftModelProposer):
     def forget_pending(self) -> None:
         """vLLM skipped drafting for a step: the drafts recorded before it were verified
         in that step, whose results never reach this drafter."""
+        self._settle()
         self.outcomes.forget()
         self.cursor.forget_pending()
         self._observed = False
@@ -357,6 +397,10 @@ class PluginDraftProposer(DraftModelProposer):
         :mod:`specplugin.vllm_layer.metrics_export`)."""
         arbiter = self.arbiter if self.union is None else self.union.arbiter
         failures = self.failures.snapshot()
+        self.background.settle()  # (what was handed over; held jobs write nothing yet)
+        learning = self.background.failures
+        if learning.count:  # (a counter once it has counted)
+            failures[learning.name] = learning.count
         if self.union is not None:  # the union's counter "draft" adds to the drafter's own
             for f in self.union.failures:
                 failures[f.name] = failures.get(f.name, 0) + f.count
@@ -416,6 +460,7 @@ class PluginDraftProposer(DraftModelProposer):
 
         Per-row values are Python lists: after the target's forward each numpy or torch
         call costs several microseconds of cold caches, a list of a few rows far less."""
+        self._settle()
         self._last_draft_probs = None
         self.last_lengths = None
         self.plan = None
@@ -569,8 +614,11 @@ class PluginDraftProposer(DraftModelProposer):
         each row had accepted, whichever proposer drafted them): the draft's outcomes and
         the step's time (the stop rule's thresholds follow, :meth:`_rule_with_thresholds`)."""
         num_reqs = len(num_accepted)
-        self.outcomes.resolve(context.req_ids, context.num_scheduled_drafts[:num_reqs], rejected,
-                              context.expected_acceptance)
+        pending = self.outcomes.take()  # (this step's drafts are recorded in its place)
+        req_ids, scheduled = context.req_ids, context.num_scheduled_drafts[:num_reqs]
+        expected = context.expected_acceptance
+        self._defer(lambda: self.outcomes.resolve(req_ids, scheduled, rejected, expected,
+                                                  pending=pending))
         if self._observed:  # skip_drafting timed this step already
             return
         # wall time of the step just run (None: first step, or the last one failed)
@@ -582,6 +630,8 @@ class PluginDraftProposer(DraftModelProposer):
             # every row emitted one token plus its accepted drafts
             self.costs.observe_step(self._step_seconds, num_reqs + sum(num_accepted),
                                     self._last_forwards, self._last_draft_tokens)
+            if self.costs.deferred_flush:
+                self._defer(self.costs.flush_due)
 
     def _rule_with_thresholds(self) -> StopRule:
         """This step's stop rule; rebuilt only when its thresholds moved (every step asks)."""

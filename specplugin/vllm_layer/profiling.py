@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from specplugin.profiling import (DRAFT_FORWARDS, DRAFT_TOKENS, DRAFTED, PROBE_ENV,
+from specplugin.profiling import (BACKGROUND, BACKGROUND_WAIT, DRAFT_FORWARDS, DRAFT_TOKENS, DRAFTED, PROBE_ENV,
                                   QUERY_TOKENS, SETTLED, WORKER, PhaseClock)
 from specplugin.vllm_layer import draft_handoff, patches
 
@@ -512,7 +512,28 @@ def worker_rpc(worker, action: str) -> Any:
     if action == "device":
         return ("cuda (timers synchronise)" if worker.model_runner.device.type == "cuda"
                 else "cpu (every phase synchronous)")
-    return _act(action, lambda: install_worker(worker.model_runner))
+    runner = worker.model_runner
+    if action == "start":  # the background's seconds in the window, not its whole life
+        runner.__dict__["_specplugin_background_s"] = _background_s(runner)
+    out = _act(action, lambda: install_worker(runner))
+    if action == "stop":
+        busy, waited = _background_s(runner)
+        busy0, waited0 = runner.__dict__.get("_specplugin_background_s", (0.0, 0.0))
+        out["counts"][BACKGROUND] = busy - busy0
+        out["counts"][BACKGROUND_WAIT] = waited - waited0
+    return out
+
+
+def _background_s(runner) -> tuple[float, float]:
+    """Seconds the drafter's background has spent learning, and the step has spent
+    waiting for it to finish (none: 0, 0)."""
+    drafter = getattr(runner, "drafter", None)
+    background = getattr(drafter, "background", None) or getattr(
+        getattr(drafter, "union", None), "background", None)
+    if background is None:
+        return 0.0, 0.0
+    background.settle()
+    return background.busy_s, background.waited_s
 
 
 def _step_ab(runner, on: bool) -> bool | list[list]:

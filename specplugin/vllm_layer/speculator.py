@@ -23,6 +23,7 @@ import numpy as np
 from vllm.v1.sample.sampler import _SAMPLING_EPS  # a temperature below it is greedy
 
 from specplugin.adaptive.arbiter import arbiter_for
+from specplugin.adaptive.background import Background
 from specplugin.adaptive.cost import StepCostModel, StepTimer
 from specplugin.adaptive.memory import open_memory
 from specplugin.metrics import FailureCounter
@@ -47,7 +48,9 @@ class Speculator:
         self.union = Union(proposers, cost=StepCostModel(max_tokens=max(2, max_tokens)),
                            arbiter=arbiter_for(self.config),
                            max_candidates=self.config.max_candidates,
-                           decoy_primary=self.config.fault_injection.decoy_primary)
+                           decoy_primary=self.config.fault_injection.decoy_primary,
+                           # learning on the worker's wait for its next step
+                           background=Background(threaded=True))
         self.memory = open_memory(self.union, self.config.state_dir,
                                   vllm_config.model_config.model, None,
                                   self.num_speculative_tokens,
@@ -195,8 +198,12 @@ class Speculator:
     def stats(self) -> dict:
         """The plugin's own counters, JSON-able (published by
         :mod:`specplugin.vllm_layer.metrics_export`)."""
+        self.union.background.settle()  # (what was handed over; held jobs write nothing yet)
         failures = {f.name: f.count for f in self.union.failures}
         failures[self.failures.name] = self.failures.count
+        learning = self.union.background.failures
+        if learning.count:  # (a counter once it has counted)
+            failures[learning.name] = learning.count
         failures.update(verification.failures())
         return {**self.union.stats.as_dict(), "proposer_failures": failures,
                 "arbiter": None if self.union.arbiter is None else self.union.arbiter.stats()}

@@ -26,6 +26,7 @@ worker, and a worker that builds that runner.
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ import numpy as np
 import torch
 from vllm.v1.worker import cpu_worker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.utils.gc_utils import freeze_gc_heap
 from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.sample.sampler import _SAMPLING_EPS
@@ -550,7 +552,22 @@ class PluginWorkerMixin:
         self.model_runner.calibrate_step_cost()
         # vLLM reseeds after warm-up so that start-up work leaves no trace in sampling
         set_random_seed(self.model_config.seed, self.parallel_config.data_parallel_index)
+        # What start-up built (the models, the compiled graphs, vLLM's and the plugin's
+        # tables) lives as long as the worker: frozen, as vLLM freezes its engine core's
+        # heap after start-up, so that the collector's full collections while serving
+        # scan only what serving allocates (see specplugin_gc)
+        freeze_gc_heap()
         return times
+
+    def specplugin_gc(self, collect: bool = True) -> dict:
+        """``llm.collective_rpc("specplugin_gc")``: objects this worker froze at start-up
+        and, with ``collect``, the seconds one full collection takes now (what a serving
+        worker pauses for each time the collector runs one)."""
+        start = time.perf_counter()
+        if collect:
+            gc.collect()
+        return {"frozen": gc.get_freeze_count(),
+                "full_collection_s": time.perf_counter() - start if collect else None}
 
     def time_forward(self, rows: int, query_len: int, context_len: int,
                      repeats: int = 5) -> float:

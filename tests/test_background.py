@@ -1,0 +1,97 @@
+"""The union's learning off the step (specplugin.adaptive.background): the same state and
+plans threaded as inline, nothing read before it is learned, failures counted."""
+
+import numpy as np
+
+from specplugin.adaptive.background import Background
+from specplugin.adaptive.cost import StepCostModel
+from specplugin.adaptive.estimator import AcceptanceEstimator
+from specplugin.adaptive.union import COLD_TOKENS, Union, Verified
+
+from tests.test_adaptive import Fixed, _batch
+
+
+def _run(background: Background, steps: int = 120, seed: int = 3):
+    """A union of two proposers over ``steps`` steps of 4 requests, one of them swapped
+    for a new one every 10 steps; each row's drafts accepted by a seeded coin per token.
+    Returns every step's drafts and the state left behind."""
+    cost = StepCostModel(max_tokens=64)
+    cost.calibrate(np.array([1, 2, 64]), np.array([0.010, 0.011, 0.073]))
+    union = Union([Fixed("a", [1, 2, 3, 4, 5], 0.9), Fixed("b", [7, 8, 9], 0.4)], cost=cost,
+                  estimator=AcceptanceEstimator(("a", "b"), seed=seed), background=background)
+    rng = np.random.default_rng(seed)
+    verified, plans = None, []
+    for step in range(steps):
+        req_ids = [f"r{step // 10}-{j}" if j == 0 else f"r{j}" for j in range(4)]
+        if step and step % 10 == 0:
+            union.finish_requests([f"r{step // 10 - 1}-0"])
+        drafts = union.step(_batch(req_ids), verified).drafts
+        plans.append(drafts)
+        emitted = [1 + int(np.argmin(np.append(rng.random(len(d)) < 0.7, False))) if d else 1
+                   for d in drafts]
+        verified = Verified(tuple(req_ids), np.array([len(d) for d in drafts]), np.array(emitted),
+                            0.010 + 0.001 * sum(map(len, drafts)), 4 + sum(map(len, drafts)))
+    union.settle()
+    state = (union.estimator.judged.copy(), union.estimator.accepted.copy(),
+             dict(union.history._recent),
+             union.stats.as_dict(), cost.step_one(4), union._learned_tokens)
+    return plans, state, union
+
+
+def test_threaded_learning_plans_and_leaves_what_inline_learning_does():
+    """The helper thread's timing decides nothing: every plan, the estimator's counts, the
+    counters and the cost model are those of the inline run (seen red with the settle at
+    the start of Union.begin removed: plans made before the thread had learned)."""
+    inline_plans, inline_state, _ = _run(Background(threaded=False))
+    threaded = Background(threaded=True)
+    plans, state, _ = _run(threaded)
+    assert threaded.num_jobs > 0 and threaded.failures.count == 0
+    assert plans == inline_plans
+    assert np.array_equal(state[0], inline_state[0]) and np.array_equal(state[1], inline_state[1])
+    assert state[2:] == inline_state[2:]
+    assert state[5] >= COLD_TOKENS  # past the cold start: the verdicts were learned late
+
+
+def test_a_warm_union_plans_on_the_verdicts_up_to_the_step_before():
+    """Once warm, a step's verdicts are learned after its plan (on the worker's wait), so
+    the plan rests on the steps before; while cold they are learned before it."""
+    plans, _, union = _run(Background(threaded=False), steps=60)
+    union.settle()
+    judged = union.estimator.judged.sum()
+    batch = _batch(["x0", "x1", "x2", "x3"])
+    drafts = union.step(batch, None).drafts
+    verified = Verified(("x0", "x1", "x2", "x3"), np.array([len(d) for d in drafts]),
+                        np.ones(4, dtype=int), 0.012, 4 + sum(map(len, drafts)))
+    assert union._learned_tokens >= COLD_TOKENS
+    union.begin(verified, 4, False)
+    assert union.estimator.judged.sum() == judged  # held: not learned before the plan
+    union.release()
+    union.settle()
+    union.flush_learning()
+    assert union.estimator.judged.sum() > judged  # the rejected first tokens, learned
+
+
+def test_a_finished_requests_held_verdicts_do_not_outlive_it():
+    """finish_requests waits for the learning first: a request's history is not written
+    back after it was forgotten (seen red without the settle in finish_requests)."""
+    for _ in range(20):  # (the helper thread's timing varies: several tries)
+        union = Union([Fixed("a", [1, 2, 3], 0.9)], background=Background(threaded=True))
+        union._learned_tokens = COLD_TOKENS  # warm: verdicts held, learned in the background
+        drafts = union.step(_batch(["r0"]), None).drafts
+        verified = Verified(("r0",), np.array([len(drafts[0])]), np.array([2]), 0.01, 4)
+        union.step(_batch(["r0"]), verified)
+        union.finish_requests(["r0"])
+        assert union.idle
+
+
+def test_a_failing_job_is_counted_and_the_next_ones_run():
+    background = Background(threaded=True)
+    ran = []
+
+    def boom():
+        raise RuntimeError("learning went wrong")
+
+    background.submit(boom)
+    background.submit(lambda: ran.append(1))
+    background.settle()
+    assert background.failures.count == 1 and ran == [1] and background.busy_s >= 0
