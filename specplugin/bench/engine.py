@@ -175,6 +175,11 @@ def run_cell(llm, cell: dict[str, Any], return_token_ids: bool,
         # objects the plugin's workers froze after warm-up (the fewest of any worker)
         frozen = [w["frozen"] for w in llm.collective_rpc("specplugin_gc", args=(False,))]
         result["worker_gc_frozen"] = min(frozen)
+        # failures the plugin caught so far in this engine (each cost a step its drafts)
+        from specplugin.vllm_layer.metrics_export import engine_stats
+
+        result["proposer_failures"] = {name: n for name, n in
+                                       engine_stats(llm)["proposer_failures"].items() if n}
         attributed_after, others_after = plugin_counters(llm)
         result["attribution"] = attribution_delta(attributed_after, attributed)
         if others_after is not None:
