@@ -411,9 +411,10 @@ class Union:
         if self._learned_tokens < COLD_TOKENS:  # cold: each verdict moves the plan, learn now
             held, self._held = self._held, None
             if held is not None:
-                self._learn_rows(*held)
-            self.cost.flush_due()
-            self.flush_learning()
+                self._learn_held(*held)  # (cold: the estimator's update included)
+            else:
+                self.cost.flush_due()
+                self.flush_learning()
         if self.arbiter is not None and not observed:
             self.speculating = self.arbiter.speculate(num_reqs, sampled)
             self._note_decision()

@@ -111,16 +111,23 @@ def with_token_ids(llm, cell: dict[str, Any]) -> dict[str, Any]:
 ATTRIBUTED = ("drafts", "draft_tokens", "accepted_tokens", "chosen")
 
 
-def plugin_counters(llm) -> tuple[dict[str, dict[str, int]] | None, dict[str, int] | None]:
-    """The plugin's per-proposer counters and its other counters (its steps, and the
-    batch-expanding scorer's extra rows, wins, ... when it is on), from one read of
-    ``specplugin_stats`` on the drafting worker (the numbers ``vllm:specplugin_*``
-    shows). (None, None) when the engine does not run the plugin."""
+def plugin_stats(llm) -> dict[str, Any] | None:
+    """One read of ``specplugin_stats`` on the drafting worker (the numbers
+    ``vllm:specplugin_*`` shows); None when the engine does not run the plugin."""
     from specplugin.vllm_layer.metrics_export import engine_stats
 
     try:
-        stats = engine_stats(llm)
+        return engine_stats(llm)
     except Exception:  # not the plugin's worker: a built-in method or no speculation
+        return None
+
+
+def plugin_counters(stats: dict[str, Any] | None
+                    ) -> tuple[dict[str, dict[str, int]] | None, dict[str, int] | None]:
+    """The plugin's per-proposer counters and its other counters (its steps, and the
+    batch-expanding scorer's extra rows, wins, ... when it is on), from ``stats``
+    (:func:`plugin_stats`). (None, None) when the engine does not run the plugin."""
+    if stats is None:
         return None, None
     attributed = {name: {k: counts[k] for k in ATTRIBUTED}
                   for name, counts in stats["proposers"].items()}
@@ -158,7 +165,7 @@ def run_cell(llm, cell: dict[str, Any], return_token_ids: bool,
     prompts = cell["prompts"]
     probe_ms = memory_probe(llm)
     before = spec_counters(llm)
-    attributed, others = plugin_counters(llm) if plugin else (None, None)
+    attributed, others = plugin_counters(plugin_stats(llm)) if plugin else (None, None)
     seconds, num_tokens, token_ids = 0.0, 0, []
     for batch, params in _batches(cell):
         outputs, elapsed = _generate(llm, batch, params)
@@ -175,12 +182,11 @@ def run_cell(llm, cell: dict[str, Any], return_token_ids: bool,
         # objects the plugin's workers froze after warm-up (the fewest of any worker)
         frozen = [w["frozen"] for w in llm.collective_rpc("specplugin_gc", args=(False,))]
         result["worker_gc_frozen"] = min(frozen)
-        # failures the plugin caught so far in this engine (each cost a step its drafts)
-        from specplugin.vllm_layer.metrics_export import engine_stats
-
-        result["proposer_failures"] = {name: n for name, n in
-                                       engine_stats(llm)["proposer_failures"].items() if n}
-        attributed_after, others_after = plugin_counters(llm)
+        stats = plugin_stats(llm)
+        if stats is not None:  # failures caught so far in this engine (each cost a step its drafts)
+            result["proposer_failures"] = {name: n for name, n in
+                                           stats["proposer_failures"].items() if n}
+        attributed_after, others_after = plugin_counters(stats)
         result["attribution"] = attribution_delta(attributed_after, attributed)
         if others_after is not None:
             delta = {k: v - (others or {}).get(k, 0) for k, v in others_after.items()}

@@ -32,8 +32,9 @@ from typing import Any
 
 import torch
 
-from specplugin.profiling import (BACKGROUND, BACKGROUND_WAIT, DRAFT_FORWARDS, DRAFT_TOKENS, DRAFTED, PROBE_ENV,
-                                  QUERY_TOKENS, SETTLED, WORKER, PhaseClock)
+from specplugin.profiling import (BACKGROUND, BACKGROUND_WAIT, DRAFT_FORWARDS, DRAFT_TOKENS,
+                                  DRAFTED, PROBE_ENV, QUERY_TOKENS, SETTLED, WORKER,
+                                  PhaseClock)
 from specplugin.vllm_layer import draft_handoff, patches
 
 ENV = "SPECPLUGIN_PROFILE"  # "1" in specplugin profile's engine children only
