@@ -4,7 +4,8 @@ vLLM calls :func:`register` in every process it starts (front end, engine core,
 workers), possibly more than once. It must be cheap and idempotent: it checks the
 vLLM version and installs, through the patch registry, the config check, the
 per-request option check, the scorer's scratch-block reservation, the draft handoff
-(the step's drafts ride back on its output), on CPU a kernel fix, and in
+(the step's drafts ride back on its output), the workers' learning in their wait for
+the next call, on CPU a kernel fix, and in
 ``specplugin profile``'s engines only the profiler's RPC; nothing else. Token-level proposers are
 built by vLLM's ``custom_class`` hook from ``speculative_config.model``; the draft
 proposer by the plugin's worker, which the config check selects.
@@ -75,6 +76,10 @@ def register() -> None:
     from specplugin.vllm_layer import draft_handoff
 
     draft_handoff.install()
+    # the learning a step held back runs once the worker's reply is on its way
+    from specplugin.vllm_layer import worker_wait
+
+    worker_wait.install()
     # the rejection sampler's acceptance probabilities, for the plugin's learners
     from specplugin.vllm_layer import verification
 

@@ -33,8 +33,8 @@ QUERY_TOKENS = "query_tokens"  # tokens the target ran (prefill, decode and draf
 DRAFT_TOKENS = "draft_tokens"  # draft tokens the scheduler sent for verification
 DRAFTED = "drafted"  # the step handed drafts (maybe empty) to the scheduler: drafting ran
 SYNC_PREFIX = "syncs:"  # + phase: .cpu()/.item()/.tolist() calls made inside that phase
-BACKGROUND = "background_s"  # seconds the union's background learning ran (a worker's)
-# of the step's own work, seconds it waited for that learning to finish (Union.settle)
+BACKGROUND = "background_s"  # seconds the held learning ran in a worker's wait
+# of the step's own work, seconds that learning ran on a step (Union.settle came first)
 BACKGROUND_WAIT = "background_wait_s"
 TIMER_CALLS = "timer_calls"  # phases closed (the timers' own cost is this times one pair's)
 # plain steps this many steps or more after the last one that verified or handed back
@@ -252,7 +252,7 @@ def summarize(ledger: Ledger, num_output_tokens: int, seconds: float,
         "own_ms": plugin_ms - forward_ms,
         "busy_share": ledger.wall_s / seconds if seconds > 0 else 0.0,
         "timer_calls_per_step": ledger.counts.get(TIMER_CALLS, 0) / steps,
-        # the union's learning that ran on the worker's wait for its next step, off the
+        # the union's learning that ran in the worker's wait for its next step, off the
         # step (specplugin.adaptive.background): not in step_ms, not in own_ms
         "background_ms": ledger.counts.get(BACKGROUND, 0.0) * 1e3 / steps,
         "background_wait_ms": ledger.counts.get(BACKGROUND_WAIT, 0.0) * 1e3 / steps,

@@ -1,5 +1,5 @@
 """The union's learning off the step (specplugin.adaptive.background): the same state and
-plans threaded as inline, nothing read before it is learned, failures counted."""
+plans deferred as inline, nothing read before it is learned, failures counted."""
 
 import numpy as np
 
@@ -14,7 +14,9 @@ from tests.test_adaptive import Fixed, _batch
 def _run(background: Background, steps: int = 120, seed: int = 3):
     """A union of two proposers over ``steps`` steps of 4 requests, one of them swapped
     for a new one every 10 steps; each row's drafts accepted by a seeded coin per token.
-    Returns every step's drafts and the state left behind."""
+    A deferred background's pending jobs run after two steps in three (the worker's wait;
+    the third step settles them itself). Returns every step's drafts and the state left
+    behind."""
     cost = StepCostModel(max_tokens=64)
     cost.calibrate(np.array([1, 2, 64]), np.array([0.010, 0.011, 0.073]))
     union = Union([Fixed("a", [1, 2, 3, 4, 5], 0.9), Fixed("b", [7, 8, 9], 0.4)], cost=cost,
@@ -27,6 +29,8 @@ def _run(background: Background, steps: int = 120, seed: int = 3):
             union.finish_requests([f"r{step // 10 - 1}-0"])
         drafts = union.step(_batch(req_ids), verified).drafts
         plans.append(drafts)
+        if step % 3:
+            background.run_pending()
         emitted = [1 + int(np.argmin(np.append(rng.random(len(d)) < 0.7, False))) if d else 1
                    for d in drafts]
         verified = Verified(tuple(req_ids), np.array([len(d) for d in drafts]), np.array(emitted),
@@ -38,14 +42,15 @@ def _run(background: Background, steps: int = 120, seed: int = 3):
     return plans, state, union
 
 
-def test_threaded_learning_plans_and_leaves_what_inline_learning_does():
-    """The helper thread's timing decides nothing: every plan, the estimator's counts, the
+def test_deferred_learning_plans_and_leaves_what_inline_learning_does():
+    """When the wait comes decides nothing: every plan, the estimator's counts, the
     counters and the cost model are those of the inline run (seen red with the settle at
-    the start of Union.begin removed: plans made before the thread had learned)."""
-    inline_plans, inline_state, _ = _run(Background(threaded=False))
-    threaded = Background(threaded=True)
-    plans, state, _ = _run(threaded)
-    assert threaded.num_jobs > 0 and threaded.failures.count == 0
+    the start of Union.begin removed: plans made before the held verdicts were learned)."""
+    inline_plans, inline_state, _ = _run(Background(deferred=False))
+    deferred = Background(deferred=True)
+    plans, state, _ = _run(deferred)
+    assert deferred.failures.count == 0
+    assert 0 < deferred.num_off_step < deferred.num_jobs  # both paths ran
     assert plans == inline_plans
     assert np.array_equal(state[0], inline_state[0]) and np.array_equal(state[1], inline_state[1])
     assert state[2:] == inline_state[2:]
@@ -55,7 +60,7 @@ def test_threaded_learning_plans_and_leaves_what_inline_learning_does():
 def test_a_warm_union_plans_on_the_verdicts_up_to_the_step_before():
     """Once warm, a step's verdicts are learned after its plan (on the worker's wait), so
     the plan rests on the steps before; while cold they are learned before it."""
-    plans, _, union = _run(Background(threaded=False), steps=60)
+    plans, _, union = _run(Background(deferred=False), steps=60)
     union.settle()
     judged = union.estimator.judged.sum()
     batch = _batch(["x0", "x1", "x2", "x3"])
@@ -74,18 +79,25 @@ def test_a_warm_union_plans_on_the_verdicts_up_to_the_step_before():
 def test_a_finished_requests_held_verdicts_do_not_outlive_it():
     """finish_requests waits for the learning first: a request's history is not written
     back after it was forgotten (seen red without the settle in finish_requests)."""
-    for _ in range(20):  # (the helper thread's timing varies: several tries)
-        union = Union([Fixed("a", [1, 2, 3], 0.9)], background=Background(threaded=True))
-        union._learned_tokens = COLD_TOKENS  # warm: verdicts held, learned in the background
-        drafts = union.step(_batch(["r0"]), None).drafts
+    cost = StepCostModel(max_tokens=64)
+    cost.calibrate(np.array([1, 2, 64]), np.array([0.010, 0.011, 0.073]))
+    union = Union([Fixed("a", [1, 2, 3], 0.9)], cost=cost, background=Background(deferred=True))
+    union._learned_tokens = COLD_TOKENS  # warm: verdicts held, learned in the wait
+    verified = None
+    for _ in range(20):  # until a step verified a draft (the first ones may not draft)
+        drafts = union.step(_batch(["r0"]), verified).drafts
+        if verified is not None and verified.num_scheduled_drafts[0]:
+            break
         verified = Verified(("r0",), np.array([len(drafts[0])]), np.array([2]), 0.01, 4)
-        union.step(_batch(["r0"]), verified)
-        union.finish_requests(["r0"])
-        assert union.idle
+        union.background.run_pending()
+    assert union.background._jobs  # the verdicts of a verified draft, pending
+    union.finish_requests(["r0"])
+    union.background.run_pending()
+    assert union.idle
 
 
 def test_a_failing_job_is_counted_and_the_next_ones_run():
-    background = Background(threaded=True)
+    background = Background(deferred=True)
     ran = []
 
     def boom():
@@ -93,5 +105,5 @@ def test_a_failing_job_is_counted_and_the_next_ones_run():
 
     background.submit(boom)
     background.submit(lambda: ran.append(1))
-    background.settle()
-    assert background.failures.count == 1 and ran == [1] and background.busy_s >= 0
+    background.run_pending()
+    assert background.failures.count == 1 and ran == [1] and background.num_off_step == 2

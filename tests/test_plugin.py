@@ -55,8 +55,8 @@ def test_register_is_idempotent_and_refuses_double_patching():
         register(); register(); register()
         cls = type(current_platform)
         # config check, request check, scratch blocks, draft handoff (2), CPU expand kernel,
-        # the rejection sampler's acceptance probabilities
-        assert len(patches._APPLIED) == 7, patches._APPLIED
+        # the rejection sampler's acceptance probabilities, the workers' learning in their wait
+        assert len(patches._APPLIED) == 8, patches._APPLIED
         try:
             patches.patch_classmethod(cls, "check_and_update_config", lambda cfg: None)
         except patches.DoublePatchError as e:

@@ -71,6 +71,16 @@ def test_the_worker_froze_what_start_up_built(full_union):
     assert full_union.worker_gc_frozen is not None and full_union.worker_gc_frozen > 100_000
 
 
+def test_the_worker_learned_in_its_wait(full_union):
+    """The learning each step held back ran after the worker's reply, in its wait for the
+    next call (specplugin.vllm_layer.worker_wait), not on a later step: on a machine with
+    two cores a helper thread for it cost the step more than the learning itself (see
+    specplugin.adaptive.background; seen red without the patch: every job on a step)."""
+    learning = full_union.worker_learning
+    assert learning is not None and learning["jobs"] > 100, learning
+    assert learning["off_step"] >= 0.95 * learning["jobs"], learning
+
+
 def test_the_shared_engine_caught_no_failure(shared_runs):
     """No cell of the shared engine (every proposer, plain and speculative blocks, every
     module's prompts and options; no fault injected but the alternating blocks) cost a

@@ -5,8 +5,8 @@ One step of :meth:`Union.step`, in order:
 1. **learn** from the step just verified (:class:`Verified`): its wall time -> the cost
    model and the step arbiter, at once (they decide this step); for each request that
    had drafts, which of them were accepted -> the difficulty estimator and the
-   request's recent acceptance, once this step's plan is made, on the worker's wait
-   for its next step where a threaded :class:`~specplugin.adaptive.background.Background`
+   request's recent acceptance, once this step's plan is made, in the worker's wait
+   for its next step where a deferred :class:`~specplugin.adaptive.background.Background`
    runs it (it shapes later plans, not this one);
 2. **ask** every proposer for candidates (a proposer that raises is counted and
    costs its own candidates only, never a request), unless the step arbiter

@@ -182,6 +182,9 @@ def run_cell(llm, cell: dict[str, Any], return_token_ids: bool,
         # objects the plugin's workers froze after warm-up (the fewest of any worker)
         frozen = [w["frozen"] for w in llm.collective_rpc("specplugin_gc", args=(False,))]
         result["worker_gc_frozen"] = min(frozen)
+        # the learning jobs held back so far, and how many ran in the worker's wait
+        # (rank 0's; every rank learns the same)
+        result["worker_learning"] = llm.collective_rpc("specplugin_learning")[0]
         stats = plugin_stats(llm)
         if stats is not None:  # failures caught so far in this engine (each cost a step its drafts)
             result["proposer_failures"] = {name: n for name, n in

@@ -348,10 +348,10 @@ def ledger_rows(results: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, lis
         ("plugin's own work (no forwards)",
          [f"{r['own_ms']:.3f} ({r['own_ms'] / r['step_ms']:.1%})" if r["step_ms"] else "-"
           for r in rs]),
-        ("  and off the step: learning on the worker's wait (background)",
+        ("  and off the step: learning in the worker's wait (background)",
          [f"{r.get('background_ms', 0.0):.3f}" if r.get("background_ms") else "-"
           for r in rs]),
-        ("  of the own work, waiting for that learning to finish",
+        ("  of the own work, that learning run on the step (no wait came first)",
          [f"{r.get('background_wait_ms', 0.0):.3f}" if r.get("background_ms") else "-"
           for r in rs]),
         ("tok/s (profiled run)", [f"{r['tok_s']:.1f}" for r in rs]),

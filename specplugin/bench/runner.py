@@ -306,6 +306,9 @@ class EngineRun:
     plugin_steps: dict[str, int] | None = None
     # objects the plugin's workers froze after warm-up (None: no plugin)
     worker_gc_frozen: int | None = None
+    # rank 0's learning jobs so far: jobs, off_step (ran in the worker's wait), their
+    # seconds (None: no plugin)
+    worker_learning: dict[str, float] | None = None
     # failures the plugin caught in the engine up to the end of the cell, by name (each
     # cost a step its drafts, never a request; None: no plugin)
     proposer_failures: dict[str, int] | None = None
@@ -321,6 +324,7 @@ class EngineRun:
         return cls(token_ids=out["token_ids"], texts=out.get("texts"), seconds=out["seconds"],
                    startup_s=result.startup_s, plugin_steps=out.get("plugin_steps"),
                    worker_gc_frozen=out.get("worker_gc_frozen"),
+                   worker_learning=out.get("worker_learning"),
                    proposer_failures=out.get("proposer_failures"),
                    warnings=list(result.warnings),
                    log_path=result.log_path, **counters)

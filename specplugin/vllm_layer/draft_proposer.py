@@ -123,8 +123,8 @@ class PluginDraftProposer(DraftModelProposer):
                                max_candidates=plugin_config.max_candidates,
                                decoy_primary=plugin_config.fault_injection.decoy_primary,
                                draft_always=plugin_config.fault_injection.draft_always,
-                               # learning on the worker's wait for its next step
-                               background=Background(threaded=True))
+                               # learning in the worker's wait for its next step
+                               background=Background(deferred=True))
         self.memory = None if self.union is None else open_memory(
             self.union, plugin_config.state_dir, vllm_config.model_config.model,
             plugin_config.draft_model, k_max, writer=tensor_parallel_rank() == 0)
@@ -134,10 +134,10 @@ class PluginDraftProposer(DraftModelProposer):
         # drafts and acceptances per proposer (the union keeps them itself)
         self.proposer_stats = ProposerStats() if self.union is None else self.union.stats
         # what the drafter learns from a verified step (the draft's outcomes, its cost
-        # model's held steps), held until the step's drafts are made, then run on the
+        # model's held steps), held until the step's drafts are made, then run in the
         # worker's wait for its next step (the union's background, the same one the
         # union's own learning runs on)
-        self.background = (Background(threaded=True) if self.union is None
+        self.background = (Background(deferred=True) if self.union is None
                            else self.union.background)
         self._held_jobs: list = []
         self.costs.deferred_flush = True

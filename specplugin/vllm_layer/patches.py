@@ -1,6 +1,6 @@
 """Every change the plugin makes to vLLM's classes lives here, in one registry.
 
-Six lasting patches today, the profiler's (its engines only), and a scoped replacement:
+Seven lasting patches today, the profiler's (its engines only), and a scoped replacement:
 
 - a wrapper around the current platform's ``check_and_update_config``, which
   ``VllmConfig.__post_init__`` calls in the front-end process. vLLM offers no hook
@@ -33,6 +33,10 @@ Six lasting patches today, the profiler's (its engines only), and a scoped repla
   (:mod:`specplugin.vllm_layer.draft_handoff`); outputs without them (vLLM's own methods)
   keep vLLM's call. ``tests/test_draft_handoff.py`` fails loudly if vLLM moves the
   post-step fetch;
+- after ``WorkerProc._execute_worker_rpc`` (worker): the learning a step held back runs
+  once the call's reply is on its way, in the worker's wait for the next call
+  (:mod:`specplugin.vllm_layer.worker_wait`; ``tests/test_union_e2e.py`` fails if the
+  learning stops running there);
 - in ``specplugin profile``'s engines only (``SPECPLUGIN_PROFILE=1``): around
   ``EngineCore.collective_rpc``, and from the profiler's ``start`` on, timers around the
   per-step methods listed in :mod:`specplugin.vllm_layer.profiling`;

@@ -526,14 +526,12 @@ def worker_rpc(worker, action: str) -> Any:
 
 
 def _background_s(runner) -> tuple[float, float]:
-    """Seconds the drafter's background has spent learning, and the step has spent
-    waiting for it to finish (none: 0, 0)."""
-    drafter = getattr(runner, "drafter", None)
-    background = getattr(drafter, "background", None) or getattr(
-        getattr(drafter, "union", None), "background", None)
+    """Seconds the drafter's held learning ran in the worker's wait, and on a step (none:
+    0, 0)."""
+    background = getattr(getattr(runner, "drafter", None), "background", None)
     if background is None:
         return 0.0, 0.0
-    background.settle()
+    background.run_pending()
     return background.busy_s, background.waited_s
 
 

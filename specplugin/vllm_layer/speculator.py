@@ -49,8 +49,9 @@ class Speculator:
                            arbiter=arbiter_for(self.config),
                            max_candidates=self.config.max_candidates,
                            decoy_primary=self.config.fault_injection.decoy_primary,
-                           # learning on the worker's wait for its next step
-                           background=Background(threaded=True))
+                           # learning in the worker's wait for its next step
+                           background=Background(deferred=True))
+        self.background = self.union.background  # (the worker runs its pending jobs)
         self.memory = open_memory(self.union, self.config.state_dir,
                                   vllm_config.model_config.model, None,
                                   self.num_speculative_tokens,

@@ -569,6 +569,24 @@ class PluginWorkerMixin:
         return {"frozen": gc.get_freeze_count(),
                 "full_collection_s": time.perf_counter() - start if collect else None}
 
+    def run_pending_learning(self) -> None:
+        """This worker's reply to the engine core's call is on its way (see
+        :mod:`specplugin.vllm_layer.worker_wait`): the learning the step held back runs now, in the
+        worker's wait for its next call (:mod:`specplugin.adaptive.background`)."""
+        background = getattr(self.model_runner.drafter, "background", None)
+        if background is not None:
+            background.run_pending()
+
+    def specplugin_learning(self) -> dict:
+        """``llm.collective_rpc("specplugin_learning")``: the learning jobs this worker's
+        drafter handed over, how many ran in the worker's wait (the rest ran on a step,
+        where something read what they write before the wait came), and their seconds."""
+        background = getattr(self.model_runner.drafter, "background", None)
+        if background is None:
+            return {}
+        return {"jobs": background.num_jobs, "off_step": background.num_off_step,
+                "off_step_s": background.busy_s, "on_step_s": background.waited_s}
+
     def time_forward(self, rows: int, query_len: int, context_len: int,
                      repeats: int = 5) -> float:
         """``llm.collective_rpc("time_forward", args=(rows, query_len, context_len,
