@@ -11,14 +11,20 @@ from specplugin.adaptive.union import COLD_TOKENS, Union, Verified
 from tests.test_adaptive import Fixed, _batch
 
 
+def _calibrated_cost() -> StepCostModel:
+    """A cost model timed as an engine's start-up would: without it nothing pays to draft."""
+    cost = StepCostModel(max_tokens=64)
+    cost.calibrate(np.array([1, 2, 64]), np.array([0.010, 0.011, 0.073]))
+    return cost
+
+
 def _run(background: Background, steps: int = 120, seed: int = 3):
     """A union of two proposers over ``steps`` steps of 4 requests, one of them swapped
     for a new one every 10 steps; each row's drafts accepted by a seeded coin per token.
     A deferred background's pending jobs run after two steps in three (the worker's wait;
     the third step settles them itself). Returns every step's drafts and the state left
     behind."""
-    cost = StepCostModel(max_tokens=64)
-    cost.calibrate(np.array([1, 2, 64]), np.array([0.010, 0.011, 0.073]))
+    cost = _calibrated_cost()
     union = Union([Fixed("a", [1, 2, 3, 4, 5], 0.9), Fixed("b", [7, 8, 9], 0.4)], cost=cost,
                   estimator=AcceptanceEstimator(("a", "b"), seed=seed), background=background)
     rng = np.random.default_rng(seed)
@@ -79,9 +85,8 @@ def test_a_warm_union_plans_on_the_verdicts_up_to_the_step_before():
 def test_a_finished_requests_held_verdicts_do_not_outlive_it():
     """finish_requests waits for the learning first: a request's history is not written
     back after it was forgotten (seen red without the settle in finish_requests)."""
-    cost = StepCostModel(max_tokens=64)
-    cost.calibrate(np.array([1, 2, 64]), np.array([0.010, 0.011, 0.073]))
-    union = Union([Fixed("a", [1, 2, 3], 0.9)], cost=cost, background=Background(deferred=True))
+    union = Union([Fixed("a", [1, 2, 3], 0.9)], cost=_calibrated_cost(),
+                  background=Background(deferred=True))
     union._learned_tokens = COLD_TOKENS  # warm: verdicts held, learned in the wait
     verified = None
     for _ in range(20):  # until a step verified a draft (the first ones may not draft)

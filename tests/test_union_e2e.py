@@ -73,9 +73,10 @@ def test_the_worker_froze_what_start_up_built(full_union):
 
 def test_the_worker_learned_in_its_wait(full_union):
     """The learning each step held back ran after the worker's reply, in its wait for the
-    next call (specplugin.vllm_layer.worker_wait), not on a later step: on a machine with
-    two cores a helper thread for it cost the step more than the learning itself (see
-    specplugin.adaptive.background; seen red without the patch: every job on a step)."""
+    next call (specplugin.vllm_layer.worker_wait), not on a later step (under py-spy, on a
+    machine of two cores, the hand-over to a helper thread cost the step more than the
+    learning itself: see specplugin.adaptive.background; seen red without the patch: every
+    job on a step)."""
     learning = full_union.worker_learning
     assert learning is not None and learning["jobs"] > 100, learning
     assert learning["off_step"] >= 0.95 * learning["jobs"], learning

@@ -10,7 +10,7 @@ machines about 0.3-0.5 ms a step at batch 1, in which the worker's core only spi
 the message queue). A :class:`Background` with ``deferred=True`` keeps the jobs until
 the caller's idle moment, :meth:`run_pending`: the plugin's worker calls it right after
 its reply to each of the engine core's calls is on its way
-(:func:`specplugin.vllm_layer.worker.after_worker_rpc`).
+(:mod:`specplugin.vllm_layer.worker_wait`).
 
 Why not a helper thread (the twenty-third session's first design): handing a job to a
 sleeping thread wakes it, and on a machine of two cores, both busy with the target's

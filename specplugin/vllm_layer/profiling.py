@@ -528,7 +528,9 @@ def worker_rpc(worker, action: str) -> Any:
 def _background_s(runner) -> tuple[float, float]:
     """Seconds the drafter's held learning ran in the worker's wait, and on a step (none:
     0, 0)."""
-    background = getattr(getattr(runner, "drafter", None), "background", None)
+    from specplugin.vllm_layer.worker import learning_background
+
+    background = learning_background(runner)
     if background is None:
         return 0.0, 0.0
     background.run_pending()

@@ -573,7 +573,7 @@ class PluginWorkerMixin:
         """This worker's reply to the engine core's call is on its way (see
         :mod:`specplugin.vllm_layer.worker_wait`): the learning the step held back runs now, in the
         worker's wait for its next call (:mod:`specplugin.adaptive.background`)."""
-        background = getattr(self.model_runner.drafter, "background", None)
+        background = learning_background(self.model_runner)
         if background is not None:
             background.run_pending()
 
@@ -581,7 +581,7 @@ class PluginWorkerMixin:
         """``llm.collective_rpc("specplugin_learning")``: the learning jobs this worker's
         drafter handed over, how many ran in the worker's wait (the rest ran on a step,
         where something read what they write before the wait came), and their seconds."""
-        background = getattr(self.model_runner.drafter, "background", None)
+        background = learning_background(self.model_runner)
         if background is None:
             return {}
         return {"jobs": background.num_jobs, "off_step": background.num_off_step,
@@ -618,6 +618,12 @@ class PluginCPUWorker(PluginWorkerMixin, CPUWorker):
         # vLLM's CPU worker builds its runner inline from this module-level name
         with patches.swapped(cpu_worker, "CPUModelRunner", PluginCPUModelRunner):
             super().init_device()
+
+
+def learning_background(runner):
+    """The :class:`~specplugin.adaptive.background.Background` that ``runner``'s drafter
+    holds its learning in (None: not the plugin's runner, or a drafter that learns nothing)."""
+    return getattr(getattr(runner, "drafter", None), "background", None)
 
 
 def plain_decode(scheduler_output) -> bool:
