@@ -14,6 +14,8 @@ from the last verification), ``ask`` (n-gram, suffix), ``plan_draft`` (the draft
 gate), the draft's candidate (a stand-in: the true next tokens half of the time, random
 ones otherwise) and ``choose``. The gate runs in the steps it is due
 (``Union.draft_gate_due``), as in the engine. Verification is simulated exactly (greedy).
+The union's background is deferred, as in an engine, and its jobs run untimed after each
+step (the worker's wait, :mod:`specplugin.vllm_layer.worker_wait`).
 
     .venv/bin/python scripts/core_bench.py --batch 1 --cold
 """
@@ -26,6 +28,7 @@ import time
 import numpy as np
 import torch
 
+from specplugin.adaptive.background import Background
 from specplugin.adaptive.cost import StepCostModel
 from specplugin.proposers.base import StepBatch
 from specplugin.proposers.draft import DraftCandidates
@@ -71,7 +74,8 @@ def run(batch: int, steps: int, cold: bool, repeats: int, choose_only: bool = Fa
     cost = StepCostModel(max_tokens=2048)
     cost.calibrate(np.array([1, 4, 16, 64, 256]), np.array([0.005, 0.0055, 0.007, 0.012, 0.04]))
     draft = DraftCandidates()
-    union = Union([NgramProposer(), SuffixProposer(), draft], cost=cost)
+    union = Union([NgramProposer(), SuffixProposer(), draft], cost=cost,
+                  background=Background(deferred=True))
     req_ids = tuple(f"r{r}" for r in range(batch))
     rng = np.random.default_rng(2)
     verified, spent = None, [0.0]
@@ -79,6 +83,7 @@ def run(batch: int, steps: int, cold: bool, repeats: int, choose_only: bool = Fa
     def steps_of(n: int) -> None:
         nonlocal verified
         for _ in range(n):
+            union.background.run_pending()  # (the worker's wait before a step: untimed)
             if any(num_tokens[r] > len(truth[r]) - 20 for r in range(batch)):
                 num_tokens[:] = PROMPT  # the texts are used up: new requests, same text
                 union.finish_requests(list(req_ids))

@@ -112,3 +112,21 @@ def test_a_failing_job_is_counted_and_the_next_ones_run():
     background.submit(lambda: ran.append(1))
     background.run_pending()
     assert background.failures.count == 1 and ran == [1] and background.num_off_step == 2
+
+
+def test_the_suffix_index_extends_its_tree_of_all_outputs_in_the_background():
+    """The union hands a proposer's deferrable work (the C++ suffix index's tree of all
+    outputs) to its background: a deferred background holds it after the step's plan and
+    the index has it once the wait ran (seen red with the union's assignment of the
+    proposer's ``defer`` removed: the extension ran on the step)."""
+    from specplugin.proposers.suffix import SuffixProposer
+
+    suffix = SuffixProposer(index="arctic")
+    background = Background(deferred=True)
+    union = Union([suffix], cost=_calibrated_cost(), background=background)
+    batch = _batch(["r0"])
+    for _ in range(3):
+        union.ask(batch, range(1))
+    assert suffix.cache.outputs_behind and background._jobs
+    background.run_pending()
+    assert not suffix.cache.outputs_behind

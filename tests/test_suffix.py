@@ -383,3 +383,41 @@ def test_branches_start_where_the_places_disagree_most_frequent_first():
     assert {tuple(b) for b in branches} == {(7, 9), (4, 3)}
     assert all(0 < c <= 1 for b in found.alternatives for c in b.confidences)
     assert cache.propose("r", 2).alternatives == ()
+
+
+def test_the_cpp_index_extends_the_tree_of_all_outputs_when_its_deferred_work_runs():
+    """The tree of all outputs waits for the deferred job (the union runs it in the
+    worker's wait); the request's own tree does not: its own copy is proposed at once,
+    another request sees the output once the job ran; an output evicted while its tokens
+    wait stays evicted (seen red with add_tokens extending both trees at once, and with
+    start_request's extend_outputs removed)."""
+    from specplugin.proposers.suffix import SuffixProposer
+
+    jobs = []
+    p = SuffixProposer(index="arctic")
+    p.defer = jobs.append
+    p.propose(_step(["a", "b"], [[1, 2, 3, 4], [9, 9, 9]], [2, 3]))
+    # a's output goes on 5 6 7 3 4 (so 3 4 -> 5 6 7), b's just reached 5 6
+    own, other = p.propose(_step(["a", "b"], [[1, 2, 3, 4, 5, 6, 7, 3, 4], [9, 9, 9, 5, 6]],
+                                 [2, 3]))
+    assert own.token_ids.tolist()[:3] == [5, 6, 7]
+    assert jobs, "nothing deferred"
+    # b copying a's output before the job ran: the tree of outputs lacks 5 6 7
+    assert other is None, other
+    while jobs:
+        jobs.pop(0)()
+    _, other = p.propose(_step(["a", "b"], [[1, 2, 3, 4, 5, 6, 7, 3, 4], [9, 9, 9, 5, 6]],
+                               [2, 3]))
+    assert other is not None and other.token_ids.tolist()[:1] == [7], other
+    # an output evicted while its tokens wait stays evicted
+    q = SuffixProposer(SuffixConfig(store_max_outputs=1), index="arctic")
+    q.defer = jobs.append
+    q.propose(_step(["x"], [[1, 2]], [2]))
+    q.propose(_step(["x"], [[1, 2, 41, 42, 43]], [2]))  # 41 42 43 wait for the job
+    q.finish_requests(["x"])
+    q.propose(_step(["y"], [[8, 8]], [2]))  # the store holds one output: x's is evicted
+    q.finish_requests(["y"])
+    while jobs:
+        jobs.pop(0)()
+    [late] = q.propose(_step(["z"], [[5, 41, 42]], [3]))
+    assert late is None, late

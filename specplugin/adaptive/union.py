@@ -319,6 +319,9 @@ class Union:
         self.draft_always = draft_always
         self.history = RequestHistory()
         self.background = background or Background()
+        for proposer in self.proposers:  # (work a proposal need not wait for: Proposer)
+            if hasattr(proposer, "defer"):
+                proposer.defer = self.background.submit
         self.cost.deferred_flush = True  # held steps learned with the verdicts (_learn_held)
         # the verdicts begin() took from the step just verified, to learn once this step's
         # plan is made (release): (verified record, its drafts' _Pending, the extras')

@@ -348,7 +348,7 @@ def ledger_rows(results: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, lis
         ("plugin's own work (no forwards)",
          [f"{r['own_ms']:.3f} ({r['own_ms'] / r['step_ms']:.1%})" if r["step_ms"] else "-"
           for r in rs]),
-        ("  and off the step: learning in the worker's wait (background)",
+        ("  and off the step: learning and metrics in the worker's wait",
          [f"{r.get('background_ms', 0.0):.3f}" if r.get("background_ms") else "-"
           for r in rs]),
         ("  of the own work, that learning run on the step (no wait came first)",

@@ -86,7 +86,13 @@ class Candidate:
 
 
 class Proposer(Protocol):
-    """Guesses the next tokens of each request."""
+    """Guesses the next tokens of each request.
+
+    A proposer may also have a ``defer`` attribute, a callable taking a job (a callable
+    of no arguments): work that its next proposal need not wait for (the suffix index's
+    tree of all outputs) goes there. The union sets it to its background's ``submit``
+    (:mod:`specplugin.adaptive.background`: run in the worker's wait for its next step);
+    a proposer used alone runs the job at once."""
 
     name: str
 

@@ -5,7 +5,8 @@ process under tensor parallelism), the Prometheus registry that vLLM serves live
 the front end, and vLLM 0.32 has no channel from one to the other for a plugin's own
 numbers. So the drafting worker (tensor-parallel rank 0 only: every rank drafts the
 same) *publishes* a JSON snapshot of its counters (the drafter's ``stats()``) to a
-small file at most every :data:`PUBLISH_EVERY_S` seconds, under a folder named after
+small file at most every :data:`PUBLISH_EVERY_S` seconds (in the worker's wait between
+steps, :mod:`specplugin.vllm_layer.worker_wait`), under a folder named after
 the engine's ``VllmConfig.instance_id`` (the same in every process of one engine);
 the front end registers a Prometheus collector that reads its engines' files when
 ``/metrics`` is scraped. Figures therefore lag the engine by at most that period
@@ -81,6 +82,7 @@ class StatsPublisher:
         self.clock = clock
         self._last: float | None = None
         self._broken = False
+        self.busy_s = 0.0  # seconds spent writing snapshots (the profile's off-step figure)
 
     def maybe_publish(self, stats: Callable[[], dict[str, Any]], force: bool = False) -> None:
         now = self.clock()
@@ -88,6 +90,7 @@ class StatsPublisher:
                             and now - self._last < self.every_s):
             return
         self._last = now
+        start = time.perf_counter()
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(".tmp")
@@ -97,6 +100,7 @@ class StatsPublisher:
             self._broken = True
             logger.exception("specplugin: cannot publish metrics to %s; the plugin's counters "
                              "will be missing from /metrics", self.folder)
+        self.busy_s += time.perf_counter() - start
 
 
 def read_snapshots(folders: Iterable[Path]) -> list[dict[str, Any]]:

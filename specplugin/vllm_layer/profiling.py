@@ -526,15 +526,20 @@ def worker_rpc(worker, action: str) -> Any:
 
 
 def _background_s(runner) -> tuple[float, float]:
-    """Seconds the drafter's held learning ran in the worker's wait, and on a step (none:
-    0, 0)."""
+    """Seconds the worker's wait ran the plugin's work (the drafter's held learning; the
+    counters' publishing once it moved there), and seconds the held learning ran on a
+    step (publishing at the start of a step is timed on the step: "plugin: metrics")."""
     from specplugin.vllm_layer.worker import learning_background
 
     background = learning_background(runner)
-    if background is None:
-        return 0.0, 0.0
-    background.run_pending()
-    return background.busy_s, background.waited_s
+    busy = waited = 0.0
+    if background is not None:
+        background.run_pending()
+        busy, waited = background.busy_s, background.waited_s
+    publisher = getattr(runner, "_stats_publisher", None)
+    if publisher is not None and getattr(runner, "publishes_in_wait", False):
+        busy += publisher.busy_s
+    return busy, waited
 
 
 def _step_ab(runner, on: bool) -> bool | list[list]:
