@@ -34,9 +34,10 @@ Seven lasting patches today, the profiler's (its engines only), and a scoped rep
   keep vLLM's call. ``tests/test_draft_handoff.py`` fails loudly if vLLM moves the
   post-step fetch;
 - after ``WorkerProc._execute_worker_rpc`` (worker): the learning a step held back runs
-  once the call's reply is on its way, in the worker's wait for the next call
-  (:mod:`specplugin.vllm_layer.worker_wait`; ``tests/test_union_e2e.py`` fails if the
-  learning stops running there);
+  once the call's reply is on its way, in the worker's wait for the next call, and the
+  counters for ``/metrics`` are published there between steps
+  (:mod:`specplugin.vllm_layer.worker_wait`; ``tests/test_union_e2e.py`` fails if either
+  stops running there);
 - in ``specplugin profile``'s engines only (``SPECPLUGIN_PROFILE=1``): around
   ``EngineCore.collective_rpc``, and from the profiler's ``start`` on, timers around the
   per-step methods listed in :mod:`specplugin.vllm_layer.profiling`;

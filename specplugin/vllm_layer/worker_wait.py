@@ -5,8 +5,9 @@ vLLM's worker process runs one call of the engine core at a time
 then waits on its message queue for the next; meanwhile the engine core schedules the
 next step. The learning a step held back (:mod:`specplugin.adaptive.background`) runs
 right after each call, in that wait, and so does the publishing of the plugin's counters
-for ``/metrics`` (:mod:`specplugin.vllm_layer.metrics_export`). vLLM has no hook there; the patch is installed
-in every process by ``register()``, and runs only in workers, where the method lives.
+for ``/metrics`` (:mod:`specplugin.vllm_layer.metrics_export`). vLLM has no hook there;
+the patch is installed in every process by ``register()``, and runs only in workers,
+where the method lives.
 An in-process engine (no worker process) never calls it: there the held learning runs
 at the start of the next step instead, as the core does without a worker, and the
 counters are published at the start of a step.
