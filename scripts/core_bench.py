@@ -117,9 +117,11 @@ def run(batch: int, steps: int, cold: bool, repeats: int, choose_only: bool = Fa
                 emitted[r] = (int(wrong[0]) if wrong.size else len(d)) + 1
                 scheduled[r] = len(d)
             num_tokens[:] += emitted
+            next_tokens = [int(truth[r][num_tokens[r] - 1]) for r in range(batch)]
             verified = Verified(req_ids, scheduled, emitted, 0.006 + 0.0002 * scheduled.sum(),
                                 int(batch + scheduled.sum()),
-                                draft_seconds=0.0015 * int(caps.max() > 0))
+                                draft_seconds=0.0015 * int(caps.max() > 0),
+                                next_tokens=next_tokens)
 
     steps_of(50)
     figures = []

@@ -41,6 +41,9 @@ STEP_COUNTERS: dict[str, str] = {
                             "with none of the plugin's code in them.",
     "steps_peeked": "Plain steps that the peek (n-gram, else suffix) turned speculative "
                     "(copied text in sight while the step arbiter kept decoding plain).",
+    "offers_judged_unsent": "Offers that a step did not send (other proposers' candidates "
+                            "for a request), judged against the tokens it emitted: what the "
+                            "union learns of its proposers besides the verdicts.",
     "steps_without_draft_model": "Steps in which the draft model's machinery did not run at "
                                  "all (vLLM's preparation of its inputs included): its drafts "
                                  "were not needed.",
@@ -76,6 +79,7 @@ class ProposerStats:
     steps_without_drafts: int = 0
     steps_skipped: int = 0  # of those, steps whose drafting was skipped altogether
     steps_peeked: int = 0  # plain steps the peek turned speculative (Union.plain_step)
+    offers_judged_unsent: int = 0  # offers not sent, judged (Union._learn_unchosen)
     # steps decided before vLLM prepared the draft model's inputs, in which it then ran for
     # no row: none of the draft model's machinery ran (a draft model configured)
     steps_without_draft_model: int = 0
@@ -125,6 +129,7 @@ class ProposerStats:
                 "accepted_tokens_per_pos": [accepted_per_pos[name, p] for p in range(depth)]}
         return {"steps": self.steps, "steps_without_drafts": self.steps_without_drafts,
                 "steps_skipped": self.steps_skipped, "steps_peeked": self.steps_peeked,
+                "offers_judged_unsent": self.offers_judged_unsent,
                 "steps_without_draft_model": self.steps_without_draft_model,
                 "extra_candidates": self.extra_candidates,
                 "k_histogram": {str(k): n for k, n in sorted(self.k_histogram.items())},

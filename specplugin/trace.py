@@ -33,6 +33,11 @@ most one line). The records (``kind``):
   (:meth:`StepArbiter.nothing_to_verify
   <specplugin.adaptive.arbiter.StepArbiter.nothing_to_verify>`): ``num_reqs``, ``steps``
   (of the block so far);
+- ``warmup_choice``: a bucket's warm-up, with its plain blocks not yet measured, decides
+  whether they run: ``num_reqs``, ``spec`` (the measured speculative rate), ``plain``
+  (the measured plain rate so far, None before its first block), ``modelled`` (the cost
+  model's plain rate, which the speculative rate must beat ``MODEL_MARGIN`` times to skip
+  them), ``plain_blocks``;
 - ``forget``: the union forgot what it learned (``specplugin bench`` and ``profile`` do so
   after their warm-up; what follows is what a fresh engine decides).
 

@@ -371,6 +371,35 @@ def test_union_learns_which_proposer_to_trust():
     assert union.stats.accepted_tokens["good"] > 0 and union.stats.accepted_tokens["bad"] == 0
 
 
+def test_the_offers_not_sent_are_judged_against_the_emitted_tokens():
+    """Two proposers offer for one request; the plan sends one. The target continues
+    1, 2, 3, 4, 5: the offer not sent is judged too, against the sent draft's accepted
+    tokens and the step's last token (``Verified.next_tokens``), so the proposer that
+    lost learns what verification would have told it. Without the last token nothing
+    is judged of it."""
+    target = [1, 2, 3, 4, 5]
+    for known in (True, False):
+        union = _union(Fixed("copy", [1, 2, 3, 4], 0.9), Fixed("other", [1, 2, 7, 7], 0.9))
+        plan = union.step(_batch(["a"]), None)
+        sent, source = plan.drafts[0], plan.sources[0]
+        assert sent and source is not None
+        accepted = next((j for j, t in enumerate(sent) if t != target[j]), len(sent))
+        verified = Verified(("a",), np.array([len(sent)]), np.array([accepted + 1]), 0.012,
+                            1 + len(sent), next_tokens=[target[accepted]] if known else None)
+        union.step(_batch(["a"]), verified)
+        union.flush_learning()
+        est, other = union.estimator, 1 - source
+        assert est.judged_tokens(source) == pytest.approx(min(len(sent), accepted + 1))
+        # "copy" sent: 1, 2, 3, 4 and then 5 emitted, "other" judged 1, 2 accepted and 7
+        # rejected; "other" sent: 1, 2 and then 3 emitted, "copy" judged 1, 2, 3 accepted
+        judged, right = (3, 2) if source == 0 else (3, 3)
+        if not known:
+            judged = right = 0
+        assert est.judged_tokens(other) == pytest.approx(judged)
+        assert float(est.accepted[other].sum()) == pytest.approx(right)
+        assert union.stats.offers_judged_unsent == int(known)
+
+
 def test_sampled_rows_learn_acceptance_probabilities_greedy_rows_their_verdicts():
     """Where the verifier tells each sampled token's acceptance probability, the union
     learns it instead of the verdict (the same average, less noise): a sampled row whose

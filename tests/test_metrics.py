@@ -79,7 +79,8 @@ def test_drafts_and_acceptances_are_attributed_per_proposer_and_position():
 def _snapshot(accepted_per_pos, failures):
     return {"steps": 10, "steps_without_drafts": 3, "steps_skipped": 2, "steps_peeked": 6,
             "steps_without_draft_model": 4, "steps_verified_greedy": 5,
-            "steps_verified_sampled": 1, "steps_foretold_plain": 3, "k_histogram": {"0": 3, "4": 7},
+            "steps_verified_sampled": 1, "steps_foretold_plain": 3, "offers_judged_unsent": 9,
+            "k_histogram": {"0": 3, "4": 7},
             "proposers": {"ngram": {"chosen": 7, "drafts": 7, "draft_tokens": 28,
                                     "accepted_tokens": sum(accepted_per_pos),
                                     "draft_tokens_per_pos": [7, 7, 7, 7],

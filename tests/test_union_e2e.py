@@ -121,6 +121,14 @@ def test_drafts_are_verified_and_accepted(request, union):
     assert run.plugin_steps["steps_verified_greedy"] == run.num_drafts, run.plugin_steps
 
 
+@pytest.mark.parametrize("union", ["token_union", "full_union"])
+def test_the_offers_not_sent_are_judged_in_vllm(request, union):
+    """The vLLM layer hands the union each row's last emitted token, so the offers a
+    step did not send are judged too (``Union._learn_unchosen``); without it none is."""
+    steps = request.getfixturevalue(union).plugin_steps
+    assert steps["offers_judged_unsent"] > 0, steps
+
+
 def test_plain_steps_skip_drafting_and_speculation_resumes(full_union):
     """Every other block of steps is plain: its steps after the first skip drafting
     (vLLM's non-speculative path), most of them foretold by the arbiter and run as vLLM's

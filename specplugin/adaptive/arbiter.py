@@ -493,6 +493,9 @@ class StepArbiter:
         spec, plain = state.rate[SPECULATE], state.rate.get(PLAIN)
         if state.blocks[PLAIN] < self.warmup_blocks:
             modelled = self.plain_rate_model(num_reqs) if self.plain_rate_model else None
+            if trace.TRACE is not None:
+                trace.TRACE.write("warmup_choice", num_reqs=num_reqs, spec=spec, plain=plain,
+                                  modelled=modelled, plain_blocks=state.blocks[PLAIN])
             if modelled is None or spec < MODEL_MARGIN * modelled:
                 return PLAIN  # too close (or unknown) to call without measuring it
             plain = plain or modelled

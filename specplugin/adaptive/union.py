@@ -4,7 +4,8 @@ One step of :meth:`Union.step`, in order:
 
 1. **learn** from the step just verified (:class:`Verified`): its wall time -> the cost
    model and the step arbiter, at once (they decide this step); for each request that
-   had drafts, which of them were accepted -> the difficulty estimator and the
+   had drafts, which of them were accepted, and how the offers of other proposers it did
+   not send compare with the tokens it emitted -> the difficulty estimator and the
    request's recent acceptance, once this step's plan is made, in the worker's wait
    for its next step where a deferred :class:`~specplugin.adaptive.background.Background`
    runs it (it shapes later plans, not this one);
@@ -85,6 +86,7 @@ DRAFT_TRIAL_ROWS = 2
 # each verdict moves the estimates most).
 LEARN_EVERY = 4
 COLD_TOKENS = 256
+_NO_SIGNAL = np.empty(0)  # an offer learned by its cells (see Union._offers_not_sent)
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,9 @@ class Verified:
     # the step read prompt tokens: its time is a prefill's, which no cost model
     # nor the step arbiter learns from (see Union._observe)
     read_prompts: bool = False
+    # [num_reqs] each row's last emitted token (its recovered or bonus token; -1: not
+    # known), with which the offers the plan did not send are judged (see _learn_unchosen)
+    next_tokens: Sequence[int] | None = None
 
 
 @dataclass(slots=True)
@@ -325,7 +330,7 @@ class Union:
         self.cost.deferred_flush = True  # held steps learned with the verdicts (_learn_held)
         # the verdicts begin() took from the step just verified, to learn once this step's
         # plan is made (release): (verified record, its drafts' _Pending, the extras')
-        self._held: tuple[Verified, dict, dict] | None = None
+        self._held: tuple[Verified, dict, dict, dict] | None = None
         self._start_learning()
 
     def _start_learning(self) -> None:
@@ -334,6 +339,9 @@ class Union:
         self.speculating = True  # this step's arbiter decision (see begin, plain_step)
         self._pending: dict[str, _Pending] = {}
         self._pending_extras: dict[str, list[_Pending]] = {}  # the scorer's extra candidates
+        # req_id -> (the tokens it sent, the offers of other proposers it did not send and
+        # their tokens): judged against what the target emits (see _learn_unchosen)
+        self._unchosen: dict[str, tuple[list[int], list[tuple[_Pending, np.ndarray]]]] = {}
         self._shadows: dict[str, _Shadow] = {}  # req_id -> the peek's unsent candidate
         self._observed = False  # plain_step observed the last step and chose to speculate
         self._skipped_steps = 0  # plain steps since begin() last ran (estimator decay)
@@ -405,10 +413,11 @@ class Union:
         unrated, self._unrated_step = self._unrated_step, False
         pending, self._pending = self._pending, {}
         pending_extras, self._pending_extras = self._pending_extras, {}
+        unchosen, self._unchosen = self._unchosen, {}
         if verified is not None:
             if not observed:
                 self._observe_verified(verified, pending, unrated)
-            self._held = (verified, pending, pending_extras)
+            self._held = (verified, pending, pending_extras, unchosen)
         self._undecayed_steps += 1 + self._skipped_steps
         self._skipped_steps = 0
         if self._learned_tokens < COLD_TOKENS:  # cold: each verdict moves the plan, learn now
@@ -442,10 +451,13 @@ class Union:
             self.release()
         self.background.settle()
 
-    def _learn_held(self, verified: Verified, pending: dict, pending_extras: dict) -> None:
+    def _learn_held(self, verified: Verified, pending: dict, pending_extras: dict,
+                    unchosen: dict) -> None:
         """The verdicts of ``verified`` (whose drafts ``pending`` and ``pending_extras``
-        recorded), then the estimator's update when one is due (see :data:`LEARN_EVERY`)."""
+        recorded, and the offers not sent ``unchosen``), then the estimator's update when
+        one is due (see :data:`LEARN_EVERY`)."""
         self._learn_rows(verified, pending, pending_extras)
+        self._learn_unchosen(verified, unchosen)
         self.cost.flush_due()
         if self._undecayed_steps >= self.learn_every or self._learned_tokens < COLD_TOKENS:
             self.flush_learning()
@@ -620,8 +632,8 @@ class Union:
         return self.cost.step_one(num_tokens) + (self.cost.spec_overhead_s if drafts else 0.0)
 
     def _count_plain_step(self, num_reqs: int, num_steps: int = 1) -> None:
-        if self._pending or self._pending_extras:  # (no new objects on every plain step)
-            self._pending, self._pending_extras = {}, {}
+        if self._pending or self._pending_extras or self._unchosen:  # (no new objects on
+            self._pending, self._pending_extras, self._unchosen = {}, {}, {}  # every plain step)
         self.stats.steps += num_steps
         self.stats.steps_without_drafts += num_steps
         self.stats.k_histogram[0] += num_reqs * num_steps
@@ -1071,7 +1083,7 @@ class Union:
         """The engine skipped drafting for a step: the drafts proposed before it were
         verified in a step whose results never reach :meth:`step`."""
         self.settle()
-        self._pending, self._pending_extras = {}, {}
+        self._pending, self._pending_extras, self._unchosen = {}, {}, {}
         self._observed = False  # a plain_step's decision for a step that then failed
 
     @property
@@ -1089,6 +1101,7 @@ class Union:
             self._shadows.pop(req_id, None)
             self._pending.pop(req_id, None)
             self._pending_extras.pop(req_id, None)
+            self._unchosen.pop(req_id, None)
 
     def _ask(self, index: int, batch: StepBatch) -> list[Candidate | None]:
         proposer = self.proposers[index]
@@ -1128,6 +1141,7 @@ class Union:
         drafts: list[list[int]] = []
         sources: list[int | None] = [None] * batch.num_reqs
         stats, histogram = self.stats, self.stats.k_histogram
+        self._unchosen = self._offers_not_sent(batch, offers, histories, flat)
         stats.steps += 1
         for r, (o, k) in enumerate(zip(flat.offer, flat.num_tokens)):
             histogram[k] += 1
@@ -1145,6 +1159,78 @@ class Union:
         if not any(drafts):
             stats.steps_without_drafts += 1
         return drafts, sources
+
+    def _offers_not_sent(self, batch: StepBatch, offers, histories, flat: _FlatPlan) -> dict:
+        """Each row's offers that the plan did not send, from proposers other than the
+        one it sent (req_id -> (the tokens it sends, [(the offer as a :class:`_Pending`
+        with its cells, its tokens)])), for :meth:`_learn_unchosen`. Not the draft model's
+        offers for a sampled request: its tokens are drawn from its own distribution,
+        whose acceptance a match against the emitted token does not measure."""
+        if len(offers) <= sum(1 for o in flat.offer if o >= 0):
+            return {}  # every offer was sent (or none was made)
+        unchosen: dict = {}
+        cells = None
+        for o, (r, index, candidate) in enumerate(offers):
+            chosen = flat.offer[r]
+            if o == chosen or (chosen >= 0 and offers[chosen][1] == index):
+                continue
+            sampled = bool(batch.sampled[r])
+            if sampled and self.proposers[index].name in MODEL_PROPOSERS:
+                continue
+            if cells is None:
+                cells = flat.cells.tolist()  # (the buffer is the next plan's)
+            start, end = flat.starts[o], flat.starts[o + 1]
+            sent = _Pending(index, sampled, histories[r], _NO_SIGNAL, cells=cells[start:end])
+            req_id = batch.req_ids[r]
+            if req_id not in unchosen:
+                own = (offers[chosen][2].token_ids[:flat.num_tokens[r]].tolist()
+                       if chosen >= 0 else [])
+                unchosen[req_id] = (own, [])
+            unchosen[req_id][1].append((sent, np.array(candidate.token_ids[:end - start])))
+        return unchosen
+
+    def _learn_unchosen(self, verified: Verified, unchosen: dict) -> None:
+        """The offers a step did not send, judged against the tokens it emitted: the
+        sent draft's accepted tokens, then its row's last token (``verified.next_tokens``).
+        An offer's token is judged accepted where it and every token before it equal the
+        emitted ones, rejected at the first that differs; tokens past the emitted ones are
+        not judged. That is what verification would have said of it: at temperature 0
+        exactly, at temperature > 0 in expectation (a deterministic draft token x is
+        accepted with probability p(x), and each emitted token is a draw from the
+        target's p given the tokens before it, lossless verification's promise).
+
+        Why: only the sent offer's tokens are verified, so a proposer whose offers the
+        plan did not pick early learned nothing while they lost, and the first proposer to
+        be believed kept winning (seen on the validation pair, fresh engine,
+        complete/b8/t0: in one engine suffix's candidates took 99% of the accepted tokens,
+        n-gram's 0%, in the next n-gram's 93%, on the same prompts; the plain steps' peek,
+        which asks n-gram, then judged copies in sight by an n-gram that had never been
+        verified). Not for rows verified with the scorer's extra candidates (their emitted
+        tokens may be an extra's)."""
+        next_tokens = verified.next_tokens
+        if not unchosen or next_tokens is None:
+            return
+        scheduled_drafts = as_list(verified.num_scheduled_drafts)  # [num_reqs]
+        num_emitted = as_list(verified.num_emitted)  # [num_reqs]
+        scored = verified.scored or {}
+        judged_parts: list[tuple[_Pending, list]] = []
+        for row, req_id in enumerate(verified.req_ids):
+            entry = unchosen.get(req_id)
+            if entry is None or req_id in scored or next_tokens[row] < 0:
+                continue
+            own, others = entry
+            accepted = max(0, min(num_emitted[row] - 1, scheduled_drafts[row], len(own)))
+            emitted = np.array(own[:accepted] + [next_tokens[row]])  # [accepted + 1]
+            for sent, tokens in others:
+                seen = min(len(tokens), len(emitted), len(sent.cells))
+                differs = np.flatnonzero(tokens[:seen] != emitted[:seen])
+                matched = int(differs[0]) if differs.size else seen
+                judged = min(matched + 1, seen)
+                if judged > 0:
+                    judged_parts.append((sent, judged_outcomes(None, row, False, judged,
+                                                               matched)))
+        self.stats.offers_judged_unsent += len(judged_parts)
+        self._teach(judged_parts)
 
     def _learn_extras(self, extras: list[_Pending], outcome: Scored, emitted: int,
                       judged_parts: list) -> None:

@@ -475,7 +475,9 @@ class PluginDraftProposer(DraftModelProposer):
         # rows still in chunked prefill have no token to draft from yet
         caps = _caps(context.remaining_tokens[:num_reqs], context.max_k[:num_reqs],
                      self.plugin_runner.discard_request_mask.np[:num_reqs].tolist())
-        if not self._speculating(context, scheduled, num_accepted, sampled):
+        # (rows that draft nothing, such as those in chunked prefill, have no token known)
+        last_tokens = [t if c > 0 else -1 for t, c in zip(next_tokens, caps)]
+        if not self._speculating(context, scheduled, num_accepted, sampled, last_tokens):
             self._plain_step(num_reqs)
             return None
         batch = _step_batch(self.plugin_runner.input_batch, context, sampled, caps,
@@ -815,9 +817,10 @@ class PluginDraftProposer(DraftModelProposer):
 
 
     def _speculating(self, context, scheduled: list[int], num_accepted: list[int],
-                     sampled: list[bool]) -> bool:
+                     sampled: list[bool], next_tokens: list[int]) -> bool:
         """Learn from the step just verified (the union) and ask the step arbiter whether
-        this step speculates at all. ``scheduled``: [num_reqs] drafts each row verified."""
+        this step speculates at all. ``scheduled``: [num_reqs] drafts each row verified;
+        ``next_tokens``: [num_reqs] each row's last emitted token (-1: not known)."""
         num_reqs = len(num_accepted)
         mostly_sampled = 2 * sum(sampled) > num_reqs
         observed, self._observed = self._observed, False
@@ -838,7 +841,7 @@ class PluginDraftProposer(DraftModelProposer):
                             context.num_query_tokens, context.scored,
                             draft_seconds=self._last_draft_seconds,
                             expected=context.expected_acceptance,
-                            read_prompts=context.read_prompts)
+                            read_prompts=context.read_prompts, next_tokens=next_tokens)
         return self.union.begin(verified, num_reqs, mostly_sampled)
 
     def _plain_step(self, num_reqs: int) -> None:

@@ -157,7 +157,8 @@ class Speculator:
         return Verified(tuple(context.req_ids), np.asarray(context.num_scheduled_drafts),
                         np.array([len(s) for s in sampled_token_ids]), seconds,
                         context.num_query_tokens, context.scored,
-                        expected=context.expected_acceptance, read_prompts=context.read_prompts)
+                        expected=context.expected_acceptance, read_prompts=context.read_prompts,
+                        next_tokens=[s[-1] if len(s) else -1 for s in sampled_token_ids])
 
     def _batch(self, context, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> StepBatch:
         num_reqs = len(sampled_token_ids)
