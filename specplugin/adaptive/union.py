@@ -1141,7 +1141,6 @@ class Union:
         drafts: list[list[int]] = []
         sources: list[int | None] = [None] * batch.num_reqs
         stats, histogram = self.stats, self.stats.k_histogram
-        self._unchosen = self._offers_not_sent(batch, offers, histories, flat)
         stats.steps += 1
         for r, (o, k) in enumerate(zip(flat.offer, flat.num_tokens)):
             histogram[k] += 1
@@ -1158,21 +1157,23 @@ class Union:
             stats.chosen[self.proposers[index].name] += 1
         if not any(drafts):
             stats.steps_without_drafts += 1
+        self._unchosen = self._offers_not_sent(batch, offers, histories, flat, drafts)
         return drafts, sources
 
-    def _offers_not_sent(self, batch: StepBatch, offers, histories, flat: _FlatPlan) -> dict:
-        """Each row's offers that the plan did not send, from proposers other than the
-        one it sent (req_id -> (the tokens it sends, [(the offer as a :class:`_Pending`
-        with its cells, its tokens)])), for :meth:`_learn_unchosen`. Not the draft model's
-        offers for a sampled request: its tokens are drawn from its own distribution,
-        whose acceptance a match against the emitted token does not measure."""
+    def _offers_not_sent(self, batch: StepBatch, offers, histories, flat: _FlatPlan,
+                         drafts: list[list[int]]) -> dict:
+        """Each row's offers that the plan did not send (every proposer makes one offer a
+        row at most, so they are the other proposers'), as req_id -> (the row's draft in
+        ``drafts``, [(the offer as a :class:`_Pending` with its cells, its tokens)]), for
+        :meth:`_learn_unchosen`. Not the draft model's offers for a sampled request: its
+        tokens are drawn from its own distribution, whose acceptance a match against the
+        emitted token does not measure."""
         if len(offers) <= sum(1 for o in flat.offer if o >= 0):
             return {}  # every offer was sent (or none was made)
         unchosen: dict = {}
         cells = None
         for o, (r, index, candidate) in enumerate(offers):
-            chosen = flat.offer[r]
-            if o == chosen or (chosen >= 0 and offers[chosen][1] == index):
+            if o == flat.offer[r]:
                 continue
             sampled = bool(batch.sampled[r])
             if sampled and self.proposers[index].name in MODEL_PROPOSERS:
@@ -1183,9 +1184,7 @@ class Union:
             sent = _Pending(index, sampled, histories[r], _NO_SIGNAL, cells=cells[start:end])
             req_id = batch.req_ids[r]
             if req_id not in unchosen:
-                own = (offers[chosen][2].token_ids[:flat.num_tokens[r]].tolist()
-                       if chosen >= 0 else [])
-                unchosen[req_id] = (own, [])
+                unchosen[req_id] = (drafts[r], [])
             unchosen[req_id][1].append((sent, np.array(candidate.token_ids[:end - start])))
         return unchosen
 
@@ -1222,7 +1221,7 @@ class Union:
             accepted = max(0, min(num_emitted[row] - 1, scheduled_drafts[row], len(own)))
             emitted = np.array(own[:accepted] + [next_tokens[row]])  # [accepted + 1]
             for sent, tokens in others:
-                seen = min(len(tokens), len(emitted), len(sent.cells))
+                seen = min(len(tokens), len(emitted))  # (tokens: as many as its cells)
                 differs = np.flatnonzero(tokens[:seen] != emitted[:seen])
                 matched = int(differs[0]) if differs.size else seen
                 judged = min(matched + 1, seen)
