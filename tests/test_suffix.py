@@ -372,6 +372,43 @@ def test_the_cpp_index_copies_from_the_request_and_the_store_like_the_python_one
         SuffixProposer(index="arctic", num_alternatives=1)
 
 
+def test_the_cpp_index_asks_its_trees_as_arctics_own_speculate_does():
+    """The proposal calls arctic's native trees directly (its wrapper's checks cost the
+    step): on repetitive random texts, some copying earlier outputs, every draft equals
+    the public ``speculate``'s, tokens, probabilities and match length (seen red with the
+    tie going to the tree of outputs, and with the offset and the probability floor
+    swapped)."""
+    from specplugin.proposers.suffix import ArcticSuffixIndex
+
+    rng = np.random.default_rng(3)
+    index = ArcticSuffixIndex(SuffixConfig())
+    assert index._trees is not None, "arctic_inference's fields moved: the direct path is off"
+    shared = rng.integers(0, 12, size=60)
+    compared = found = 0
+    for r in range(12):
+        req = f"r{r}"
+        text = np.concatenate([rng.integers(0, 12, size=8), shared[rng.integers(0, 30):][:20]])
+        index.start_request(req, text[:5].astype(np.int64))
+        for end in range(6, len(text) + 1):
+            index.add_tokens(req, text[end - 1:end])
+            context = text[:end]
+            pattern = np.ascontiguousarray(context[-index.config.max_match:], np.int32)
+            for k in (1, 4, 8):
+                direct = index._speculate(req, pattern, k)
+                public = index._cache.speculate(req, pattern, max_spec_tokens=k,
+                                                max_spec_factor=float(k), min_token_prob=0.0)
+                assert list(direct.token_ids) == list(public.token_ids), (req, end, k)
+                assert list(direct.probs) == list(public.probs), (req, end, k)
+                assert direct.match_len == public.match_len
+                compared += 1
+                found += bool(public.token_ids)
+            if r % 3 == 0:
+                index.extend_outputs()  # (the tree of outputs sometimes up to date)
+        index.extend_outputs()
+        index.stop_request(req)
+    assert compared > 500 and found > compared // 2, (compared, found)
+
+
 def test_branches_start_where_the_places_disagree_most_frequent_first():
     cache = SuffixCache(SuffixConfig(min_match=2))
     # after "5 6": 7 8 (twice), 7 9 (once), 4 (once)

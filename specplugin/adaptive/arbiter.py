@@ -54,7 +54,11 @@ stands in until a plain block is measured (the usual re-check of the loser): on 
 that copies, a fresh engine then does not decode plainly for its first blocks to
 learn what it already knows. The margin covers the model's error: until the cost
 model has seen both kinds of steps, it counts the speculative machinery's cost into
-every step and so underrates plain decoding by that much.
+every step and so underrates plain decoding by that much. The model was also seen to err
+the other way (trace record ``warmup_choice``, validation pair, fresh engines: 458 and 341
+tok/s modelled where plain decoding then measured 355 and 339 at complete/b8/t0, 777 where
+it measured 505-570 at adversarial/b16/t1): an overrated plain rate only makes the skip
+rarer, the warm-up then measuring what the model got wrong.
 
 **Neighbouring batch sizes.** A batch changes bucket as its requests finish (8, then
 4-7, 2-3, 1) and as its mix of greedy and sampled requests shifts, and a bucket's warm-up

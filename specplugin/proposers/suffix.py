@@ -599,26 +599,45 @@ class ArcticSuffixIndex:
         pattern = np.ascontiguousarray(context[-self.config.max_match:], np.int32)
         # no cap from the match's length, no floor on a token's frequency: what is worth
         # verifying is the controller's call (as with the Python index's defaults)
-        draft = self._cache.speculate(req_id, pattern, max_spec_tokens=max_tokens,
-                                      max_spec_factor=float(max_tokens), min_token_prob=0.0)
+        if self._trees is None:
+            draft = self._cache.speculate(req_id, pattern, max_spec_tokens=max_tokens,
+                                          max_spec_factor=float(max_tokens),
+                                          min_token_prob=0.0)
+        else:  # both trees asked directly, the higher score kept, as its speculate does
+            draft = self._speculate(req_id, pattern, max_tokens)
         if not draft.token_ids or draft.match_len < self.config.min_match:
             return None
         return Candidate(np.array(draft.token_ids, dtype=np.int64),
                          np.array(draft.probs, dtype=np.float64))
 
+    def _speculate(self, req_id: Hashable, pattern: np.ndarray,  # [<= max_match] int32
+                   max_tokens: int):
+        """The cache's ``speculate`` without its wrapper: both trees' native drafts, the
+        one of higher score (the request's own on a tie). Why: the wrapper's checks and
+        its copy into a Python dataclass are a dozen calls on the step, each cold after
+        the target's forward; the pattern is already the int32 array they check for."""
+        tree_type, local_trees, global_tree, _ = self._trees
+        factor = float(max_tokens)
+        own = tree_type.speculate_ndarray(local_trees[req_id], pattern, max_tokens, factor,
+                                          0.0, 0.0, False)
+        stored = tree_type.speculate_ndarray(global_tree, pattern, max_tokens, factor,
+                                             0.0, 0.0, False)
+        return own if own.score >= stored.score else stored
+
 
 def _split_trees(cache):
     """(tree type, the requests' own trees, the tree of all outputs, request -> its
     output's sequence id) of an ``arctic_inference`` cache, or None where its fields
-    differ from 0.3.0's (then every feed extends both trees at once, through its public
-    call)."""
+    differ from 0.3.0's (then every feed extends both trees at once, and every proposal
+    asks them, through its public calls)."""
     try:
         from arctic_inference.suffix_decoding._C import SuffixTree
 
         fields = (SuffixTree, cache._local_trees, cache._global_tree, cache._req_to_seq_id)
     except (ImportError, AttributeError):
         return None
-    return fields if callable(getattr(SuffixTree, "extend", None)) else None
+    native = ("extend", "speculate_ndarray")
+    return fields if all(callable(getattr(SuffixTree, n, None)) for n in native) else None
 
 
 def _run_now(job: Callable[[], None]) -> None:
