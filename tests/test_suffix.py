@@ -376,8 +376,7 @@ def test_the_cpp_index_asks_its_trees_as_arctics_own_speculate_does():
     """The proposal calls arctic's native trees directly (its wrapper's checks cost the
     step): on repetitive random texts, some copying earlier outputs, every draft equals
     the public ``speculate``'s, tokens, probabilities and match length (seen red with the
-    tie going to the tree of outputs, and with the offset and the probability floor
-    swapped)."""
+    tie going to the tree of outputs, and with a probability floor of 0.5)."""
     from specplugin.proposers.suffix import ArcticSuffixIndex
 
     rng = np.random.default_rng(3)

@@ -599,12 +599,7 @@ class ArcticSuffixIndex:
         pattern = np.ascontiguousarray(context[-self.config.max_match:], np.int32)
         # no cap from the match's length, no floor on a token's frequency: what is worth
         # verifying is the controller's call (as with the Python index's defaults)
-        if self._trees is None:
-            draft = self._cache.speculate(req_id, pattern, max_spec_tokens=max_tokens,
-                                          max_spec_factor=float(max_tokens),
-                                          min_token_prob=0.0)
-        else:  # both trees asked directly, the higher score kept, as its speculate does
-            draft = self._speculate(req_id, pattern, max_tokens)
+        draft = self._speculate(req_id, pattern, max_tokens)
         if not draft.token_ids or draft.match_len < self.config.min_match:
             return None
         return Candidate(np.array(draft.token_ids, dtype=np.int64),
@@ -612,12 +607,16 @@ class ArcticSuffixIndex:
 
     def _speculate(self, req_id: Hashable, pattern: np.ndarray,  # [<= max_match] int32
                    max_tokens: int):
-        """The cache's ``speculate`` without its wrapper: both trees' native drafts, the
-        one of higher score (the request's own on a tie). Why: the wrapper's checks and
-        its copy into a Python dataclass are a dozen calls on the step, each cold after
-        the target's forward; the pattern is already the int32 array they check for."""
-        tree_type, local_trees, global_tree, _ = self._trees
+        """The cache's ``speculate`` without its wrapper where :func:`_split_trees` found
+        the trees (through it otherwise): both trees' native drafts, the one of higher
+        score (the request's own on a tie). Why: the wrapper's checks and its copy into a
+        Python dataclass are a dozen calls on the step, each cold after the target's
+        forward; the pattern is already the int32 array they check for."""
         factor = float(max_tokens)
+        if self._trees is None:
+            return self._cache.speculate(req_id, pattern, max_spec_tokens=max_tokens,
+                                         max_spec_factor=factor, min_token_prob=0.0)
+        tree_type, local_trees, global_tree, _ = self._trees
         own = tree_type.speculate_ndarray(local_trees[req_id], pattern, max_tokens, factor,
                                           0.0, 0.0, False)
         stored = tree_type.speculate_ndarray(global_tree, pattern, max_tokens, factor,
