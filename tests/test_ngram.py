@@ -109,45 +109,61 @@ def test_alternatives_are_earlier_matches_that_go_on_differently():
     assert plain.token_ids.tolist() == [3, 8, 1] and plain.alternatives == ()
 
 
+def _expected_draft(ctx: list[int], min_n: int, max_n: int, limit: int) -> tuple[list, list]:
+    """The draft and signal the proposer's docstring defines, from the vectorised search."""
+    match_len, end = longest_suffix_match(np.array(ctx, dtype=np.int64), min_n, max_n)
+    if not match_len or limit <= 0:
+        return [], []
+    copied = ctx[end + 1:end + 1 + limit]
+    tokens = [copied[j % len(copied)] for j in range(limit)]
+    score = match_len / max_n
+    return tokens, [score if j < len(copied) else 0.5 * score for j in range(limit)]
+
+
 @settings(max_examples=300, deadline=None)
 @given(
-    ctx=st.lists(st.integers(0, 3), max_size=60),
+    contexts=st.lists(st.lists(st.integers(0, 3), max_size=60), min_size=1, max_size=4),
     min_n=st.integers(1, 4),
     extra=st.integers(0, 4),
-    cuts=st.lists(st.integers(1, 60), max_size=6),
+    limits=st.lists(st.integers(0, 6), min_size=4, max_size=4),
+    engine_dtypes=st.booleans(),
 )
-def test_the_incremental_index_finds_what_the_vectorised_search_finds(ctx, min_n, extra, cuts):
-    """The per-request index, fed a context a few tokens at a time as steps do, finds the
-    match the vectorised search finds on the whole context, after every feed."""
-    from specplugin.proposers.ngram import _ContextIndex
+def test_the_compiled_search_drafts_what_the_vectorised_search_finds(contexts, min_n, extra,
+                                                                      limits, engine_dtypes):
+    """Every row of a batch in one compiled call: the tokens after the longest match (the
+    vectorised search's), periodic where they run into the context's end, and their
+    signals; in the engine's buffers (int32 tokens and lengths) and in int64 ones."""
+    dtype = np.int32 if engine_dtypes else np.int64
+    token_ids = np.full((len(contexts) + 1, 64), 7, dtype=dtype)  # (7: never in a context)
+    for r, c in enumerate(contexts):
+        token_ids[r, :len(c)] = c
+    num_tokens = np.array([len(c) for c in contexts], dtype=dtype)
+    max_draft_lens = np.array(limits[:len(contexts)], dtype=np.int64)
+    batch = StepBatch(tuple(f"r{r}" for r in range(len(contexts))), token_ids, num_tokens,
+                      np.zeros(len(contexts), dtype=np.int64), max_draft_lens,
+                      np.zeros(len(contexts), dtype=bool), tuple(range(len(contexts))))
+    got = NgramProposer(min_n, min_n + extra).propose(batch)
+    for c, limit, cand in zip(contexts, max_draft_lens.tolist(), got):
+        tokens, signal = _expected_draft(c, min_n, min_n + extra, limit)
+        assert ([] if cand is None else cand.token_ids.tolist()) == tokens
+        assert ([] if cand is None else cand.signal.tolist()) == signal
 
-    index = _ContextIndex(min_n)
-    for end in sorted(set(cuts) | {len(ctx)}):
-        index.extend(ctx[len(index.tokens):end])
-        found = index.longest_match(min_n + extra)
-        if found is not None:  # (None: too many occurrences, left to the numpy search)
-            assert found == longest_suffix_match(np.array(index.tokens, dtype=np.int32),
-                                                 min_n, min_n + extra)
 
-
-def test_the_proposer_keeps_each_requests_index_and_rebuilds_a_changed_context():
+def test_the_proposer_reads_each_context_as_it_is_now():
+    """Nothing is kept per request: a request whose context changed (a new one under the
+    same id) is matched on what it holds now."""
     proposer = NgramProposer(2, 4)
     first = proposer.propose(_batch([[1, 2, 3, 9, 1, 2]], k=3))
     assert first[0].token_ids.tolist() == [3, 9, 1]
-    # the same request, two tokens on: fed only those
     grown = proposer.propose(_batch([[1, 2, 3, 9, 1, 2, 3, 9]], k=3))
-    assert grown[0].token_ids.tolist() == [1, 2, 3] and len(proposer._indexes["r0"].tokens) == 8
-    # a context that is not the indexed one plus new tokens is indexed afresh
+    assert grown[0].token_ids.tolist() == [1, 2, 3]
     other = proposer.propose(_batch([[5, 6, 7, 5, 6, 8, 8, 5, 6]], k=2))
     assert other[0].token_ids.tolist() == [8, 8]
     proposer.finish_requests(["r0"])
-    assert "r0" not in proposer._indexes
 
 
-def test_the_index_prefers_an_older_longer_match_to_a_newer_shorter_one():
-    from specplugin.proposers.ngram import _ContextIndex
-
-    index = _ContextIndex(2)
-    index.extend([1, 2, 3, 0, 2, 3, 9, 1, 2, 3])  # "2 3" ends at 2 and 5; "1 2 3" at 2 only
-    assert index.longest_match(3) == (3, 2) == longest_suffix_match(
-        np.array(index.tokens), 2, 3)
+def test_an_older_longer_match_wins_over_a_newer_shorter_one():
+    # "2 3" ends at 2 and 5; "1 2 3" at 2 only
+    context = [1, 2, 3, 0, 2, 3, 9, 1, 2, 3]
+    assert longest_suffix_match(np.array(context), 2, 3) == (3, 2)
+    assert propose([context], k=3, min_n=2, max_n=3) == [[0, 2, 3]]

@@ -29,7 +29,7 @@ def test_phases_are_exclusive_and_sum_to_the_step():
     clock.enter("outer")
     _spin(0.003)
     clock.enter("inner")
-    _spin(0.004)
+    _spin(0.040)
     clock.count_sync()
     clock.exit()
     clock.exit()
@@ -38,8 +38,10 @@ def test_phases_are_exclusive_and_sum_to_the_step():
     ledger = clock.take()
     assert ledger.num_steps == 1
     assert sum(ledger.phases_s.values()) == pytest.approx(ledger.wall_s, rel=1e-9)
-    assert ledger.phases_s["inner"] >= 0.004
-    assert 0.003 <= ledger.phases_s["outer"] < 0.004 + 0.003  # its own time, not inner's
+    assert ledger.phases_s["inner"] >= 0.040
+    # its own time, not inner's (inner's 40 ms against outer's 3: a descheduled moment of
+    # the test's process, a few milliseconds on a busy 2-core machine, cannot make it look so)
+    assert 0.003 <= ledger.phases_s["outer"] < 0.003 + 0.030
     assert ledger.phases_s[REST] >= 0.002
     assert ledger.counts[SYNC_PREFIX + "inner"] == 1
     assert ledger.counts[DRAFT_FORWARDS] == 2

@@ -376,7 +376,8 @@ def test_the_cpp_index_asks_its_trees_as_arctics_own_speculate_does():
     """The proposal calls arctic's native trees directly (its wrapper's checks cost the
     step): on repetitive random texts, some copying earlier outputs, every draft equals
     the public ``speculate``'s, tokens, probabilities and match length (seen red with the
-    tie going to the tree of outputs, and with a probability floor of 0.5)."""
+    tie going to the tree of outputs, with a probability floor of 0.5, and with the tree of
+    outputs left unasked for a draft one token short of certain)."""
     from specplugin.proposers.suffix import ArcticSuffixIndex
 
     rng = np.random.default_rng(3)

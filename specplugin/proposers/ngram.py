@@ -10,15 +10,17 @@ repeats its last turn).
 A match close to the end (a loop) would leave only a few tokens to copy; the
 draft then continues the copy periodically (see :meth:`NgramProposer._candidate`).
 
-Each request keeps an index of its own context (:class:`_ContextIndex`): the end
-positions of every ``min_n``-gram, fed only the tokens that are new since the last step;
-a proposal looks up where the context's last ``min_n`` tokens occurred before and extends
-each occurrence to the left, at most ``max_n`` tokens, newest first (a few dict and list
-operations: this runs every step right after the target's forward, where each numpy call
-costs several microseconds of cold caches). Where the ``min_n``-gram occurred very often
-(a run of one repeated token), and for the scorer's alternatives, the search is the
-vectorised one, :func:`suffix_match_ends`: ``max_n`` passes of one element-wise
-comparison over the context. Both find the same match.
+Every row the step asks for is matched in one compiled call (:func:`draft_rows`,
+numba, as vLLM's own n-gram proposer is): for each row it scans the row's context in the
+engine's token buffer from its newest position back, extending each occurrence of the last
+token to the left (at most ``max_n`` tokens), and writes the draft and its signal. A loop
+over a few thousand tokens costs a few microseconds compiled, less than the per-request
+index of ``min_n``-gram ends in Python dicts it replaced, whose upkeep and look-ups were a
+dozen calls per row on caches the target's forward had just swept (measured in an engine:
+see ``docs/benchmarks.md``, twenty-eighth session). The scorer's alternatives (every end of
+the longest match) come from the vectorised search, :func:`suffix_match_ends`: ``max_n``
+passes of one element-wise comparison over the context. Both find the same match, the one
+:func:`longest_suffix_match` defines.
 
 Signal (for the difficulty estimator): ``match_len / max_n`` for every token of the
 draft, lowered to ``0.5 * match_len / max_n`` for tokens copied past the end of the
@@ -30,8 +32,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
+import numba
 import numpy as np
 
+from specplugin.host_kernels import JIT
 from specplugin.proposers.base import Candidate, StepBatch
 
 
@@ -77,52 +81,65 @@ def suffix_match_ends(
     return best_len, best_ends
 
 
-# Occurrences of the last min_n tokens past which a proposal searches with numpy.
-MAX_SCANNED_OCCURRENCES = 128
+# (token buffer, row lengths): the engine's int32 buffer and lengths, or int64 ones
+_DRAFT_ROWS = [f"void({tokens}[:, :], {lengths}[::1], int64[::1], int64[::1], int64, int64, "
+               "int64[:, ::1], float64[:, ::1], int64[::1])"
+               for tokens in ("int32", "int64") for lengths in ("int32", "int64")]
 
 
-class _ContextIndex:
-    """One request's context as a list, and the end positions of each ``min_n``-gram."""
-
-    def __init__(self, min_n: int):
-        self.min_n = min_n
-        self.tokens: list[int] = []
-        self.ends: dict[tuple[int, ...], list[int]] = {}  # min_n-gram -> ends, ascending
-
-    def extend(self, new_tokens: list[int]) -> None:
-        tokens, ends, n = self.tokens, self.ends, self.min_n
-        first = len(tokens)
-        tokens += new_tokens
-        for e in range(max(first, n - 1), len(tokens)):
-            key = tuple(tokens[e - n + 1:e + 1])
-            at = ends.get(key)
-            if at is None:
-                ends[key] = [e]
-            else:
-                at.append(e)
-
-    def longest_match(self, max_n: int) -> tuple[int, int] | None:
-        """:func:`longest_suffix_match` of the context, or None where the search is
-        better left to numpy (more than :data:`MAX_SCANNED_OCCURRENCES` occurrences)."""
-        tokens, n = self.tokens, self.min_n
-        last = len(tokens) - 1
-        if last < n:
-            return 0, -1
-        at = self.ends.get(tuple(tokens[last - n + 1:]))
-        if at is None or len(at) < 2:  # only the context's own tail
-            return 0, -1
-        if len(at) > MAX_SCANNED_OCCURRENCES:
-            return None
+@numba.njit(_DRAFT_ROWS, **JIT)
+def draft_rows(token_ids, num_tokens, rows, limits, min_n, max_n, drafts, signals, lengths):
+    """Each asked row's draft, as :class:`NgramProposer` defines it: ``token_ids``
+    [num_rows_in_buffer, max_len] holds each row's context in its first ``num_tokens[r]``
+    positions; ``rows`` [num_asked] the rows asked for; ``limits`` [num_rows] most draft
+    tokens per row. For the i-th asked row, the :func:`longest_suffix_match` of its context
+    (the longest earlier occurrence of its last ``min_n`` to ``max_n`` tokens, the latest
+    on a tie), then ``drafts[i, :limit]`` the tokens that followed it, repeated with their
+    period where they run into the context's end, ``signals[i, :limit]`` ``match_len /
+    max_n`` (half that on the repeated tokens) and ``lengths[i]`` the limit; 0 where
+    nothing matched or the limit is 0."""
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        limit, n = limits[r], num_tokens[r]
+        lengths[i] = 0
+        if limit <= 0 or n < min_n + 1:
+            continue
+        last = n - 1
+        tail = token_ids[r, last]
         best_len, best_end = 0, -1
-        for e in reversed(at[:-1]):  # newest first: a tie keeps the later end
-            length = n
-            while length < max_n and e - length >= 0 and tokens[e - length] == tokens[last - length]:
+        for e in range(last - 1, min_n - 2, -1):  # newest first: a tie keeps the later end
+            if token_ids[r, e] != tail:
+                continue
+            length = 1
+            while (length < max_n and e - length >= 0
+                   and token_ids[r, e - length] == token_ids[r, last - length]):
                 length += 1
-            if length > best_len:
+            if length >= min_n and length > best_len:
                 best_len, best_end = length, e
                 if length == max_n:
                     break
-        return best_len, best_end
+        if best_len == 0:
+            continue
+        period = min(last - best_end, limit)  # the tokens after the match, the limit's at most
+        score = best_len / max_n
+        for j in range(limit):
+            drafts[i, j] = token_ids[r, best_end + 1 + j % period]
+            signals[i, j] = score if j < period else 0.5 * score
+        lengths[i] = limit
+
+
+def _warm_up() -> None:
+    """Call :func:`draft_rows` once for each kind of batch an engine builds (the drafting
+    step's lengths in int64, the plain step's peek at vLLM's int32 ones): a kernel's first
+    call in a process costs milliseconds beyond its compile (see
+    :mod:`specplugin.host_kernels`), which would land in an engine's first drafted step."""
+    for lengths in (np.int64, np.int32):
+        draft_rows(np.zeros((1, 4), dtype=np.int32), np.full(1, 4, dtype=lengths),
+                   np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.int64), 1, 2,
+                   np.empty((1, 1), dtype=np.int64), np.empty((1, 1)), np.empty(1, dtype=np.int64))
+
+
+_warm_up()
 
 
 class NgramProposer:
@@ -139,24 +156,35 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
         self.num_alternatives = num_alternatives
-        self._indexes: dict[str, _ContextIndex] = {}  # req id -> its context's index
 
     def propose(self, batch: StepBatch) -> list[Candidate | None]:
+        if self.num_alternatives:
+            return self._propose_with_alternatives(batch)
+        candidates: list[Candidate | None] = [None] * batch.num_reqs
+        rows = batch.rows
+        if not rows:
+            return candidates
+        limits = batch.max_draft_lens  # [num_reqs]
+        width = int(limits.max())
+        drafts = np.empty((len(rows), width), dtype=np.int64)  # [num_asked, max limit]
+        signals = np.empty((len(rows), width))  # [num_asked, max limit]
+        lengths = np.empty(len(rows), dtype=np.int64)  # [num_asked]
+        draft_rows(batch.token_ids, batch.num_tokens, np.array(rows, dtype=np.int64), limits,
+                   self.min_n, self.max_n, drafts, signals, lengths)
+        for i, (row, k) in enumerate(zip(rows, lengths.tolist())):
+            if k:
+                candidates[row] = Candidate(drafts[i, :k], signals[i, :k])
+        return candidates
+
+    def _propose_with_alternatives(self, batch: StepBatch) -> list[Candidate | None]:
+        """:meth:`propose` with the continuations of earlier occurrences of each match too
+        (the vectorised search: every end of the longest match)."""
         candidates: list[Candidate | None] = [None] * batch.num_reqs
         for row in batch.rows:
             limit = int(batch.max_draft_lens[row])
             if limit <= 0:
                 continue
             context = batch.context(row)
-            if not self.num_alternatives:
-                index = self._index(batch.req_ids[row], context)
-                found = index.longest_match(self.max_n)
-                if found is not None:
-                    match_len, end = found
-                    if match_len:  # (the limit's tokens at most: the rest may be long)
-                        candidates[row] = self._candidate(
-                            index.tokens[end + 1:end + 1 + limit], match_len, limit)
-                    continue
             match_len, ends = suffix_match_ends(context, self.min_n, self.max_n)
             if not match_len:
                 continue
@@ -188,19 +216,5 @@ class NgramProposer:
         signal = [score] * own + [0.5 * score] * (limit - own)
         return Candidate(np.array(token_ids, dtype=np.int64), np.array(signal))
 
-    def _index(self, req_id: str, context: np.ndarray) -> _ContextIndex:
-        """The request's index, fed the context's new tokens (rebuilt if the context is
-        not the one it indexed plus new tokens: shorter, or a different last token)."""
-        index = self._indexes.get(req_id)
-        fed = 0 if index is None else len(index.tokens)
-        if index is None or fed > len(context) or (fed and index.tokens[-1] != context[fed - 1]):
-            index = self._indexes[req_id] = _ContextIndex(self.min_n)
-            fed = 0
-        if len(context) > fed:
-            index.extend(context[fed:].tolist())
-        return index
-
     def finish_requests(self, req_ids: Iterable[str]) -> None:
-        """Drop the requests' context indexes."""
-        for req_id in req_ids:
-            self._indexes.pop(req_id, None)
+        """Nothing kept per request: every proposal reads the context as it is."""

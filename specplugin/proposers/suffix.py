@@ -600,9 +600,10 @@ class ArcticSuffixIndex:
         # no cap from the match's length, no floor on a token's frequency: what is worth
         # verifying is the controller's call (as with the Python index's defaults)
         draft = self._speculate(req_id, pattern, max_tokens)
-        if not draft.token_ids or draft.match_len < self.config.min_match:
+        token_ids = draft.token_ids  # (a list made anew from the native draft at each read)
+        if not token_ids or draft.match_len < self.config.min_match:
             return None
-        return Candidate(np.array(draft.token_ids, dtype=np.int64),
+        return Candidate(np.array(token_ids, dtype=np.int64),
                          np.array(draft.probs, dtype=np.float64))
 
     def _speculate(self, req_id: Hashable, pattern: np.ndarray,  # [<= max_match] int32
@@ -611,7 +612,10 @@ class ArcticSuffixIndex:
         the trees (through it otherwise): both trees' native drafts, the one of higher
         score (the request's own on a tie). Why: the wrapper's checks and its copy into a
         Python dataclass are a dozen calls on the step, each cold after the target's
-        forward; the pattern is already the int32 array they check for."""
+        forward; the pattern is already the int32 array they check for. A draft's score is
+        the sum of its tokens' path probabilities (each at most 1), so one of ``max_tokens``
+        tokens that are all certain cannot be outscored, and the tree of all outputs is not
+        asked then (a tie keeps the request's own)."""
         factor = float(max_tokens)
         if self._trees is None:
             return self._cache.speculate(req_id, pattern, max_spec_tokens=max_tokens,
@@ -619,9 +623,12 @@ class ArcticSuffixIndex:
         tree_type, local_trees, global_tree, _ = self._trees
         own = tree_type.speculate_ndarray(local_trees[req_id], pattern, max_tokens, factor,
                                           0.0, 0.0, False)
+        own_score = own.score
+        if own_score >= max_tokens:  # every token certain: no draft scores higher (see above)
+            return own
         stored = tree_type.speculate_ndarray(global_tree, pattern, max_tokens, factor,
                                              0.0, 0.0, False)
-        return own if own.score >= stored.score else stored
+        return own if own_score >= stored.score else stored
 
 
 def _split_trees(cache):
