@@ -8,7 +8,8 @@ predictor of what repeats next (an edit copies the span just quoted; a loop
 repeats its last turn).
 
 A match close to the end (a loop) would leave only a few tokens to copy; the
-draft then continues the copy periodically (see :meth:`NgramProposer._candidate`).
+draft then continues the copy periodically (:func:`draft_rows`; for the scorer's
+alternatives, the same rule in Python, :meth:`NgramProposer._candidate`).
 
 Every row the step asks for is matched in one compiled call (:func:`draft_rows`,
 numba, as vLLM's own n-gram proposer is): for each row it scans the row's context in the
@@ -209,7 +210,8 @@ class NgramProposer:
         When the copy runs into the end of the context it goes on copying its own
         output, exactly as the text would if it kept repeating: the continuation of a
         match ``period = len(copied)`` tokens back is periodic with that period. Those
-        tokens' signal is halved (copied from the draft itself)."""
+        tokens' signal is halved (copied from the draft itself). The alternatives' path
+        only: :func:`draft_rows` applies the same rule to every row's main draft."""
         token_ids = (copied * (limit // len(copied) + 1))[:limit]
         score = match_len / self.max_n
         own = min(len(copied), limit)
