@@ -87,20 +87,34 @@ for name, extra in job["refused"].items():
 heard = {"greedy": [], "sampled": []}
 # and whether each step it learns from read new prompts (StepContext.read_prompts)
 read_prompts = {"greedy": [], "sampled": []}
+# each learned step, told apart by its requests, not by when it is learned: past the cold
+# start the union learns a step in the worker's wait, and a run's last step is learned
+# once the next run's first step is planned
+learned = []
 learn = Union._learn_rows
 
 def recording_learn(self, verified, *args, **kwargs):
     rows = [[None if verified.expected is None else list(verified.expected[r]), int(k)]
             for r, k in enumerate(verified.num_scheduled_drafts) if k > 0]
-    heard[job_mode].extend(rows)
-    read_prompts[job_mode].append(verified.read_prompts)
+    learned.append((tuple(verified.req_ids), rows, verified.read_prompts))
     return learn(self, verified, *args, **kwargs)
 
 Union._learn_rows = recording_learn
+run_ids = {}
 for job_mode, temperature in (("greedy", 0.0), ("sampled", 1.0)):
-    llm.generate(prompts[:2], SamplingParams(temperature=temperature, max_tokens=32, seed=0,
-                                             ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(prompts[:2], SamplingParams(temperature=temperature, max_tokens=32,
+                                                    seed=0, ignore_eos=True), use_tqdm=False)
+    run_ids[job_mode] = [o.request_id for o in outs]
 Union._learn_rows = learn
+
+def run_of(req_id):  # (vLLM may suffix the engine's id to the caller's)
+    return next(mode for mode, ids in run_ids.items()
+                if any(req_id == i or req_id.startswith(f"{i}-") for i in ids))
+
+for req_ids, rows, flag in learned:
+    (mode,) = {run_of(r) for r in req_ids}  # a step of one run only
+    heard[mode].extend(rows)
+    read_prompts[mode].append(flag)
 plain = llm.generate(prompts, params({"specplugin_max_k": 0}), use_tqdm=False)
 for record in asked.values():
     record.clear()

@@ -83,9 +83,15 @@ DRAFT_TRIAL_ROWS = 2
 # 1, learning and the sums were a third of its per-step work). What it learns is the
 # same, LEARN_EVERY - 1 steps late at most, next to a memory of thousands of steps; and
 # every step until COLD_TOKENS judged tokens were learned (an engine's first steps, where
-# each verdict moves the estimates most).
+# each verdict moves the estimates most: against a prior worth 2 tokens and a parent
+# worth 4, a proposer's first dozens of verdicts move its estimates most). Cold steps
+# learn on the step, not in the worker's wait, so the threshold is a price: measured on
+# the validation pair at batch 1 (complete, greedy, fresh engine), 256 tokens kept 71 of
+# 147 steps cold at ~0.13 ms each; the core test
+# (test_exploration_tries_again_a_proposer_rejected_by_bad_luck) accepts 1,408 tokens with
+# 64 as with 256, 1,327 with 32 and 970 with 16.
 LEARN_EVERY = 4
-COLD_TOKENS = 256
+COLD_TOKENS = 64
 _NO_SIGNAL = np.empty(0)  # an offer learned by its cells (see Union._offers_not_sent)
 
 
@@ -401,9 +407,10 @@ class Union:
         verdict moves the estimates most, and a proposer whose first drafts all fail
         would draft one step more on its prior and learn two rejections where it had one
         (measured in the core, ``test_exploration_tries_again_a_proposer_rejected_by_bad_luck``:
-        a proposer rejected in its first two steps, then always right, had 4 tokens
-        accepted in all over eight seeds' 200 steps with the lag from the first step, 1,402
-        without it and 1,408 with this rule)."""
+        a proposer rejected in its first two steps, then always right, had 1,408 tokens
+        accepted over eight seeds' 200 steps with this rule; with the lag from the first
+        step the test fails: the late rejections let even posterior means draft on,
+        12,224 tokens against 43,358 with draws, where it asks for ten times more)."""
         self.settle()
         self._alternative_offers = []
         self._draft_price = (0.0, 0.0, 0)
