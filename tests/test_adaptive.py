@@ -216,6 +216,26 @@ def test_the_cost_models_table_of_t_follows_every_observation():
             assert cost.step_one(n) == pytest.approx(float(cost.step_seconds(np.array([n]))[0]))
 
 
+def test_a_fresh_cost_model_prices_a_batchs_step_from_its_first_steps():
+    """The calibration times forwards alone; a batch-8 step's scheduling, inputs,
+    sampling and IPC double it (seen on the validation pair: 10-11 ms plain steps where
+    T(8) said 5.5). A fresh model must price that step within a few steps, not after
+    dozens at a 5% average, or its first speculative blocks look twice as cheap as they
+    are; and, warm, it must still follow the machine by that average, not by a mean."""
+    cost = StepCostModel(max_tokens=64)
+    cost.calibrate(np.array([1, 8, 16]), np.array([0.005, 0.0055, 0.006]))
+    for step in range(3):  # plain steps, each learned on its own (a speculative step between)
+        cost.observe_plain(8, 0.011)
+        cost.observe(12, 0.012, speculative=True)  # (flushes the plain sum; machinery unknown)
+        if step == 0:
+            assert cost.step_one(8) == pytest.approx(0.011, rel=0.02)
+    assert cost.step_one(8) == pytest.approx(0.011, rel=0.02)
+    for _ in range(400):
+        cost.observe(8, 0.011)
+    cost.observe(8, 0.016)  # one slow step of a warm model moves it by the average's weight
+    assert cost.step_one(8) == pytest.approx(0.011 + 1.5 * 0.05 * 0.005, rel=0.02)
+
+
 def test_cost_model_without_calibration_starts_from_the_first_step():
     cost = StepCostModel(max_tokens=16)
     cost.observe(2, 0.010)

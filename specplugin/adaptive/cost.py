@@ -28,6 +28,18 @@ they would say a fraction of the overhead for a fresh engine's first hundred ste
 against a predicted ~6, on a 4.2 ms plain step, and lost to plain decoding all cell
 long). The controller charges it once per step, to the first draft token.
 
+**Warm start.** The start-up calibration times forwards alone; a step also schedules,
+prepares inputs, samples and crosses processes, which at batch 8 on this CPU doubles
+it (a trace on the validation pair: plain steps of 10-11 ms where T(8) said 5.5 before
+the first steps were learned). Moved 5% per step from 0, ``overhead`` would say a
+fraction of that for a fresh engine's first few dozen steps, and every speculative
+step would look twice as cheap as it is exactly when the union decides what to try
+first (measured in the server batch: its first speculative blocks predicted at
+1,278-1,959 tok/s and measured at 549-765). So the fixed part and the knots move together, at first, by the
+running mean's share of a step's residual (``count / steps taught``, split 2:1 between
+them as later), and by the exponential average's weight once that is larger: the model
+of a fresh engine is the mean of what it saw, then follows the machine as before.
+
 What the controller asks: :meth:`step_seconds` (``T(n)``) and
 :meth:`marginal_seconds` (``T(n + k) - T(n)``: what verifying ``k`` more tokens
 costs). On a GPU ``F`` is flat until the batch stops being memory-bound; on a CPU it
@@ -60,6 +72,7 @@ class StepCostModel:
         self.smoothing = smoothing
         self.warmup = warmup
         self.num_observed = 0
+        self._taught = 0  # steps whose residual moved the fixed part and the knots
         self.calibrated = False  # F known at every knot (calibrate, or a first observation)
         self._residual = {False: 0.0, True: 0.0}  # plain / speculative steps (EMA, from 0)
         self._residual_weight = {False: 0.0, True: 0.0}  # the weight the EMA holds so far
@@ -249,7 +262,12 @@ class StepCostModel:
                 # 0.81x the rate of no speculation, judged against a plain rate so priced)
                 return
             residual -= self.spec_overhead_s
-        # the fixed part takes the residual's average; the knots take what varies with n
+        # the fixed part takes the residual's average; the knots take what varies with n.
+        # A fresh model's first steps move both together by the running mean's share
+        # (count / steps taught), until that is below the average's own weight: see the
+        # module docstring, "Warm start"
+        self._taught += count
+        weight = max(weight, count / (1.5 * self._taught))
         self.overhead_s = max(0.0, self.overhead_s + weight * residual)
         self._nudge_knots(num_tokens, 0.5 * weight * residual)
 
