@@ -35,10 +35,11 @@ the first steps were learned). Moved 5% per step from 0, ``overhead`` would say 
 fraction of that for a fresh engine's first few dozen steps, and every speculative
 step would look twice as cheap as it is exactly when the union decides what to try
 first (measured in the server batch: its first speculative blocks predicted at
-1,278-1,959 tok/s and measured at 549-765). So the fixed part and the knots move together, at first, by the
-running mean's share of a step's residual (``count / steps taught``, split 2:1 between
-them as later), and by the exponential average's weight once that is larger: the model
-of a fresh engine is the mean of what it saw, then follows the machine as before.
+1,278-1,959 tok/s and measured at 549-765). So the fixed part and the knots move
+together, at first, by the running mean's share of a step's residual (``count / steps
+taught``, split 2:1 between them as later), and by the exponential average's weight
+once that is larger: the model of a fresh engine is the mean of what it saw, then
+follows the machine as before.
 
 What the controller asks: :meth:`step_seconds` (``T(n)``) and
 :meth:`marginal_seconds` (``T(n + k) - T(n)``: what verifying ``k`` more tokens

@@ -82,9 +82,9 @@ DRAFT_TRIAL_ROWS = 2
 # tables' sums are recomputed after every change: measured in the union's core at batch
 # 1, learning and the sums were a third of its per-step work). What it learns is the
 # same, LEARN_EVERY - 1 steps late at most, next to a memory of thousands of steps; and
-# every step until COLD_TOKENS judged tokens were learned (an engine's first steps, where
-# each verdict moves the estimates most: against a prior worth 2 tokens and a parent
-# worth 4, a proposer's first dozens of verdicts move its estimates most). Cold steps
+# every step until COLD_TOKENS judged tokens were learned (an engine's first steps: against
+# a prior worth 2 tokens and a parent worth 4, a proposer's first dozens of verdicts move
+# its estimates most). Cold steps
 # learn on the step, not in the worker's wait, so the threshold is a price: measured on
 # the validation pair at batch 1 (complete, greedy, fresh engine), 256 tokens kept 71 of
 # 147 steps cold at ~0.13 ms each; the core test
