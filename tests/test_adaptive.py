@@ -236,6 +236,29 @@ def test_a_fresh_cost_model_prices_a_batchs_step_from_its_first_steps():
     assert cost.step_one(8) == pytest.approx(0.011 + 1.5 * 0.05 * 0.005, rel=0.02)
 
 
+def test_forgetting_what_was_learned_returns_the_cost_model_to_its_calibration():
+    """``specplugin bench`` warms an engine up before a cell and then makes the union
+    forget what the warm-up taught, so that the cell starts as a user's fresh engine: the
+    cost model included (taught by the warm-up, it priced a fresh engine's first steps as
+    no user's engine can). Its calibrated forwards stay: they are timed at start."""
+    cost = StepCostModel(max_tokens=64)
+    cost.calibrate(np.array([1, 8, 16]), np.array([0.005, 0.0055, 0.006]))
+    fresh = (cost.step_one(8), cost.step_one(12), cost.spec_overhead_s)
+    cost.deferred_flush = True  # (the union's own setting survives)
+    union = Union([Fixed("ngram", [], 0.5)], cost=cost)
+    for _ in range(40):
+        cost.observe_plain(8, 0.011)
+        cost.observe(12, 0.016, speculative=True)
+    cost.flush()
+    assert cost.step_one(8) > 1.5 * fresh[0] and cost.spec_overhead_s > 0.002
+    union.forget_learned()
+    assert (cost.step_one(8), cost.step_one(12), cost.spec_overhead_s) == fresh
+    assert cost.calibrated and cost.num_observed == 0 and cost.deferred_flush
+    cost.observe_plain(8, 0.011)  # and it learns again as a fresh model does
+    cost.observe(12, 0.016, speculative=True)
+    assert cost.step_one(8) == pytest.approx(0.011, rel=0.02)
+
+
 def test_cost_model_without_calibration_starts_from_the_first_step():
     cost = StepCostModel(max_tokens=16)
     cost.observe(2, 0.010)
@@ -283,10 +306,15 @@ def test_step_sums_hand_on_full_sums_and_changed_shapes_and_leave_out_idle_gaps(
 
 
 def test_the_union_learns_plain_steps_in_sums():
+    """Once the cost model was taught its first ``warmup`` steps (those it learns one by
+    one: a fresh engine's fixed part), plain steps are learned 8 at a time."""
     union, _ = _plain_union()
+    for step in range(1, 9):
+        union.plain_step(0.01, 1, 1, False)
+        assert union.cost.num_observed == step
     for step in range(1, 17):
         union.plain_step(0.01, 1, 1, False)
-        assert union.cost.num_observed == 8 * (step // 8)
+        assert union.cost.num_observed == 8 + 8 * (step // 8)
 
 
 # ------------------------------------------------------------------ union
@@ -942,6 +970,28 @@ def test_speculative_steps_do_not_price_a_plain_step_before_the_machinery_is_kno
     for _ in range(50):
         cost.observe(8, 0.012 + 0.004, speculative=True)
     assert cost.step_one(1) == pytest.approx(plain)
+
+
+def test_a_fresh_engine_that_speculates_from_its_first_step_prices_its_speculative_steps():
+    """Before any plain step, a speculative step must cost what speculative steps
+    measured, not the target's forward alone (measured with no warm-up on the validation
+    pair, server/b8/t1: first speculative steps of 13-16 ms predicted at 6.2), while a
+    plain step keeps its own price; the engine's first speculative step (it compiles)
+    is left out."""
+    cost = StepCostModel(max_tokens=64)
+    cost.calibrate(np.array([1, 8, 16]), np.array([0.005, 0.0055, 0.006]))
+    plain = cost.step_one(8)
+    cost.observe(12, 0.5, speculative=True)  # the first: compiles
+    for _ in range(3):
+        cost.observe(12, 0.014, speculative=True)
+    assert cost.step_one(12) + cost.spec_overhead_s == pytest.approx(0.014, rel=0.02)
+    assert cost.step_one(8) == pytest.approx(plain)
+    for _ in range(3):  # then plain steps: the machinery is what speculative steps add
+        for _ in range(8):
+            cost.observe_plain(8, 0.009)
+        cost.observe(12, 0.014, speculative=True)
+    assert cost.step_one(8) == pytest.approx(0.009, rel=0.05)
+    assert cost.step_one(12) + cost.spec_overhead_s == pytest.approx(0.014, rel=0.05)
 
 
 def test_one_pathological_speculative_step_cannot_switch_speculation_off():

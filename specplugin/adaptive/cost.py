@@ -18,15 +18,17 @@ from the first observations (a line through the origin and the first step).
 A step that verifies any draft at all also pays the engine's speculative machinery
 (spec-decode metadata, the rejection sampler, the plugin's own planning), which a
 step without drafts skips: ``spec_overhead_s`` is that difference, the exponential
-average of wall-time residuals of steps with drafts minus that of steps without (0
-until both kinds were seen ``warmup`` times; each residual clipped to one forward's
-time, so that a step that compiled a new shape cannot make speculation look too dear
-to ever try again). The averages are bias-corrected (divided by the weight their
-observations carry so far, as Adam's moments are): started at 0 and moved 5% per step,
-they would say a fraction of the overhead for a fresh engine's first hundred steps
-(measured: the union's speculative steps at batch 8, temperature 1 cost ~8.5 ms
-against a predicted ~6, on a 4.2 ms plain step, and lost to plain decoding all cell
-long). The controller charges it once per step, to the first draft token.
+average of wall-time residuals of steps with drafts minus that of steps without (each
+residual clipped to one forward's time, so that a step that compiled a new shape cannot
+make speculation look too dear to ever try again). The averages are bias-corrected
+(divided by the weight their observations carry so far, as Adam's moments are): started
+at 0 and moved 5% per step, they would say a fraction of the overhead for a fresh
+engine's first hundred steps (measured: the union's speculative steps at batch 8,
+temperature 1 cost ~8.5 ms against a predicted ~6, on a 4.2 ms plain step, and lost to
+plain decoding all cell long). Both are residuals of the model as it is: when the fixed
+part moves, they move with it (else a residual learned before the fixed part rose would
+count the rise in the machinery's price). The controller charges it once per step, to
+the first draft token.
 
 **Warm start.** The start-up calibration times forwards alone; a step also schedules,
 prepares inputs, samples and crosses processes, which at batch 8 on this CPU doubles
@@ -35,11 +37,27 @@ the first steps were learned). Moved 5% per step from 0, ``overhead`` would say 
 fraction of that for a fresh engine's first few dozen steps, and every speculative
 step would look twice as cheap as it is exactly when the union decides what to try
 first (measured in the server batch: its first speculative blocks predicted at
-1,278-1,959 tok/s and measured at 549-765). So the fixed part and the knots move
-together, at first, by the running mean's share of a step's residual (``count / steps
-taught``, split 2:1 between them as later), and by the exponential average's weight
-once that is larger: the model of a fresh engine is the mean of what it saw, then
-follows the machine as before.
+1,278-1,959 tok/s and measured at 549-765). So a fresh model learns its first
+``warmup`` plain steps one at a time (later ones in sums of 8, :class:`StepSums`) and
+gives their residuals to the fixed part alone (F was timed at start; the fixed part is
+what nothing timed), by the running mean's share (``count / steps taught``); after them
+the fixed part and the knots move together, by that share split 2:1 between them, and by
+the exponential average's weight once that is larger: the model of a fresh engine is the
+mean of what it saw, then follows the machine as before.
+
+**First speculative steps.** Before a plain step was seen, a speculative step's
+residual cannot be split into the fixed part and the machinery's, and taken as the
+fixed part it would make a plain step look dearer than it is (see
+:meth:`StepCostModel._observe`). Until 2026-12-03 it was then not counted at all (nor
+until both kinds were seen ``warmup`` times), so a fresh engine that speculated from its
+first step priced every speculative step at the target's forward alone (measured on the
+validation pair, server/b8/t1, with no warm-up: the first speculative blocks' steps
+13.3-16.1 ms against 6.2 predicted). Now the machinery is priced from the second
+speculative step on, as the speculative steps' average residual over the plain steps'
+(0 before the first plain step; the residual then clipped to two forwards, since it
+holds the fixed part too): a speculative step costs what speculative steps measured, a
+plain step what plain steps did. The first is left out (an engine's first speculative
+step compiles and allocates).
 
 What the controller asks: :meth:`step_seconds` (``T(n)``) and
 :meth:`marginal_seconds` (``T(n + k) - T(n)``: what verifying ``k`` more tokens
@@ -87,6 +105,7 @@ class StepCostModel:
         self._forward_table: list[float] = []  # F(0), F(1), ... until a knot moves (step_times)
         # during flush: the first and last knot pairs moved (the table refreshed after it)
         self._moved: tuple[int, int] | None = None
+        self._calibrated_f: list[float] | None = None  # F as calibrate set it (see forget)
 
     @property
     def _machinery_known(self) -> bool:
@@ -95,16 +114,19 @@ class StepCostModel:
 
     @property
     def spec_overhead_s(self) -> float:
-        """0 until :attr:`_machinery_known`; then the difference of the bias-corrected
-        averages (see the module docstring). Computed when they change (:meth:`_observe`),
-        not each time it is read (several times a step)."""
+        """The difference of the bias-corrected averages (see the module docstring), from
+        the :data:`FIRST_SPEC_STEPS`-th speculative step on (the plain steps' taken as 0
+        before the first). Computed when they change (:meth:`_observe`), not each time
+        it is read (several times a step)."""
         return self._spec_overhead
 
     def _update_spec_overhead(self) -> None:
-        if not self._machinery_known:
+        if self._counts[True] < FIRST_SPEC_STEPS:
             self._spec_overhead = 0.0
             return
-        spec, plain = (self._residual[c] / self._residual_weight[c] for c in (True, False))
+        spec = self._residual[True] / self._residual_weight[True]
+        plain = (self._residual[False] / self._residual_weight[False]
+                 if self._residual_weight[False] else 0.0)
         self._spec_overhead = max(0.0, spec - plain)
 
     @property
@@ -138,11 +160,26 @@ class StepCostModel:
         n, s = n[order], s[order]
         if n.size == 1:
             self._set_forward(s[0] * self.knots / n[0])
-            return
-        slope = max(0.0, (s[-1] - s[-2]) / (n[-1] - n[-2]))
-        inside = np.interp(self.knots, n, s)
-        beyond = s[-1] + slope * (self.knots - n[-1])
-        self._set_forward(np.where(self.knots > n[-1], beyond, inside))
+        else:
+            slope = max(0.0, (s[-1] - s[-2]) / (n[-1] - n[-2]))
+            inside = np.interp(self.knots, n, s)
+            beyond = s[-1] + slope * (self.knots - n[-1])
+            self._set_forward(np.where(self.knots > n[-1], beyond, inside))
+        self._calibrated_f = list(self._f)
+
+    def forget(self) -> None:
+        """Back to what the engine knew at start: the calibrated forwards (if any), no
+        step observed. Why: ``specplugin bench`` warms an engine up before it times a
+        cell, and a model taught by those steps would price the cell's first steps as a
+        user's fresh engine cannot (see :meth:`Union.forget_learned
+        <specplugin.adaptive.union.Union.forget_learned>`)."""
+        calibrated, deferred = self._calibrated_f, self.deferred_flush
+        self.__init__(max_tokens=int(self.knots[-1]), smoothing=self.smoothing,
+                      warmup=self.warmup)
+        self.deferred_flush = deferred
+        if calibrated is not None:
+            self._set_forward(calibrated)
+            self._calibrated_f = calibrated
 
     def forward_seconds(self, num_tokens) -> np.ndarray:
         """F(n); linear beyond the last knot."""
@@ -221,9 +258,18 @@ class StepCostModel:
     def observe_plain(self, num_tokens: int, seconds: float) -> None:
         """A plain step's wall time, summed with the next plain steps of its size and
         learned 8 at a time as their mean, weighted as 8 steps (see :class:`StepSums`),
-        after the steps :meth:`observe` holds."""
+        after the steps :meth:`observe` holds; learned at once while the model has been
+        taught fewer than ``warmup`` steps (a fresh engine's first plain steps are what
+        prices every step's fixed part: summed, they said nothing until the eighth, and
+        the speculative blocks before it were predicted at the target's forward alone,
+        measured on the validation pair, server/b8/t1, fresh engine: 4.6-5.0 ms a step
+        predicted, 10-12 measured)."""
         if self._held:
             self.flush()
+        if self._taught < self.warmup:  # (the fixed part only: F was timed at start)
+            self._learn_sum(self._plain_sums.flush())
+            self._observe(num_tokens, seconds, False, knots=False)
+            return
         self._learn_sum(self._plain_sums.add(num_tokens, seconds))
 
     def _learn_sum(self, summed: tuple | None) -> None:
@@ -232,8 +278,9 @@ class StepCostModel:
             self._observe(num_tokens, seconds, False, count)
 
     def _observe(self, num_tokens: int, seconds: float, speculative: bool,
-                 count: int = 1) -> None:
-        """``seconds``: the mean of ``count`` such steps, learned as that many."""
+                 count: int = 1, knots: bool = True) -> None:
+        """``seconds``: the mean of ``count`` such steps, learned as that many; ``knots``:
+        F's knots move too (else the fixed part alone takes the residual)."""
         if num_tokens <= 0 or seconds <= 0 or count < 1:
             return
         if not self.num_observed and not self.calibrated:  # first sight: a line through 0
@@ -247,12 +294,16 @@ class StepCostModel:
         weight = self.smoothing if count == 1 else 1.0 - (1.0 - self.smoothing) ** count
         residual = seconds - predicted
         # a step that compiled a new shape or waited on the host says nothing about the
-        # machinery's steady cost: each residual counts at most one forward's worth
-        clipped = min(max(residual, -forward), forward)
-        old = self._residual[speculative]
-        self._residual[speculative] = old + weight * (clipped - old)
-        held = self._residual_weight[speculative]
-        self._residual_weight[speculative] = held + weight * (1.0 - held)
+        # machinery's steady cost: each residual counts at most one forward's worth (two
+        # for a speculative step before any plain one: it holds the fixed part too), and
+        # an engine's first speculative step not at all (FIRST_SPEC_STEPS)
+        bound = forward * (2.0 if speculative and not self._counts[False] else 1.0)
+        clipped = min(max(residual, -forward), bound)
+        if not speculative or self._counts[True] >= FIRST_SPEC_STEPS - 1:
+            old = self._residual[speculative]
+            self._residual[speculative] = old + weight * (clipped - old)
+            held = self._residual_weight[speculative]
+            self._residual_weight[speculative] = held + weight * (1.0 - held)
         self._counts[speculative] += count
         self._update_spec_overhead()
         if speculative:  # the fixed part and the knots learn from plain steps' terms only
@@ -269,8 +320,24 @@ class StepCostModel:
         # module docstring, "Warm start"
         self._taught += count
         weight = max(weight, count / (1.5 * self._taught))
-        self.overhead_s = max(0.0, self.overhead_s + weight * residual)
+        if not knots and self.calibrated:  # the fixed part takes the knots' share too
+            self._move_fixed_part(min(1.0, 1.5 * weight) * residual)
+            return
+        self._move_fixed_part(weight * residual)
         self._nudge_knots(num_tokens, 0.5 * weight * residual)
+
+    def _move_fixed_part(self, delta: float) -> None:
+        """The fixed part by ``delta`` (at least 0); the residual averages of both kinds
+        of steps move with it, so that they stay residuals of the model as it is now:
+        the speculative machinery's price is their difference, and residuals learned
+        against an older fixed part would put its change into that price (a fresh model
+        whose fixed part rose from 0 after its first plain step priced speculative steps
+        at 0.0155 s where they took 0.014, the fixed part counted twice)."""
+        new = max(0.0, self.overhead_s + delta)
+        moved, self.overhead_s = new - self.overhead_s, new
+        for kind in (False, True):
+            self._residual[kind] -= moved * self._residual_weight[kind]
+        self._update_spec_overhead()
 
     def _nudge_knots(self, num_tokens: int, delta: float) -> None:
         knots = self._knot_list
@@ -309,6 +376,9 @@ class StepCostModel:
 
 # steps observe holds before it learns them (see there)
 LEARN_EVERY = 4
+# speculative steps seen before their residual prices the machinery (see the module
+# docstring, "First speculative steps"): an engine's very first one may compile a shape
+FIRST_SPEC_STEPS = 2
 
 
 class StepSums:

@@ -120,6 +120,13 @@ class CostModel:
         self._cold_moments = [0.0] * 5
         self._cold_passes = 0
 
+    def forget(self) -> None:
+        """Back to a fresh engine's model: nothing timed (see :meth:`StepCostModel.forget
+        <specplugin.adaptive.cost.StepCostModel.forget>`)."""
+        deferred = self.deferred_flush
+        self.__init__(self.fallback, self.smoothing, self.warmup)
+        self.deferred_flush = deferred
+
     def _ema(self, old: float | None, new: float, smoothing: float | None = None) -> float:
         weight = self.smoothing if smoothing is None else smoothing
         return new if old is None else old + weight * (new - old)

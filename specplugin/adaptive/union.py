@@ -368,22 +368,28 @@ class Union:
 
     def forget_learned(self) -> None:
         """Forget what verification taught (acceptance counts, request histories, the
-        step arbiter's rates, the draft model's optimistic trials): back to what a fresh
-        engine knows. Kept: the cost model (timed at engine start), the proposers' indexes
-        (earlier outputs, as vLLM's suffix method keeps its cache) and the counters.
+        step arbiter's rates, the draft model's optimistic trials) and what the steps
+        taught the cost model (:meth:`StepCostModel.forget
+        <specplugin.adaptive.cost.StepCostModel.forget>`): back to what a fresh engine
+        knows. Kept: the forwards timed at engine start, the proposers' indexes (earlier
+        outputs, as vLLM's suffix method keeps its cache) and the counters.
 
         Why: ``specplugin bench`` warms an engine up on a reversed prompt (one-off costs:
         compiled shapes, allocations) before it times a cell; taught by that text, the
         union started the cell believing its proposers fail (measured on the zoo pair at
         batch 8: the suffix proposer's first token estimated 0.04, and 1 draft in the
-        cell against 165 without the warm-up). A user's engine starts on its own text.
-        Only between requests (nothing pending)."""
+        cell against 165 without the warm-up). A user's engine starts on its own text,
+        and with a cost model that has seen no step: kept from the warm-up (until
+        2026-12-03), the cost model priced the cell's first steps as no user's engine
+        could (a fresh engine's first speculative steps at batch 8 predicted at 4.8-6.2 ms
+        where they took 13-19). Only between requests (nothing pending)."""
         self.settle()
         self._start_learning()
         if trace.TRACE is not None:
             trace.TRACE.write("forget")
         self.estimator.set_counts(0.0, 0.0)
         self.history = RequestHistory(self.history.alpha)
+        self.cost.forget()
         if self.arbiter is not None:
             self.arbiter.forget()
 
