@@ -88,8 +88,9 @@ DRAFT_TRIAL_ROWS = 2
 # learn on the step, not in the worker's wait, so the threshold is a price: measured on
 # the validation pair at batch 1 (complete, greedy, fresh engine), 256 tokens kept 71 of
 # 147 steps cold at ~0.13 ms each; the core test
-# (test_exploration_tries_again_a_proposer_rejected_by_bad_luck) accepts 1,408 tokens with
-# 64 as with 256, 1,327 with 32 and 970 with 16.
+# (test_exploration_tries_again_a_proposer_rejected_by_bad_luck) accepts 13,306 tokens with
+# 64, 13,368 with 256, 12,932 with 32 and 10,185 with 16 (at 6c9846f, before the cost model
+# learned a fresh engine's first plain steps one at a time: 1,408, 1,408, 1,327 and 970).
 LEARN_EVERY = 4
 COLD_TOKENS = 64
 _NO_SIGNAL = np.empty(0)  # an offer learned by its cells (see Union._offers_not_sent)
@@ -413,10 +414,11 @@ class Union:
         verdict moves the estimates most, and a proposer whose first drafts all fail
         would draft one step more on its prior and learn two rejections where it had one
         (measured in the core, ``test_exploration_tries_again_a_proposer_rejected_by_bad_luck``:
-        a proposer rejected in its first two steps, then always right, had 1,408 tokens
-        accepted over eight seeds' 200 steps with this rule; with the lag from the first
-        step the test fails: the late rejections let even posterior means draft on,
-        12,224 tokens against 43,358 with draws, where it asks for ten times more)."""
+        a proposer rejected in its first two steps, then always right, had 13,306 tokens
+        accepted over eight seeds' 200 steps with this rule, and none without draws; with
+        the lag from the first step the test fails: the late rejections let even posterior
+        means draft on, 12,416 tokens against 42,968 with draws, where it asks for ten
+        times more)."""
         self.settle()
         self._alternative_offers = []
         self._draft_price = (0.0, 0.0, 0)
