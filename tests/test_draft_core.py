@@ -149,6 +149,24 @@ def test_calibration_learns_acceptance_per_table_and_position():
     assert cal.is_warm(np.array([False, True])).tolist() == [True, True]
 
 
+def test_a_forgotten_calibration_is_a_fresh_one_for_every_holder():
+    """``specplugin bench`` makes the drafter forget what its warm-up taught: the
+    calibration must then read as a fresh engine's, in the tracker that feeds it too."""
+    cal, fresh = AcceptanceCalibration(warmup=4), AcceptanceCalibration(warmup=4)
+    tracker = OutcomeTracker(cal)
+    conf = np.full(50, 0.95)
+    cal.update(conf, np.zeros(50, dtype=bool), np.ones(50, dtype=bool), np.zeros(50, dtype=int))
+    assert cal.estimate_rows([0.95], [1], 0) != fresh.estimate_rows([0.95], [1], 0)
+    assert cal.warm_tables() == [False, True], "the lesson did not take: the test tests nothing"
+    cal.forget()
+    for position in range(6):
+        for mode in (0, 1):
+            confidences = [c / 20 for c in range(21)]
+            assert (cal.estimate_rows(confidences, [mode] * 21, position)
+                    == fresh.estimate_rows(confidences, [mode] * 21, position))
+    assert cal.warm_tables() == [False, False] and tracker.calibration is cal
+
+
 def _recorded(req_ids: list[str], sampled: list[bool]):
     """A calibration and a tracker that recorded one 3-token draft per row (confidence 0.9)."""
     cal = AcceptanceCalibration(num_buckets=2, num_position_groups=8, warmup=0)

@@ -371,6 +371,26 @@ def _bare_drafter(num_reqs: int, scheduled: list[int]):
     return drafter, context
 
 
+def test_the_drafter_forgets_its_calibration_and_its_prices_with_what_it_learned():
+    """``specplugin_forget_learned`` (bench, after its warm-up): the draft's stop rule
+    must start the timed cell from a fresh engine's tables, not the warm-up's."""
+    from specplugin.adaptive.draft_rule import WARMUP_FORWARDS, CostModel
+
+    drafter, _ = _bare_drafter(1, [0])
+    drafter.costs, drafter._observed = CostModel(), False
+    calibration = drafter.outcomes.calibration
+    drafter.calibration = calibration
+    calibration.update([0.9] * 80, [True] * 80, [True] * 80, [0] * 80)
+    for _ in range(WARMUP_FORWARDS + 4):
+        drafter.costs.observe_forward(0.004)
+    assert calibration.warm_tables()[1], "the lesson did not take: the test tests nothing"
+    assert drafter.costs.draft_forward_s == pytest.approx(0.004)
+    drafter.forget_learned()
+    assert drafter.costs.draft_forward_s is None
+    assert calibration.warm_tables() == [False, False]
+    assert calibration.estimate_rows([0.95], [1], 0) == [0.95]  # the bucket's own confidence
+
+
 def test_the_early_decision_reads_next_tokens_and_rejections_as_vllm_counts_them():
     """Before vLLM prepares the draft model's inputs, the drafter reads from the step's
     sampled tokens ([rows, 1 + drafts], -1 past the accepted ones) what vLLM's preparation

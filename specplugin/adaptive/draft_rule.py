@@ -286,6 +286,17 @@ class AcceptanceCalibration:
     def __init__(self, num_buckets: int = 10, num_position_groups: int = 5, warmup: int = 64):
         self.num_buckets, self.num_position_groups, self.warmup = (
             num_buckets, num_position_groups, warmup)
+        self.forget()
+
+    def forget(self) -> None:
+        """Back to a fresh engine's tables: one pseudo-observation per cell, none real.
+        In place, so that every holder of this calibration (the drafter's outcome
+        tracker, its draft runs) forgets with it. Why: ``specplugin bench`` warms an engine
+        up before it times a cell, and kept, what the warm-up's verification taught these
+        tables (on reversed text) shaped the cell's stop rule as no user's fresh engine
+        is shaped (see :meth:`Union.forget_learned
+        <specplugin.adaptive.union.Union.forget_learned>`)."""
+        num_buckets, num_position_groups = self.num_buckets, self.num_position_groups
         mids = (np.arange(num_buckets) + 0.5) / num_buckets
         self.accepted = np.tile(mids, (2, num_position_groups, 1))  # [2, groups, num_buckets]
         self.seen = np.ones((2, num_position_groups, num_buckets))

@@ -374,10 +374,12 @@ class PluginDraftProposer(DraftModelProposer):
 
     def forget_learned(self) -> None:
         """See :meth:`Union.forget_learned <specplugin.adaptive.union.Union.forget_learned>`
-        (the draft model alone: its step arbiter's rates); the drafting cost model too."""
+        (the draft model alone: its step arbiter's rates); the drafting cost model and the
+        draft's acceptance calibration (its stop rule's tables) too."""
         self._settle()
         self.forget_pending()
         self.costs.forget()
+        self.calibration.forget()
         if self.union is not None:
             self.union.forget_learned()
         elif self.arbiter is not None:
