@@ -164,7 +164,14 @@ def test_a_forgotten_calibration_is_a_fresh_one_for_every_holder():
             confidences = [c / 20 for c in range(21)]
             assert (cal.estimate_rows(confidences, [mode] * 21, position)
                     == fresh.estimate_rows(confidences, [mode] * 21, position))
-    assert cal.warm_tables() == [False, False] and tracker.calibration is cal
+    assert cal.warm_tables() == [False, False]
+    # the tracker built before the forgetting teaches the tables that are read after it
+    run = DraftRun(StopRule(k=2, k_max=2), Identity(), np.array([True]))
+    for _ in range(2):
+        run.add(torch.tensor([1]), np.array([0.95]))
+    tracker.record(["a"], run)
+    assert tracker.resolve(["a"], [2], [0]) == 2
+    assert cal.num_observed.tolist() == [0, 2]
 
 
 def _recorded(req_ids: list[str], sampled: list[bool]):
