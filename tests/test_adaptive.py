@@ -602,6 +602,17 @@ def test_the_draft_runs_where_its_priced_forwards_pay():
                             catch_up_seconds=[0.05], remaining_tokens=[2000]))[0] > 0
     assert np.asarray(union.plan_draft(one, [], 1, np.array([8]), forward_seconds=0.001,
                             catch_up_seconds=[0.05], remaining_tokens=[10]))[0] == 0
+    # a cold first pass's excess over a warm one's is paid once too: the runs after it
+    # are warm (without a warm price, or for a short request, it weighs whole)
+    cold_run = dict(forward_seconds=0.001, catch_up_seconds=[0.0], run_seconds=0.05)
+    assert np.asarray(union.plan_draft(one, [], 1, np.array([8]), **cold_run,
+                                       remaining_tokens=[2000]))[0] == 0
+    assert np.asarray(union.plan_draft(one, [], 1, np.array([8]), **cold_run,
+                      warm_run_seconds=0.0005, remaining_tokens=[2000]))[0] > 0
+    assert np.asarray(union.plan_draft(one, [], 1, np.array([8]), **cold_run,
+                      warm_run_seconds=0.0005, remaining_tokens=[10]))[0] == 0
+    assert np.asarray(union.plan_draft(one, [], 1, np.array([8]), **cold_run,
+                      warm_run_seconds=0.0005))[0] == 0
     # ... but only for a row expected to keep drafting with it: one whose draft candidate
     # the plan also takes at the posterior means, not just on this step's draw
     explorer = _union(Fixed("ngram", [1], 0.9), Fixed("draft", [], 0.5), explore=True)

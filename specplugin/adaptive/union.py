@@ -753,7 +753,8 @@ class Union:
                    forward_seconds: float,
                    catch_up_seconds: Sequence[float] | None = None,
                    remaining_tokens: Sequence[int] | None = None,
-                   run_seconds: float = 0.0) -> list[int]:  # [num_reqs]
+                   run_seconds: float = 0.0,
+                   warm_run_seconds: float | None = None) -> list[int]:  # [num_reqs]
         """Tokens the draft model drafts for each row this step (0: it does not run for it).
 
         The draft model's candidate is unknown until it runs, and running it costs
@@ -796,6 +797,15 @@ class Union:
 
         ``run_seconds``: what a draft run costs beyond its forwards whatever it drafts
         (its first pass's inputs and draw over a forward's, timed by the caller).
+        ``warm_run_seconds``: what it costs in a run right after another (None: this run
+        is one, or none was timed). A run after plain steps costs more (its weights and
+        code went cold), once: the runs after it are warm. So where the rows that draft
+        are expected to keep drafting (:meth:`_draft_kept_on`), the excess is spread as a
+        catch-up is (below), over the steps their remaining tokens last; charged whole to
+        one step it kept the draft off for good once it had been off (traced on the
+        validation pair, fresh engine, complete/b1/t1: a cold run priced 2.64 ms over a
+        warm one's 0.16, a new request's 50 steps decoded plainly, the arbiter's every
+        re-check weighing that price against one step's gain).
         ``catch_up_seconds`` [num_reqs]: what the draft's first pass adds for row r beyond
         one that reads its newest token only, if it drafts for it: the tokens its draft KV
         lacks (a new request's prompt, the gap since the row last drafted) read through the
@@ -876,18 +886,23 @@ class Union:
         best, best_rate = 0, kept / kept_seconds
         overhead = spec_overhead + run_seconds
         catch_up = False  # the run catches up right after plain steps (see _observe)
-        if catch_up_seconds is not None:  # the first pass's catch-up, for the draft's rows
-            behind = [r for r, (c, kr) in enumerate(zip(catch_up_seconds, k)) if kr and c > 0.0]
-            catch_up = self._after_plain and bool(behind)
-            kept_on = (set() if remaining_tokens is None or not behind
-                       else self._draft_kept_on(acceptance, behind, draft_index, batch,
-                                                histories))
+        behind = ([] if catch_up_seconds is None else  # the first pass's catch-up rows
+                  [r for r, (c, kr) in enumerate(zip(catch_up_seconds, k)) if kr and c > 0.0])
+        cold = (0.0 if warm_run_seconds is None
+                else max(0.0, run_seconds - warm_run_seconds))  # (see the docstring)
+        asked = [r for r, kr in enumerate(k) if kr] if cold > 0.0 else behind
+        kept_on = (set() if remaining_tokens is None or not asked
+                   else self._draft_kept_on(acceptance, asked, draft_index, batch, histories))
+        share = {}  # [kept-on rows] the part of a one-time cost that falls to this step
+        for r in kept_on:  # one step of the row's steps left
+            emitted = 1.0 + sum(cumulative(acceptance[r][-1][:k[r]]))
+            share[r] = min(1.0, emitted / max(1, remaining_tokens[r]))
+        if share and cold > 0.0:  # the run after it is warm for as long as a row drafts
+            overhead -= cold * (1.0 - min(share.values()))
+        if behind:
+            catch_up = self._after_plain
             for r in behind:
-                c = catch_up_seconds[r]
-                if r in kept_on:  # spread over the row's steps left
-                    emitted = 1.0 + sum(cumulative(acceptance[r][-1][:k[r]]))
-                    c *= min(1.0, emitted / max(1, remaining_tokens[r]))
-                overhead += c
+                overhead += catch_up_seconds[r] * share.get(r, 1.0)
         for m in range(1, len(gains) + 1):
             expected += gains[m - 1]
             num_tokens += reach[m - 1]
@@ -897,7 +912,7 @@ class Union:
         if trace.TRACE is not None:
             trace.TRACE.write("draft_plan", forwards=best, rate=best_rate,
                               rate_without=kept / kept_seconds, trial=trial,
-                              catch_up=catch_up,
+                              catch_up=catch_up, cold_ms=cold * 1e3,
                               forward_ms=forward_seconds * 1e3, run_ms=run_seconds * 1e3,
                               overhead_ms=overhead * 1e3)
         if not best:

@@ -875,9 +875,18 @@ class PluginDraftProposer(DraftModelProposer):
         remaining = [min(left, room - n) for left, n in
                      zip(remaining_tokens[:batch.num_reqs], batch.num_tokens.tolist())]
         run_seconds, catch_up = self._first_pass_prices(batch, rows, forward)
+        warm = None if self._draft_ran_last_step else self._warm_run_seconds(forward)
         caps = self.union.plan_draft(batch, offers, draft_index, caps, forward, catch_up,
-                                     remaining, run_seconds=run_seconds)
+                                     remaining, run_seconds=run_seconds,
+                                     warm_run_seconds=warm)
         return offers, caps
+
+    def _warm_run_seconds(self, forward: float) -> float | None:
+        """What the first pass's fixed part costs beyond one forward when the draft ran in
+        the step before (None until such a pass was timed): a run after plain steps
+        pays more (:meth:`_first_pass_prices`), once, and the runs after it this."""
+        price = self.costs.first_pass_price(True, 0.0)
+        return None if price is None else max(0.0, price[0] - forward)
 
     @property
     def _draft_ran_last_step(self) -> bool:
