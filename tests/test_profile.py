@@ -153,7 +153,8 @@ def test_coarse_timers_keep_vllms_rows_and_the_plugins_entry_points():
             continue
         if (owner, attribute) not in p.COARSE_PLUGIN_ROWS:  # reached from an entry point
             assert owner in kept_owners | {"Union", "NgramProposer", "SuffixProposer",
-                                           "DraftCandidates", "StatsPublisher", None}, owner
+                                           "DraftCandidates", "StatsPublisher", "DecodePasses",
+                                           "DraftRun", None}, owner
 
 
 def test_the_plugins_work_inside_vllms_rejection_sampler_is_timed_as_its_own(monkeypatch):
@@ -416,7 +417,8 @@ def test_drafting_phases_follow_the_method(profiled):
     assert phases["draft forward"] > 0.0 and phases["propose: ngram"] > 0.0
     assert "propose: suffix" not in phases  # not configured, never asked
     for phase in ("plugin: learn", "plugin: estimate", "plugin: plan", "plugin: hand back",
-                  "draft: sample", "plugin: context"):
+                  "draft: sample", "draft: metadata", "draft: draw", "draft: stop rule",
+                  "plugin: context"):
         assert phases.get(phase, 0.0) > 0.0, phase
     assert plugin["plugin_syncs_per_step"] > 0.0
     assert plugin["overhead"]["estimated"] < 0.03

@@ -57,13 +57,23 @@ logger = logging.getLogger("specplugin")
 # the copy runs, so a late look loses at most the gap's steps of it.
 MAX_PEEK_GAP = 8
 # Speculative steps from one ask of the draft model's gate (Union.plan_draft) to the next
-# at most: the gap doubles from 1 while the gate keeps the draft off and is back to 1 when
+# at most: the gap doubles from 1 while the gate keeps the draft off (from its second
+# closing in a row, GATE_PATIENCE) and is back to 1 when
 # it runs or new requests join (Union.draft_gate_due). The gate costs what the draft's
 # candidate is priced with (its prices, its posterior draws, a second plan): measured in
 # the union's core at batch 1 (scripts/core_bench.py, warm caches), 0.122 ms a step with
 # the gate asked every step against 0.049 ms for n-gram and suffix alone, on text where it
 # rarely opens. Where the draft pays, it runs and the gate is asked every step.
 MAX_GATE_GAP = 8
+# Asks in a row that keep the draft off before the gate's gap starts to grow. The gate
+# weighs one posterior draw of the draft's worth (Thompson sampling, see
+# Union.plan_draft), so where the draft pays, some draws still keep it off now and then;
+# backing off at the first of them skipped the gate in the next step too, which then had
+# no draft and, for a sampled request, nothing else worth verifying (traced on the
+# validation pair, fresh engine, complete/b1/t1: each of a run's 11 closings was
+# followed by a step without the draft emitting 1 token, 8 of them plain, against 2.66 a
+# speculative step). Two in a row say more than a draw's noise.
+GATE_PATIENCE = 2
 # Steps in which an untried draft model runs on an optimistic estimate (Union.plan_draft):
 # its worth is unknown until it runs, and the posterior's coin flip may keep it off for
 # a whole short run (seen: a fresh engine's 60 speculative steps with no draft forward).
@@ -166,11 +176,14 @@ class _Pending:
 @dataclass
 class _Backoff:
     """Asks spaced out while they find nothing (the plain steps' peeks, the draft's gate):
-    after an ask that found nothing the gap to the next one doubles, up to a limit; after
-    one that found something, or when new text arrives, the next step asks again."""
+    after ``patience`` asks in a row that found nothing the gap to the next one doubles
+    with each further one, up to a limit; after one that found something, or when new
+    text arrives, the next step asks again."""
 
     gap: int = 1  # steps from one ask to the next
     wait: int = 0  # steps until the next ask
+    patience: int = 1  # asks in a row that find nothing before the gap grows
+    misses: int = 0  # asks in a row that found nothing
 
     def due(self) -> bool:
         """Whether this step asks (else one step of the wait is spent)."""
@@ -182,11 +195,15 @@ class _Backoff:
     def asked(self, found: bool, limit: int) -> None:
         """This step asked and ``found`` something (or not): the next ask is due in 1, or
         in the doubled gap (at most ``limit``)."""
-        self.gap = 1 if found else min(2 * self.gap, limit)
+        self.misses = 0 if found else self.misses + 1
+        if found:
+            self.gap = 1
+        elif self.misses >= self.patience:
+            self.gap = min(2 * self.gap, limit)
         self.wait = self.gap - 1
 
     def reset(self) -> None:
-        self.gap, self.wait = 1, 0
+        self.gap, self.wait, self.misses = 1, 0, 0
 
     def skip(self, steps: int) -> None:
         """``steps`` steps went by that could not ask (an ask coming due waits for the
@@ -353,7 +370,8 @@ class Union:
         self._observed = False  # plain_step observed the last step and chose to speculate
         self._skipped_steps = 0  # plain steps since begin() last ran (estimator decay)
         self._peek = _Backoff()  # the plain steps' peeks (see MAX_PEEK_GAP)
-        self._gate = _Backoff()  # the draft's gate, in speculative steps (see MAX_GATE_GAP)
+        # the draft's gate, in speculative steps (see MAX_GATE_GAP and GATE_PATIENCE)
+        self._gate = _Backoff(patience=GATE_PATIENCE)
         self._draft_trials = DRAFT_TRIALS  # optimistic draft runs left (see plan_draft)
         # this step's time is not a rate of speculating that the step arbiter should weigh
         # (see _observe): it runs one of the draft's optimistic trials (its exploration),
@@ -730,8 +748,8 @@ class Union:
         and in a step right after plain ones (a re-check of speculation must weigh the
         draft: seen on the validation pair, complete/b1/t1, a re-check whose step skipped
         the gate planned nothing and plain decoding went on); after the gate kept the
-        draft off, once every ``gap`` steps, the gap doubling up to :data:`MAX_GATE_GAP`
-        (see there). A step that does not ask runs no draft and weighs the token-level
+        draft off :data:`GATE_PATIENCE` times in a row, once every ``gap`` steps, the gap
+        doubling up to :data:`MAX_GATE_GAP` (see both). A step that does not ask runs no draft and weighs the token-level
         candidates alone, at the price of the step it plans (what the gate would have
         planned too when it stays closed).
 

@@ -37,7 +37,7 @@ PHASE_ORDER = (
     "drafting", "draft forward", "draft handoff", "update_from_output", "runner (other)",
     "plugin: context", "plugin: learn", "plugin: ask", "propose: ngram", "propose: suffix",
     "propose: draft", "plugin: estimate", "plugin: plan", "draft: loop", "draft: inputs",
-    "draft: sample", "plugin: verify", "plugin: hand back", "plugin: metrics", "plugin: plain step",
+    "draft: metadata", "draft: sample", "draft: draw", "draft: stop rule", "plugin: verify", "plugin: hand back", "plugin: metrics", "plugin: plain step",
     "plugin: peek",
     "plugin: runner",
     "plugin: other", "scorer: expand", "scorer: resolve", "rest",

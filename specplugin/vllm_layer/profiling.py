@@ -113,7 +113,16 @@ WORKER_TIMED: Timed = (
     (_DRAFT, "PluginDraftProposer", "_first_pass_inputs", "draft: inputs"),
     (_DRAFT, "PluginDraftProposer", "_forward", "draft: inputs"),  # metadata around the forward
     (_DRAFT, "PluginDraftProposer", "_decode_pass_inputs", "draft: inputs"),
+    # inside them, per forward: vLLM's attention metadata (its CPU builder's scheduler
+    # metadata included), and the next decode pass's positions and slots
+    (_DRAFT, "PluginDraftProposer", "build_per_group_and_layer_attn_metadata",
+     "draft: metadata"),
+    (_DRAFT, "DecodePasses", "set_pass", "draft: metadata"),
     (_DRAFT, "PluginDraftProposer", "_sample_into", "draft: sample"),
+    # inside it: the draw from the draft's logits, and the stop rule's bookkeeping
+    (_DRAFT, None, "sample_draft_tokens", "draft: draw"),
+    (_DRAFT, None, "greedy_draft_tokens", "draft: draw"),
+    ("specplugin.adaptive.draft_rule", "DraftRun", "add", "draft: stop rule"),
     (_DRAFT, "PluginDraftProposer", "_logits", "draft forward"),  # the LM head: model compute
     (_DRAFT, "PluginDraftProposer", "_draft", "draft: loop"),
     (_DRAFT, "PluginDraftProposer", "_finish", "plugin: hand back"),
