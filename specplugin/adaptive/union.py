@@ -58,8 +58,8 @@ logger = logging.getLogger("specplugin")
 MAX_PEEK_GAP = 8
 # Speculative steps from one ask of the draft model's gate (Union.plan_draft) to the next
 # at most: the gap doubles from 1 while the gate keeps the draft off (from its second
-# closing in a row, GATE_PATIENCE) and is back to 1 when
-# it runs or new requests join (Union.draft_gate_due). The gate costs what the draft's
+# closing in a row, GATE_PATIENCE) and is back to 1 when it runs or new requests join
+# (Union.draft_gate_due). The gate costs what the draft's
 # candidate is priced with (its prices, its posterior draws, a second plan): measured in
 # the union's core at batch 1 (scripts/core_bench.py, warm caches), 0.122 ms a step with
 # the gate asked every step against 0.049 ms for n-gram and suffix alone, on text where it
@@ -193,13 +193,14 @@ class _Backoff:
         return True
 
     def asked(self, found: bool, limit: int) -> None:
-        """This step asked and ``found`` something (or not): the next ask is due in 1, or
-        in the doubled gap (at most ``limit``)."""
-        self.misses = 0 if found else self.misses + 1
+        """This step asked and ``found`` something (or not): the next ask is due in 1, or,
+        from the ``patience``-th miss in a row, in the doubled gap (at most ``limit``)."""
         if found:
-            self.gap = 1
-        elif self.misses >= self.patience:
-            self.gap = min(2 * self.gap, limit)
+            self.gap, self.misses = 1, 0
+        else:
+            self.misses += 1
+            if self.misses >= self.patience:
+                self.gap = min(2 * self.gap, limit)
         self.wait = self.gap - 1
 
     def reset(self) -> None:
@@ -749,9 +750,9 @@ class Union:
         draft: seen on the validation pair, complete/b1/t1, a re-check whose step skipped
         the gate planned nothing and plain decoding went on); after the gate kept the
         draft off :data:`GATE_PATIENCE` times in a row, once every ``gap`` steps, the gap
-        doubling up to :data:`MAX_GATE_GAP` (see both). A step that does not ask runs no draft and weighs the token-level
-        candidates alone, at the price of the step it plans (what the gate would have
-        planned too when it stays closed).
+        doubling up to :data:`MAX_GATE_GAP` (see both). A step that does not ask runs no
+        draft and weighs the token-level candidates alone, at the price of the step it
+        plans (what the gate would have planned too when it stays closed).
 
         The draft's optimistic trials wait for the steps the gate is asked in, as any
         run does: a trial the gate declines (a perfect draft for the trial's rows would
