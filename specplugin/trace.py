@@ -27,6 +27,13 @@ most one line). The records (``kind``):
   does not run), ``rate`` and ``rate_without`` (predicted tok/s with and without it),
   ``trial``, ``catch_up`` (the run catches up right after plain steps), and the prices in
   ms (``forward_ms``, ``run_ms``, ``overhead_ms``);
+- ``first_pass``: a draft run's first pass, timed whole: ``ms``, ``catch_up`` (tokens its
+  rows read beyond their newest), ``since`` (engine steps since the draft last ran: 1,
+  the step before), ``warm`` (the draft ran in the step before: priced and
+  timed as warm);
+- ``decode_pass``: one of a draft run's later passes, timed whole: ``ms``, ``cold`` (the
+  first one of a cold run, whose excess is priced with the run's first pass, not as a
+  forward);
 - ``plan``: a speculative step's plan, as the controller chose it: ``sources`` [num_reqs]
   the proposer whose candidate each row verifies (None: none);
 - ``recheck_empty``: a re-check of speculation ended at its step that planned nothing

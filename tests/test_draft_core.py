@@ -562,6 +562,28 @@ def test_the_draft_runs_catch_up_is_priced_by_the_rows_it_reads():
     assert fixed == pytest.approx(0.0002) and seconds == pytest.approx([1e-5, 2e-4])
 
 
+def test_a_cold_runs_first_decode_pass_is_priced_with_its_run_not_as_a_forward():
+    """The first decode pass after steps without the draft runs on swept caches: its time
+    is not the forward's price (one such pass in a fresh engine priced the draft out for
+    good); its excess over that price joins the cold run's first pass. Warm runs' passes,
+    and a cold run's later ones, teach the forward's price."""
+    from types import SimpleNamespace
+
+    from specplugin.vllm_layer.draft_proposer import PluginDraftProposer
+
+    drafter = object.__new__(PluginDraftProposer)
+    drafter.clock, drafter.costs = SimpleNamespace(shared=False), CostModel()
+    for _ in range(WARMUP_FORWARDS + 1):
+        drafter.costs.observe_forward(0.002)
+    assert drafter.costs.draft_forward_s == pytest.approx(0.002)
+    drafter._observe_decode_pass(0.006, cold_first_pass=(0.003, 0))  # a cold run's first
+    assert drafter.costs.draft_forward_s == pytest.approx(0.002)
+    # the first pass (3 ms) plus the pass's excess (4 ms), as the cold price
+    assert drafter.costs.first_pass_price(False, 0.0) == pytest.approx((0.007, 0.0))
+    drafter._observe_decode_pass(0.004, cold_first_pass=None)  # its later pass, or a warm run's
+    assert drafter.costs.draft_forward_s > 0.002
+
+
 def test_first_passes_of_alike_sizes_are_priced_through_their_mean():
     """Timed cold first passes that all read about as many tokens give no slope: the
     price per token is the prior's, and the fixed part what the mean leaves over."""
