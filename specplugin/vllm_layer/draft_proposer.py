@@ -530,7 +530,10 @@ class PluginDraftProposer(DraftModelProposer):
             self._observe_first_pass(*first_pass, warm)
         if not more:
             return
-        cold_first_pass = None if warm else first_pass  # (see _observe_decode_pass)
+        # a cold run's first pass is observed with its first decode pass (see
+        # _observe_decode_pass), which always follows here: the stop rule ends a run at
+        # k_max (StopRule.keeps_drafting), so `more` means at least one decode pass
+        cold_first_pass = None if warm else first_pass
         self._switch_to_decode(cad, num_rows)
         # One padded size for every decode pass (CUDA graphs run a captured batch size):
         # the slot mapping's padding rows must get the padding slot id, or the dummy rows
