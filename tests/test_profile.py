@@ -442,3 +442,38 @@ def test_the_trace_shows_the_unions_steps_blocks_and_draft_plans(profiled):
     assert 0 <= t["steps_to_steady"] <= t["steps"], t
     assert "trace: steady choice" in profiled[1]
 
+
+
+def test_py_spy_records_a_flame_graph_or_raw_stacks_with_the_venvs_py_spy(tmp_path, monkeypatch):
+    """``--py-spy`` alone records py-spy's flame graph, ``--py-spy raw`` its collapsed
+    stacks (what analysis scripts read); py-spy is found beside the interpreter (the
+    README's ``.venv/bin``, never activated) when it is not on ``PATH``."""
+    import argparse
+    import stat
+    import sys
+
+    from specplugin.bench import profile
+
+    parser = argparse.ArgumentParser()
+    profile.add_arguments(parser)
+    assert parser.parse_args(["--py-spy", "--zoo", "zoo"]).py_spy == "flamegraph"
+    assert parser.parse_args(["--py-spy", "raw"]).py_spy == "raw"
+    assert parser.parse_args([]).py_spy is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--py-spy", "speedscope"])
+    spy = profile.PySpy(tmp_path / "flame.txt", "/x/py-spy", "raw")
+    command = spy.command(123)
+    assert command[0] == "/x/py-spy" and command[command.index("--format") + 1] == "raw"
+    assert command[command.index("--pid") + 1] == "123"
+
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    fake = bin_dir / "py-spy"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing-here"))
+    monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))
+    assert profile.find_py_spy() == str(fake)
+    fake.unlink()
+    with pytest.raises(ValueError, match="pip install py-spy"):
+        profile.find_py_spy()

@@ -31,6 +31,8 @@ from specplugin import trace
 
 DEFAULT_METHODS = "none,vllm-suffix,vllm-draft,plugin-suffix,plugin-union"
 DEFAULT_OUT_DIR = "bench-out/profile"
+# --py-spy's formats (py-spy's own names) -> the file's suffix
+PY_SPY_FORMATS = {"flamegraph": ".svg", "raw": ".txt"}
 # display order; phases not listed follow in the order first seen
 PHASE_ORDER = (
     "schedule", "update_states", "prepare_inputs", "forward", "sample", "bookkeeping",
@@ -90,9 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--from-json", metavar="PATH",
                         help="no engines: print (and --markdown / --plot) a ledger written "
                              "earlier with --json")
-    parser.add_argument("--py-spy", action="store_true",
-                        help="also record a flame graph of each engine (py-spy must be "
-                             "installed: .venv/bin/pip install py-spy)")
+    parser.add_argument("--py-spy", nargs="?", const="flamegraph", default=None,
+                        choices=PY_SPY_FORMATS, metavar="FORMAT",
+                        help="also sample each engine with py-spy (installed by hand: "
+                             ".venv/bin/pip install py-spy): a flame graph (SVG, the "
+                             "default), or with 'raw' its collapsed stacks, one line per "
+                             "stack and its sample count, for grep and scripts")
     parser.add_argument("--trace", action="store_true",
                         help="also write the union's decision trace (specplugin.trace: every "
                              "step's time, every block the step arbiter closed, every draft "
@@ -129,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
                              f"--step-ab >= 0; got {args.batch_size}, {args.rounds}, "
                              f"{args.overhead_pairs} and {args.step_ab}.")
         if args.py_spy:
-            _check_py_spy()
+            args.py_spy_path = find_py_spy()
         cell = Cell(args.workload, args.batch_size, args.temperature)
         sizes = QUICK_SIZES if args.quick else FULL_SIZES
         prompts = cell_prompts(source_from_zoo(zoo_root), sizes, cell, args.seed)
@@ -224,7 +229,8 @@ def profile_method(spec, models, prompts, args, out_dir: Path,
                     cells=(cell_payload(prompts),),
                     kind="profile", eager=args.eager, overhead_pairs=args.overhead_pairs,
                     step_ab=args.step_ab, env=env)
-    spy = PySpy(out_dir / f"flame-{spec.name}.svg") if args.py_spy else None
+    spy = (PySpy(out_dir / f"flame-{spec.name}{PY_SPY_FORMATS[args.py_spy]}",
+                 args.py_spy_path, args.py_spy) if args.py_spy else None)
     try:
         result = run_job(job, out_dir / "logs", spy.on_event if spy else lambda e: None)
     finally:
@@ -570,29 +576,37 @@ def _meta(args, models, cell, prompts) -> dict[str, Any]:
             "overrides": args.overrides, "timers": args.timers}
 
 
-def _check_py_spy() -> None:
-    import shutil
+def find_py_spy() -> str:
+    """The py-spy executable: on ``PATH``, else beside this interpreter (``.venv/bin``,
+    where the README's install puts the environment, which needs no activating)."""
+    import sys
 
-    if shutil.which("py-spy") is None:
-        raise ValueError("--py-spy needs py-spy on PATH; install it with "
+    found = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if found is None:
+        raise ValueError("--py-spy needs py-spy, on PATH or beside this Python; install it with "
                          ".venv/bin/pip install py-spy (it is not a dependency of the plugin).")
+    return found
 
 
 class PySpy:
     """``py-spy record`` of the engine child and its engine-core process, from the
-    engine's ready event to its end (start-up compilation is not sampled)."""
+    engine's ready event to its end (start-up compilation is not sampled), written to
+    ``path`` in ``output_format`` (:data:`PY_SPY_FORMATS`)."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, executable: str = "py-spy",
+                 output_format: str = "flamegraph"):
+        self.path, self.executable, self.output_format = path, executable, output_format
         self.proc: subprocess.Popen | None = None
+
+    def command(self, pid: int) -> list[str]:
+        return [self.executable, "record", "--subprocesses", "--rate", "250",
+                "--format", self.output_format, "--pid", str(pid), "--output", str(self.path)]
 
     def on_event(self, event: Mapping[str, Any]) -> None:
         if event["event"] == "ready" and self.proc is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.proc = subprocess.Popen(
-                ["py-spy", "record", "--subprocesses", "--rate", "250", "--pid",
-                 str(event["pid"]), "--output", str(self.path)],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(self.command(event["pid"]),
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def stop(self) -> None:
         if self.proc is not None:  # py-spy writes its file when the process it follows ends
