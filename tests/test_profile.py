@@ -443,7 +443,6 @@ def test_the_trace_shows_the_unions_steps_blocks_and_draft_plans(profiled):
     assert "trace: steady choice" in profiled[1]
 
 
-
 def test_py_spy_records_a_flame_graph_or_raw_stacks_with_the_venvs_py_spy(tmp_path, monkeypatch):
     """``--py-spy`` alone records py-spy's flame graph, ``--py-spy raw`` its collapsed
     stacks (what analysis scripts read); py-spy is found beside the interpreter (the
