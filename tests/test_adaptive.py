@@ -1852,3 +1852,76 @@ def test_the_draft_gate_is_asked_on_a_doubling_gap_while_it_keeps_the_draft_off(
     union = untried  # (the union asks() reads from here on)
     assert asks(len(expected), forward_seconds=0.5) == expected
     assert untried._draft_trials == 4
+
+
+def test_looks_are_spaced_out_while_every_row_keeps_choosing_the_draft():
+    """A speculative step whose last looks (every proposer asked, the draft's gate priced)
+    chose the draft model's candidate for every row is held: the draft runs as the last
+    look planned, nothing else is asked. After HOLD_PATIENCE confirming looks the gap to
+    the next look doubles up to MAX_HOLD_GAP where every row samples, MAX_HOLD_GAP_GREEDY
+    where one is greedy; a plan without the draft for some row, new requests or a plain
+    step end the hold (the next step looks)."""
+    from specplugin.adaptive.union import HOLD_PATIENCE, MAX_HOLD_GAP, MAX_HOLD_GAP_GREEDY
+
+    def union_with(sampled):
+        union = _union(Fixed("ngram", [5, 6, 7, 8], 0.5), Fixed("draft", [1, 2, 3, 4], 0.9))
+        _teach(union, 0, 0.05, sampled=sampled)
+        _teach(union, 1, 0.95, sampled=sampled)
+        union._draft_trials = 0
+        return union
+
+    def looks(union, batch, steps):
+        out = []
+        for _ in range(steps):
+            assert union.begin(None, batch.num_reqs, sampled=bool(batch.sampled[0]))
+            caps = np.full(batch.num_reqs, 8)
+            held = union.held_draft(batch, caps) if union.holding else None
+            offers = []
+            if held is None:
+                offers = union.ask(batch, [0])
+                caps = np.asarray(union.plan_draft(batch, offers, 1, caps, 0.0001))
+            else:
+                caps = np.asarray(held)
+            out.append(held is None)
+            plan = union.choose(batch, offers + union.ask(batch, [1]),
+                                draft_forwards=int(caps.max()))
+            if held is not None:
+                assert plan.sources == [1] * batch.num_reqs and (caps > 0).all()
+        return out
+
+    def expected(limit, steps):
+        flags, gap = [True] * HOLD_PATIENCE, 2
+        while len(flags) < steps:
+            flags += [False] * (gap - 1) + [True]
+            gap = min(2 * gap, limit)
+        return flags[:steps]
+
+    rows = [f"r{j}" for j in range(4)]
+    sampled = union_with(True)
+    batch = _batch(rows, sampled=True)
+    ngram, asked = sampled.proposers[0], []
+    ngram.propose = lambda b, propose=ngram.propose: asked.append(1) or propose(b)
+    assert looks(sampled, batch, 30) == expected(MAX_HOLD_GAP, 30)
+    assert len(asked) == sum(expected(MAX_HOLD_GAP, 30))  # held steps ask no proposer
+    # new requests: the next step looks, and the looks must confirm the draft again
+    sampled.new_requests(1, 4)
+    assert looks(sampled, batch, 5) == expected(MAX_HOLD_GAP, 5)
+    # a held step whose plan sends no draft for a row ends the hold
+    draft = sampled.proposers[1]
+    while not sampled.holding:
+        looks(sampled, batch, 1)
+    draft.tokens = []
+    sampled.begin(None, 4, sampled=True)
+    assert sampled.holding
+    held = sampled.held_draft(batch, np.full(4, 8))
+    plan = sampled.choose(batch, sampled.ask(batch, [1]), draft_forwards=max(held))
+    assert plan.sources == [None] * 4 and not sampled.holding
+    draft.tokens = [1, 2, 3, 4]
+    assert looks(sampled, batch, 5) == expected(MAX_HOLD_GAP, 5)
+    # another batch than the look's: the step looks in full
+    assert sampled.begin(None, 4, sampled=True) and sampled.holding
+    assert sampled.held_draft(_batch(["x"] + rows[1:], sampled=True), np.full(4, 8)) is None
+    assert not sampled.holding
+    # a greedy row: looks at least every MAX_HOLD_GAP_GREEDY steps
+    greedy = union_with(False)
+    assert looks(greedy, _batch(rows), 20) == expected(MAX_HOLD_GAP_GREEDY, 20)

@@ -904,6 +904,9 @@ class PluginDraftProposer(DraftModelProposer):
         ``remaining_tokens`` [num_reqs]: what each request may still emit (before this
         step's tokens), bounded here by the room left before ``max_model_len``.
         Returns the offers and the draft's per-row caps (0: no draft model for that row)."""
+        held = self.union.held_draft(batch, caps) if self.union.holding else None
+        if held is not None:  # the last look's plan holds: nothing asked, nothing priced
+            return [], held
         draft_index = len(self.union.proposers) - 1
         offers = self.union.ask(batch, range(draft_index))
         rows = sum(1 for c in caps if c > 0)
