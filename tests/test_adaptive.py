@@ -1857,7 +1857,8 @@ def test_the_draft_gate_is_asked_on_a_doubling_gap_while_it_keeps_the_draft_off(
 def test_looks_are_spaced_out_while_every_row_keeps_choosing_the_draft():
     """A speculative step whose last looks (every proposer asked, the draft's gate priced)
     chose the draft model's candidate for every row is held: the draft runs as the last
-    look planned, nothing else is asked. After HOLD_PATIENCE confirming looks the gap to
+    look planned, nothing else is asked, each row sends its run as the stop rule cut it
+    (remembered to learn from). After HOLD_PATIENCE confirming looks the gap to
     the next look doubles up to MAX_HOLD_GAP where every row samples, MAX_HOLD_GAP_GREEDY
     where one is greedy; a plan without the draft for some row, new requests or a plain
     step end the hold (the next step looks)."""
@@ -1883,10 +1884,17 @@ def test_looks_are_spaced_out_while_every_row_keeps_choosing_the_draft():
             else:
                 caps = np.asarray(held)
             out.append(held is None)
-            plan = union.choose(batch, offers + union.ask(batch, [1]),
-                                draft_forwards=int(caps.max()))
-            if held is not None:
-                assert plan.sources == [1] * batch.num_reqs and (caps > 0).all()
+            if held is None:
+                plan = union.choose(batch, offers + union.ask(batch, [1]),
+                                    draft_forwards=int(caps.max()))
+                continue
+            # a held step sends each row's run as its stop rule cut it (here 1 to 4 tokens)
+            lengths = [1 + r % 4 for r in range(batch.num_reqs)]
+            plan = union.choose_held(batch, lengths, [[0.9] * k for k in lengths],
+                                     draft_forwards=4)
+            assert plan.sources == [1] * batch.num_reqs and (caps > 0).all()
+            assert {r: len(p.cells) for r, p in union._pending.items()} == dict(
+                zip(batch.req_ids, lengths))  # remembered, to learn from
         return out
 
     def expected(limit, steps):
@@ -1907,16 +1915,14 @@ def test_looks_are_spaced_out_while_every_row_keeps_choosing_the_draft():
     sampled.new_requests(1, 4)
     assert looks(sampled, batch, 5) == expected(MAX_HOLD_GAP, 5)
     # a held step whose plan sends no draft for a row ends the hold
-    draft = sampled.proposers[1]
     while not sampled.holding:
         looks(sampled, batch, 1)
-    draft.tokens = []
     sampled.begin(None, 4, sampled=True)
     assert sampled.holding
-    held = sampled.held_draft(batch, np.full(4, 8))
-    plan = sampled.choose(batch, sampled.ask(batch, [1]), draft_forwards=max(held))
-    assert plan.sources == [None] * 4 and not sampled.holding
-    draft.tokens = [1, 2, 3, 4]
+    assert sampled.held_draft(batch, np.full(4, 8)) is not None
+    plan = sampled.choose_held(batch, [0, 3, 3, 3], [[], [0.9] * 3, [0.9] * 3, [0.9] * 3],
+                               draft_forwards=3)
+    assert plan.sources == [None, 1, 1, 1] and not sampled.holding
     assert looks(sampled, batch, 5) == expected(MAX_HOLD_GAP, 5)
     # another batch than the look's: the step looks in full
     assert sampled.begin(None, 4, sampled=True) and sampled.holding
@@ -1925,3 +1931,7 @@ def test_looks_are_spaced_out_while_every_row_keeps_choosing_the_draft():
     # a greedy row: looks at least every MAX_HOLD_GAP_GREEDY steps
     greedy = union_with(False)
     assert looks(greedy, _batch(rows), 20) == expected(MAX_HOLD_GAP_GREEDY, 20)
+    # with the scorer's extra candidates (which a held step does not weigh): every step looks
+    scorer = union_with(True)
+    scorer.max_candidates = 2
+    assert looks(scorer, batch, 12) == [True] * 12

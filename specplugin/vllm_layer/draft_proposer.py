@@ -494,7 +494,8 @@ class PluginDraftProposer(DraftModelProposer):
             if not any(caps):  # no draft-model machinery at all
                 self._last_draft_seconds = 0.0
                 return self._finish_without_draft(batch, offers)
-            finish = functools.partial(self._finish_union, offers=offers)
+            finish = (self._finish_held if self.union.holding else
+                      functools.partial(self._finish_union, offers=offers))
         # the stop rule only for a step the draft model runs in (its thresholds are read
         # from the draft's cost model: a few calls on cold caches, in most steps for nothing)
         rule = self._rule_with_thresholds()
@@ -1009,6 +1010,26 @@ class PluginDraftProposer(DraftModelProposer):
         verified = draft_rows & ~decoyed  # [num_reqs] the rows that verify the draft's tokens
         self._note_ahead(run, rows, batch, [c if v else 0 for c, v in zip(chosen, verified)])
         return self._mixed_output(token_ids, draft_probs, drafts, verified)
+
+    def _finish_held(self, run: DraftRun, rows: np.ndarray, batch: StepBatch) -> torch.Tensor:
+        """The union's held step (:meth:`Union.choose_held
+        <specplugin.adaptive.union.Union.choose_held>`): every drafting row keeps what its
+        run drafted, as with the draft model alone (:meth:`_finish`); the union remembers
+        it."""
+        lengths = [0] * batch.num_reqs
+        signals: list[list[float]] = [[] for _ in lengths]
+        row_list = rows.tolist()
+        if rows.size:
+            for i, (r, n) in enumerate(zip(row_list, run.length_list())):
+                lengths[r], signals[r] = n, run.row_confidences(i, n)
+            self.outcomes.record([batch.req_ids[r] for r in row_list], run)
+        else:
+            self.outcomes.forget()
+        self.plan = self.union.choose_held(batch, lengths, signals, run.num_positions)
+        self._note_ahead(run, rows, batch, lengths)
+        self._note_drafts(run, lengths)
+        token_ids, self._last_draft_probs = self._full_rows(run, rows, batch.num_reqs)
+        return token_ids
 
     def _finish_without_draft(self, batch: StepBatch, offers) -> list[list[int]]:
         """The union's step in which the draft model runs for no row: its choice among the

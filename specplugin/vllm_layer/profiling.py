@@ -128,6 +128,7 @@ WORKER_TIMED: Timed = (
     (_DRAFT, "PluginDraftProposer", "_finish", "plugin: hand back"),
     (_DRAFT, "PluginDraftProposer", "_finish_union", "plugin: hand back"),
     (_DRAFT, "PluginDraftProposer", "_finish_without_draft", "plugin: hand back"),
+    (_DRAFT, "PluginDraftProposer", "_finish_held", "plugin: hand back"),
     (_DRAFT, "PluginDraftProposer", "_full_rows", "plugin: hand back"),
     (_DRAFT, "PluginDraftProposer", "_mixed_output", "plugin: hand back"),
     # the plugin's code inside vLLM's rejection sampler (specplugin.vllm_layer.verification):
@@ -145,6 +146,7 @@ WORKER_TIMED: Timed = (
     (_UNION, "Union", "_estimate", "plugin: estimate"),
     (_UNION, "Union", "plan_draft", "plugin: plan"),
     (_UNION, "Union", "choose", "plugin: plan"),
+    (_UNION, "Union", "choose_held", "plugin: plan"),
     (_UNION, "Union", "_copy_in_sight", "plugin: peek"),
     (_UNION, "Union", "finish_requests", "plugin: learn"),
     # each proposer's candidates
