@@ -632,8 +632,7 @@ class Union:
         if not self.holding:
             return None
         req_ids, lengths, price = self._hold_plan
-        if len(batch.req_ids) != len(req_ids) or tuple(batch.req_ids) != req_ids or not all(
-                c > 0 for c in caps):
+        if tuple(batch.req_ids) != req_ids or not all(c > 0 for c in caps):
             self._end_hold()
             return None
         self._draft_price = price
@@ -694,18 +693,27 @@ class Union:
             trace.TRACE.write("plan", sources=[name if k else None for k in lengths], held=True)
         if self.arbiter is not None and (num_drafts or not self.arbiter.nothing_to_verify()):
             values = self.estimator.values([c for cells in sent_cells for c in cells])
-            expected, i = float(num_reqs), 0
-            for cells in sent_cells:
-                expected += sum(cumulative(values[i:i + len(cells)]))
-                i += len(cells)
-            per_forward, run_seconds, _ = self._draft_price
-            num_tokens = num_reqs + num_drafts
-            seconds = (self._step_seconds(num_tokens, num_drafts > 0)
-                       + per_forward * draft_forwards + run_seconds * (draft_forwards > 0))
-            self.arbiter.predicted(expected, seconds, num_tokens, num_drafts > 0)
+            acceptance, i = [], 0  # [num_reqs][1] the sent tokens' posterior means
+            for k in lengths:
+                acceptance.append([values[i:i + k]])
+                i += k
+            expected, seconds = self._rate_terms(
+                acceptance, [Choice(0, k) if k else Choice(NO_CANDIDATE, 0) for k in lengths])
+            self._predict(expected, seconds, num_reqs, num_drafts, draft_forwards)
         self._update_hold(batch, sources, draft_forwards)
         self.release()
         return StepPlan(None, sources, [[] for _ in range(num_reqs)])
+
+    def _predict(self, expected: float, seconds: float, num_reqs: int, num_drafts: int,
+                 draft_forwards: int | None) -> None:
+        """Tell the step arbiter what the step just planned should emit (``expected``
+        tokens) and take: ``seconds`` without the draft model, whose forwards, if it ran,
+        are the step's too (``draft_forwards`` as its run made them; None: the m forwards
+        :meth:`plan_draft` priced)."""
+        per_forward, run_seconds, planned_forwards = self._draft_price
+        forwards = planned_forwards if draft_forwards is None else draft_forwards
+        seconds += per_forward * forwards + run_seconds * (forwards > 0)
+        self.arbiter.predicted(expected, seconds, num_reqs + num_drafts, num_drafts > 0)
 
     def _end_hold(self) -> None:
         """The next speculative step looks in full, and so does every one after it until
@@ -1140,13 +1148,8 @@ class Union:
         ended = (self.arbiter is not None and not any(drafts)
                  and self.arbiter.nothing_to_verify())
         if self.arbiter is not None and not ended:
-            # the draft's forwards, if it ran, are the step's too
-            per_forward, run_seconds, planned_forwards = self._draft_price
-            forwards = planned_forwards if draft_forwards is None else draft_forwards
-            num_drafts = sum(len(d) for d in drafts)
-            seconds = flat.seconds + per_forward * forwards + run_seconds * (forwards > 0)
-            self.arbiter.predicted(flat.expected, seconds, batch.num_reqs + num_drafts,
-                                   num_drafts > 0)
+            self._predict(flat.expected, flat.seconds, batch.num_reqs,
+                          sum(len(d) for d in drafts), draft_forwards)
         alternates: list[list[list[int]]] = [[] for _ in range(batch.num_reqs)]
         if self.max_candidates > 1:
             acceptance, choices = flat.acceptance(), flat.choices()

@@ -797,6 +797,14 @@ class PluginDraftProposer(DraftModelProposer):
 
     def _finish(self, run: DraftRun, rows: np.ndarray, batch: StepBatch) -> torch.Tensor:
         """The draft model alone: every drafting row keeps what its rule drafted."""
+        self._count_step(self._keep_runs(run, rows, batch))
+        token_ids, self._last_draft_probs = self._full_rows(run, rows, batch.num_reqs)
+        return token_ids
+
+    def _keep_runs(self, run: DraftRun, rows: np.ndarray, batch: StepBatch) -> list[int]:
+        """Every drafting row sends what its run drafted (the draft model alone, or the
+        union's held step): recorded to learn from, noted for the cursor and the cost
+        model; returns [num_reqs] the draft tokens each row sends."""
         lengths = [0] * batch.num_reqs
         if rows.size:
             row_list = rows.tolist()
@@ -807,9 +815,7 @@ class PluginDraftProposer(DraftModelProposer):
             self.outcomes.forget()
         self._note_ahead(run, rows, batch, lengths)
         self._note_drafts(run, lengths)
-        self._count_step(lengths)
-        token_ids, self._last_draft_probs = self._full_rows(run, rows, batch.num_reqs)
-        return token_ids
+        return lengths
 
     def _note_ahead(self, run: DraftRun, rows: np.ndarray, batch: StepBatch,
                     sent: list[int]) -> None:
@@ -1016,18 +1022,11 @@ class PluginDraftProposer(DraftModelProposer):
         <specplugin.adaptive.union.Union.choose_held>`): every drafting row keeps what its
         run drafted, as with the draft model alone (:meth:`_finish`); the union remembers
         it."""
-        lengths = [0] * batch.num_reqs
-        signals: list[list[float]] = [[] for _ in lengths]
-        row_list = rows.tolist()
-        if rows.size:
-            for i, (r, n) in enumerate(zip(row_list, run.length_list())):
-                lengths[r], signals[r] = n, run.row_confidences(i, n)
-            self.outcomes.record([batch.req_ids[r] for r in row_list], run)
-        else:
-            self.outcomes.forget()
+        lengths = self._keep_runs(run, rows, batch)
+        signals: list[list[float]] = [[] for _ in lengths]  # [num_reqs][length]
+        for i, r in enumerate(rows.tolist()):
+            signals[r] = run.row_confidences(i, lengths[r])
         self.plan = self.union.choose_held(batch, lengths, signals, run.num_positions)
-        self._note_ahead(run, rows, batch, lengths)
-        self._note_drafts(run, lengths)
         token_ids, self._last_draft_probs = self._full_rows(run, rows, batch.num_reqs)
         return token_ids
 
