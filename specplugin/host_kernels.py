@@ -123,8 +123,19 @@ def greedy_rows(best, draft_token_ids, counts, output, placeholder):
         start += k
 
 
-@numba.njit("void(float32[:, :], float32[:, :], int64[::1], boolean[::1], int64[::1], "
-            "float32[:, :], boolean, float64[::1], int32[:, ::1], float32[::1], "
+@numba.njit("float64(float32[::1], float32[::1])", fastmath=True, **JIT)
+def overlap(p, q):  # p, q: [vocab_size] probabilities
+    """``sum(min(p, q))``: a draft token drawn from ``q`` is accepted with this
+    probability. What the learners read, never what decides a token, so its sum may run in
+    any order (``fastmath``: vectorised, measured 18 -> 3 us for three rows of 6,144)."""
+    total = 0.0
+    for v in range(p.shape[0]):
+        total += min(p[v], q[v])
+    return total
+
+
+@numba.njit("void(float32[:, :], float32[:, ::1], int64[::1], boolean[::1], int64[::1], "
+            "float32[:, ::1], boolean, float64[::1], int32[:, ::1], float32[::1], "
             "float64[::1])", **JIT)
 def verify_rows(logits, target_probs, counts, greedy, draft_token_ids, draft_probs, has_q,
                 uniforms, output, expected, work):
@@ -162,11 +173,7 @@ def verify_rows(logits, target_probs, counts, greedy, draft_token_ids, draft_pro
             for j in range(k):  # every draft's expected acceptance: sum(min(p, q)) or p(x)
                 p = target_probs[prow + j]
                 if has_q:
-                    q = draft_probs[start + j]
-                    total = 0.0
-                    for v in range(vocab):
-                        total += min(p[v], q[v])
-                    expected[start + j] = total
+                    expected[start + j] = overlap(p, draft_probs[start + j])
                 else:
                     expected[start + j] = p[draft_token_ids[start + j]]
             while accepted < k:  # accepted with probability min(1, p(x) / q(x))
@@ -223,17 +230,21 @@ def first_pass_inputs(rows, starts, ends, token_ids, block_table, block_size, cu
     return token
 
 
-@numba.njit("void(int32[:, :], int64[::1], int64, int64, int64, int64[:, :, ::1], "
+@numba.njit("void(int32[:, :], int64[::1], int64, int64, int64, int64[:, :, :], "
             "int32[:, ::1])", **JIT)
 def decode_pass_inputs(block_table, ends, block_size, max_model_len, padding_slot, out,
                        seq_lens):
-    """The positions and slots (``out`` [2, num_passes, num_rows]) and sequence lengths
+    """The positions and slots (``out`` [2, num_passes, num_padded]) and sequence lengths
     (``seq_lens`` [num_passes, num_rows]) of a run's decode passes after a first pass that
     ended at each row's newest token (position ``ends - 1``): pass j (from 1) reads
     position ``ends - 1 + j``; past ``max_model_len``, position 0 into ``padding_slot``
-    with a sequence of 1 (as vLLM's update after each pass leaves them)."""
+    with a sequence of 1 (as vLLM's update after each pass leaves them). The padding
+    columns (``num_padded`` beyond the rows: a padded forward's dummy rows) read position 0
+    into ``padding_slot``."""
     max_blocks = block_table.shape[1]
     for j in range(out.shape[1]):
+        for i in range(ends.shape[0], out.shape[2]):
+            out[0, j, i], out[1, j, i] = 0, padding_slot
         for i in range(ends.shape[0]):
             position = ends[i] + j  # (ends - 1 + (j + 1))
             if position >= max_model_len:

@@ -343,16 +343,16 @@ def test_greedy_draft_tokens_are_the_argmax_with_its_softmax_probability():
 def test_the_draft_rereads_only_what_its_kv_cache_misses():
     cursor = DraftKVCursor()
     # new requests read their whole context (prompt, newest token included)
-    assert cursor.starts(["a", "b"], np.array([10, 7]), budget=100).tolist() == [0, 0]
+    assert cursor.starts(["a", "b"], np.array([10, 7]), budget=100) == [0, 0]
     cursor.advance(["a", "b"], np.array([10, 7]))
     # "a" drafted every step (2 new tokens), "b" was skipped for 5 steps: a longer re-read
-    assert cursor.starts(["a", "b"], np.array([12, 13]), budget=100).tolist() == [10, 7]
+    assert cursor.starts(["a", "b"], np.array([12, 13]), budget=100) == [10, 7]
     # what would overflow the draft's input buffers waits for a later step
-    assert cursor.starts(["a", "b"], np.array([12, 13]), budget=4).tolist() == [10, -1]
+    assert cursor.starts(["a", "b"], np.array([12, 13]), budget=4) == [10, -1]
     # a context that shrank (preempted and restarted elsewhere) is read again from 0
-    assert cursor.starts(["a"], np.array([5]), budget=100).tolist() == [0]
+    assert cursor.starts(["a"], np.array([5]), budget=100) == [0]
     cursor.forget(["a"])
-    assert cursor.starts(["a"], np.array([12]), budget=100).tolist() == [0]
+    assert cursor.starts(["a"], np.array([12]), budget=100) == [0]
     # the catch-up a run would price: tokens read beyond the newest one
     assert cursor.behind(["a", "b", "c"], np.array([12, 13, 4])) == [11, 5, 3]
 
@@ -369,22 +369,22 @@ def test_accepted_draft_tokens_that_a_decode_pass_read_are_not_read_again():
     # verified: "a" accepted all 4 (+1 bonus), "b" 1 of 2, "c" 3 (not the draft's), "d" 0
     cursor.accepted(["a", "b", "c", "d"], [4, 1, 3, 0])
     now = np.array([15, 22, 34, 41])  # context lengths, newest token included
-    assert cursor.starts(["a", "b", "c", "d"], now, budget=100).tolist() == [13, 21, 30, 40]
+    assert cursor.starts(["a", "b", "c", "d"], now, budget=100) == [13, 21, 30, 40]
     assert cursor.behind(["a", "b", "c", "d"], now) == [1, 0, 3, 0]
     # the same run's passes are not counted twice
     cursor.accepted(["a"], [4])
-    assert cursor.starts(["a"], np.array([15]), budget=100).tolist() == [13]
+    assert cursor.starts(["a"], np.array([15]), budget=100) == [13]
     # drafts that were never verified teach nothing
     cursor.advance(["a"], np.array([15]))
     cursor.drafted(["a"], [3])
     cursor.forget_pending()
     cursor.accepted(["a"], [3])
-    assert cursor.starts(["a"], np.array([19]), budget=100).tolist() == [15]
+    assert cursor.starts(["a"], np.array([19]), budget=100) == [15]
     # a restarted request's KV is gone, passes and all
     cursor.drafted(["a"], [3])
     cursor.forget(["a"])
     cursor.accepted(["a"], [3])
-    assert cursor.starts(["a"], np.array([19]), budget=100).tolist() == [0]
+    assert cursor.starts(["a"], np.array([19]), budget=100) == [0]
 
 
 def test_draft_tokens_follow_the_draft_probabilities_they_return():
@@ -638,6 +638,11 @@ def test_the_decode_passes_inputs_are_vllms_update_pass_after_pass(max_model_len
         assert passes.slots[j, live].tolist() == out_slots[live].tolist(), j
         assert passes.seq_lens[j, live].tolist() == seq_lens[live].tolist(), j
         assert passes.seq_lens_cpu[j].tolist() == passes.seq_lens[j].tolist()
+    # a padded forward's dummy rows read position 0 into the padding slot, every pass
+    padded = decode_passes(block_table, ends, num_passes, block_size, max_model_len, 5)
+    assert torch.equal(padded.positions[:, :3], passes.positions)
+    assert torch.equal(padded.slots[:, :3], passes.slots)
+    assert padded.positions[:, 3:].eq(0).all() and padded.slots[:, 3:].eq(PADDING_SLOT_ID).all()
     past = ends[2] - 1 + np.arange(1, num_passes + 1) >= max_model_len
     if max_model_len > 100:
         assert not past.any()

@@ -111,11 +111,15 @@ def padded(self, num_tokens):
         return mode, num_input + PAD, across
     return mode, num_input, across
 
-def forward_pass(self, cad, num_tokens, draft_index, padding=None, *args):
-    if draft_index > 0:
-        rows = self._slot_mapping_buffer[num_tokens : padding[1]]
-        pad_checks.append(padding[1] == num_tokens + PAD and bool((rows == PADDING_SLOT_ID).all()))
-    return orig_forward(self, cad, num_tokens, draft_index, padding, *args)
+def forward_pass(self, cad, num_tokens, draft_index, padding=None, inputs=None):
+    if draft_index > 0:  # the pass's slot mapping, as the forward context gets it
+        kwargs, slot_mappings = inputs
+        rows = [s[num_tokens : padding[1]] for s in slot_mappings.values()]
+        pad_checks.append(padding[1] == num_tokens + PAD and bool(rows)
+                          and kwargs["positions"].shape[0] == padding[1]
+                          and all(bool((r == PADDING_SLOT_ID).all()) for r in rows)
+                          and all(r.shape[0] == PAD for r in rows))
+    return orig_forward(self, cad, num_tokens, draft_index, padding, inputs)
 
 P._switch_to_decode, P._padding, P._forward = switch, padded, forward_pass
 
@@ -133,10 +137,10 @@ def caps(remaining, k, prefilling):
         out[1::2] = [0] * len(out[1::2])
     return out
 
-def first_pass_inputs(self, batch, rows, starts, ends, cad):
+def first_pass_inputs(self, batch, rows, starts, ends, cad, *args):
     reads.extend([batch.req_ids[r], int(a), int(batch.num_tokens[r]), calls["n"]]
                  for r, a in zip(rows, starts))
-    return orig_inputs(self, batch, rows, starts, ends, cad)
+    return orig_inputs(self, batch, rows, starts, ends, cad, *args)
 
 draft_proposer._caps, P._first_pass_inputs = caps, first_pass_inputs
 orig_draft = P._draft

@@ -388,8 +388,8 @@ class DraftRun:
 
     rule: StopRule
     calibration: AcceptanceCalibration
-    sampled: np.ndarray  # [num_reqs] bool
-    caps: np.ndarray | None = None  # [num_reqs] most draft tokens per row (default k_max)
+    sampled: Sequence[bool]  # [num_reqs] (a list, or a numpy array)
+    caps: Sequence[int] | None = None  # [num_reqs] most draft tokens per row (default k_max)
     token_ids: list[torch.Tensor] = field(default_factory=list)  # positions x [num_reqs]
     draft_probs: list[torch.Tensor] = field(default_factory=list)  # positions x [num_reqs, vocab]
     confidences: list[list[float]] = field(default_factory=list)  # positions x [num_reqs]
@@ -406,7 +406,7 @@ class DraftRun:
 
     @property
     def num_reqs(self) -> int:
-        return self.sampled.shape[0]
+        return len(self.sampled)
 
     def add(
         self,
@@ -442,13 +442,13 @@ class DraftRun:
 
     def _start(self) -> None:
         if self.caps is None:
-            self.caps = np.full(self.num_reqs, self.rule.k_max)
-        self._caps = np.asarray(self.caps).tolist()
+            self.caps = [self.rule.k_max] * self.num_reqs
+        self._caps = [int(c) for c in self.caps]
         self._active = [c > 0 for c in self._caps]
         self._lengths = [0] * self.num_reqs
         self._cumulative = [1.0] * self.num_reqs
         # the calibration only learns between steps (OutcomeTracker.resolve)
-        self._modes = self.sampled.astype(np.int64).tolist()
+        self._modes = [1 if s else 0 for s in self.sampled]
         warm = self.calibration.warm_tables()
         self._warm = [warm[m] for m in self._modes]
 
@@ -469,6 +469,13 @@ class DraftRun:
 
     def stacked_token_ids(self) -> torch.Tensor:  # [num_reqs, num_positions]
         return torch.stack(self.token_ids, dim=1)
+
+    def token_lists(self, lengths: Sequence[int]) -> list[list[int]]:  # [num_reqs][length]
+        """Each row's first ``lengths[row]`` tokens as a list (the drafts vLLM's scheduler
+        takes: handed back as lists, they skip vLLM's copy of a token tensor to the host
+        and its read back, as its token-level methods' drafts do)."""
+        positions = [t.tolist() for t in self.token_ids[:max(lengths, default=0)]]
+        return [[p[r] for p in positions[:n]] for r, n in enumerate(lengths)]
 
     def stacked_confidences(self) -> np.ndarray:  # [num_reqs, num_positions]
         return np.asarray(self.confidences, dtype=np.float64).T
@@ -498,7 +505,7 @@ class OutcomeTracker:
         """``lengths``: draft tokens sent per row, when not the run's own (0: the row
         verifies another proposer's candidate, so nothing of the draft's is judged)."""
         lengths = run.length_list() if lengths is None else lengths
-        sampled = run.sampled.tolist()
+        sampled = [bool(s) for s in run.sampled]
         self._pending = {
             req_id: (run.row_confidences(i, lengths[i]), sampled[i])
             for i, req_id in enumerate(req_ids) if lengths[i] > 0

@@ -39,14 +39,19 @@ class DraftKVCursor:
         self._ahead: dict[str, int] = {}
 
     def starts(self, req_ids: Sequence[str],  # [n] the rows that will draft
-               num_tokens: np.ndarray,  # [n] context length, newest token included
-               budget: int) -> np.ndarray:  # [n] first position to read; -1: not this step
+               num_tokens: Sequence[int],  # [n] context length, newest token included
+               budget: int) -> list[int]:  # [n] first position to read; -1: not this step
         """Rows whose re-read would overflow ``budget`` tokens in all (the draft's input
-        buffers) wait for a later step."""
-        starts = np.array([self._written.get(r, 0) for r in req_ids], dtype=np.int64)
-        starts = np.where(starts < num_tokens, starts, 0)  # a context that shrank: re-read all
-        fits = np.cumsum(num_tokens - starts) <= budget
-        return np.where(fits, starts, -1)
+        buffers) wait for a later step. (A loop over a few rows: after the target's forward
+        each numpy call costs microseconds of cold caches.)"""
+        written, starts, total = self._written, [], 0
+        for req_id, n in zip(req_ids, num_tokens):
+            start = written.get(req_id, 0)
+            if start >= n:  # a context that shrank: re-read all
+                start = 0
+            total += n - start
+            starts.append(start if total <= budget else -1)
+        return starts
 
     def behind(self, req_ids: Sequence[str],  # [n]
                num_tokens: np.ndarray) -> list[int]:  # [n] context length, newest included
@@ -56,8 +61,8 @@ class DraftKVCursor:
         return [n - 1 - (w if w < n else 0)
                 for w, n in zip((written.get(r, 0) for r in req_ids), num_tokens.tolist())]
 
-    def advance(self, req_ids: Sequence[str], num_tokens: np.ndarray) -> None:
-        for req_id, n in zip(req_ids, num_tokens.tolist()):
+    def advance(self, req_ids: Sequence[str], num_tokens: Sequence[int]) -> None:
+        for req_id, n in zip(req_ids, num_tokens):
             self._written[req_id] = n
 
     def drafted(self, req_ids: Sequence[str],  # [n] the rows the run drafted for
@@ -142,15 +147,29 @@ def sample_draft_tokens(
             uniform = uniform.numpy()
     if isinstance(uniform, np.ndarray):  # on the host
         num_rows = draft_probs.shape[0]
-        greedy = np.zeros(num_rows, dtype=bool) if all_sampled else (~sampled).numpy()
+        greedy = _no_greedy_rows(num_rows) if all_sampled else (~sampled).numpy()
         token_ids, confidence = np.empty(num_rows, np.int64), np.empty(num_rows, np.float32)
-        host_kernels.draw_rows(draft_probs.numpy(), uniform.reshape(num_rows), greedy,
-                               token_ids, confidence)
+        host_kernels.draw_rows(draft_probs.numpy(),
+                               uniform if uniform.ndim == 1 else uniform.reshape(num_rows),
+                               greedy, token_ids, confidence)
         return torch.from_numpy(token_ids), confidence.tolist(), draft_probs
     token_ids = inverse_cdf_draw(draft_probs, uniform)
     if not all_sampled:
         token_ids = torch.where(sampled, token_ids, draft_probs.argmax(dim=-1))
     return token_ids, confidence_of(draft_probs), draft_probs
+
+
+_NO_GREEDY: dict[int, np.ndarray] = {}  # num_rows -> all False (read only)
+
+
+def _no_greedy_rows(num_rows: int) -> np.ndarray:  # [num_rows] bool, all False
+    """The draw's greedy flags when every row samples, kept per batch size: the kernel
+    only reads them (one numpy call less per drafted position; not flagged read-only,
+    which the compiled kernel's signature would refuse)."""
+    flags = _NO_GREEDY.get(num_rows)
+    if flags is None:
+        flags = _NO_GREEDY[num_rows] = np.zeros(num_rows, dtype=bool)
+    return flags
 
 
 def draft_uniforms(shape: tuple[int, ...], device,

@@ -175,6 +175,7 @@ class PluginDraftProposer(DraftModelProposer):
 
     def restart_requests(self, req_ids) -> None:
         """Resumed after preemption: the draft re-reads their whole context."""
+        self._settle()  # (the cursor's notes of their last run first)
         self.cursor.forget(req_ids)
 
     def finish_requests(self, req_ids) -> None:
@@ -438,17 +439,21 @@ class PluginDraftProposer(DraftModelProposer):
             if isinstance(decided, list):
                 return _as_tensor(decided, self.input_ids.device)
         batch, caps, rule, sampled, finish = decided
-        rows = np.flatnonzero(caps > 0)  # [num_drafting] the rows the draft model drafts for
-        starts = self.cursor.starts([batch.req_ids[r] for r in rows.tolist()],
-                                    batch.num_tokens[rows], self.max_num_tokens)
-        rows, starts = rows[starts >= 0], starts[starts >= 0]
-        run = DraftRun(rule, self.calibration, np.asarray(sampled, dtype=bool)[rows],
-                       caps=caps[rows])
+        # (lists: a few rows, where each numpy call costs microseconds of cold caches)
+        num_tokens = batch.num_tokens.tolist()  # [num_reqs]
+        rows = [r for r, c in enumerate(caps) if c > 0]  # the rows the draft model drafts for
+        starts = self.cursor.starts([batch.req_ids[r] for r in rows],
+                                    [num_tokens[r] for r in rows], self.max_num_tokens)
+        if -1 in starts:  # (rows whose re-read would overflow the buffers wait)
+            rows = [r for r, s in zip(rows, starts) if s >= 0]
+            starts = [s for s in starts if s >= 0]
+        run = DraftRun(rule, self.calibration, [sampled[r] for r in rows],
+                       caps=[caps[r] for r in rows])
         self._last_draft_seconds = 0.0
-        if rows.size:
+        if rows:
             start = time.perf_counter()
-            self._draft(run, batch, rows, starts, common_attn_metadata,
-                        sampling_metadata.temperature)
+            self._draft(run, batch, rows, starts, [num_tokens[r] for r in rows],
+                        common_attn_metadata, sampling_metadata.temperature)
             self._last_draft_seconds = time.perf_counter() - start
         return finish(run, rows, batch)
 
@@ -499,31 +504,38 @@ class PluginDraftProposer(DraftModelProposer):
         # the stop rule only for a step the draft model runs in (its thresholds are read
         # from the draft's cost model: a few calls on cold caches, in most steps for nothing)
         rule = self._rule_with_thresholds()
-        return batch, np.asarray(caps, dtype=np.int64), rule, sampled, finish
+        return batch, caps, rule, sampled, finish
 
-    def _draft(self, run: DraftRun, batch: StepBatch, rows: np.ndarray, starts: np.ndarray,
-               cad, temperature: torch.Tensor | None) -> None:
-        """Draft for ``rows`` (batch rows) only: a first pass re-reads each row's context
-        from ``starts`` (where its draft KV ends) to its newest token, whose output is
-        draft position 0; then one batched forward per position while the rule says so."""
-        num_rows = rows.size
+    def _draft(self, run: DraftRun, batch: StepBatch, rows: list[int], starts: list[int],
+               ends: list[int], cad, temperature: torch.Tensor | None) -> None:
+        """Draft for ``rows`` (batch rows, ascending) only: a first pass re-reads each
+        row's context from ``starts`` (where its draft KV ends) to its newest token (``ends``:
+        each row's context length), whose output is draft position 0; then one batched
+        forward per position while the rule says so."""
+        num_rows = len(rows)
         start = time.perf_counter()
-        ends = batch.num_tokens[rows].astype(np.int64)  # [num_rows] exclusive
-        cad, num_tokens, last = self._first_pass_inputs(batch, rows, starts, ends, cad)
+        row_array = np.array(rows, dtype=np.int64)  # [num_rows]
+        end_array = np.array(ends, dtype=np.int64)  # [num_rows] exclusive
+        query_lens = [e - s for s, e in zip(starts, ends)]  # [num_rows]
+        cad, num_tokens, last = self._first_pass_inputs(
+            batch, row_array, np.array(starts, dtype=np.int64), end_array, cad,
+            (sum(query_lens), max(query_lens), max(ends)))
         hidden = self._forward(cad, num_tokens, draft_index=0)
-        self.cursor.advance([batch.req_ids[r] for r in rows.tolist()], ends)
+        self.cursor.advance([batch.req_ids[r] for r in rows], ends)
         if temperature is not None and num_rows != temperature.shape[0]:  # (rows ascend)
-            temperature = temperature[torch.from_numpy(rows).to(temperature.device)]
+            temperature = temperature[torch.from_numpy(row_array).to(temperature.device)]
         # decided once per run, not per draw, from the host's copy of the temperatures:
         # every drafting row samples, and at temperature 1 (the default: no division)
-        all_sampled = bool(run.sampled.all())
-        unit = all_sampled and temperature is not None and bool(
-            (self.plugin_runner.input_batch.temperature_cpu[rows] == 1.0).all())
+        all_sampled = all(run.sampled)
+        host_temperatures = self.plugin_runner.input_batch.temperature_cpu
+        unit = all_sampled and temperature is not None and all(
+            host_temperatures[r] == 1.0 for r in rows)
         mode = (all_sampled, unit)
-        # one uniform per row and position, drawn once for the run
-        shape = (run.rule.k_max, num_rows, 1)
-        uniforms = (None if temperature is None else self.uniforms.take_host(shape)
-                    if self._host_draws else self.uniforms.take(shape))
+        # one uniform per row and position, drawn once for the run (the host's draws
+        # read a position's as one row of [k_max, num_rows])
+        uniforms = (None if temperature is None
+                    else self.uniforms.take_host((run.rule.k_max, num_rows))
+                    if self._host_draws else self.uniforms.take((run.rule.k_max, num_rows, 1)))
         more = self._sample_into(run, hidden[last], temperature, mode, uniforms)
         first_pass = (time.perf_counter() - start, num_tokens - num_rows)
         warm = self._start_run(*first_pass)
@@ -540,17 +552,19 @@ class PluginDraftProposer(DraftModelProposer):
         # the slot mapping's padding rows must get the padding slot id, or the dummy rows
         # would write over real draft KV.
         padding = self._padding(num_rows)
-        if self._one_dim_positions:  # every pass's positions at once, one copy per pass
-            passes = self._decode_pass_inputs(cad, ends, run.rule.k_max - 1, padding[1])
+        padded_ids = self.input_ids[:padding[1]]  # [num_padded] (the same buffer every pass)
+        input_ids = padded_ids if padding[1] == num_rows else padded_ids[:num_rows]
+        if self._one_dim_positions:  # every pass's positions and slots at once
+            passes = decode_passes(cad.block_table_tensor, end_array, run.rule.k_max - 1,
+                                   self.block_size, self.max_model_len, padding[1])
         else:  # (M-RoPE positions: vLLM's update, one pass at a time)
             positions = self.positions[last].clone()  # (a slice for one row: not a view)
-        # the same buffer views every pass, taken once
-        inputs = self._decode_inputs(padding[1])
-        input_ids = self.input_ids[:num_rows]
+            inputs = self._decode_inputs(padding[1])  # (buffer views, rewritten per pass)
         for draft_index in range(1, run.rule.k_max):
             start = time.perf_counter()
             if self._one_dim_positions:
-                passes.set_pass(draft_index - 1, cad, self.positions, self._slot_mapping_buffer)
+                inputs = passes.set_pass(draft_index - 1, cad, padded_ids,
+                                         self._draft_attn_layer_names)
             else:
                 positions = self._update_positions_dependent_metadata(
                     positions, cad, num_rows, padding[1], self.block_size)
@@ -565,13 +579,13 @@ class PluginDraftProposer(DraftModelProposer):
                 return
 
     def _first_pass_inputs(self, batch: StepBatch, rows: np.ndarray, starts: np.ndarray,
-                           ends: np.ndarray, cad):
+                           ends: np.ndarray, cad, sizes: tuple[int, int, int]):
         """Token ids, positions and attention metadata of the first pass over ``rows``:
-        row i reads positions ``[starts[i], ends[i])`` through its own block table.
-        Returns (metadata, tokens in all, each row's last token: an index of [num_rows]
-        or, for one row, a slice)."""
-        query_lens = ends - starts  # [num_rows]
-        num_tokens = int(query_lens.sum())
+        row i reads positions ``[starts[i], ends[i])`` through its own block table
+        (``sizes``: the tokens in all, the longest query and the longest context, which
+        the caller has as Python ints). Returns (metadata, tokens in all, each row's last
+        token: an index of [num_rows] or, for one row, a slice)."""
+        num_tokens, max_query_len, max_seq_len = sizes
         # the integer work on the host in one compiled pass, into one int64 array [3,
         # num_tokens] (positions, token ids, slots): one conversion to a tensor, where
         # each numpy or torch call after the target's forward costs microseconds of cold
@@ -581,46 +595,38 @@ class PluginDraftProposer(DraftModelProposer):
         host_kernels.first_pass_inputs(rows, starts, ends, batch.token_ids,
                                        _host(cad.block_table_tensor), self.block_size,
                                        cu_query_lens, host)
-        values = torch.from_numpy(host).to(self.input_ids.device)  # [3, num_tokens]
+        values = torch.from_numpy(host)  # [3, num_tokens]
+        device = self.input_ids.device
+        if device.type != "cpu":
+            values = values.to(device)
         self.input_ids[:num_tokens].copy_(values[1])  # (int64 -> int32 in the copy)
         if self._one_dim_positions:
             self.positions[:num_tokens].copy_(values[0])
         else:
             self._set_positions(num_tokens, values[0])
-        device = values.device
+        on_cpu = device.type == "cpu"
         if rows[-1] == rows.size - 1:  # every row from 0 (rows ascend): a view
             block_table = cad.block_table_tensor[:rows.size]  # [num_rows, max_blocks]
         else:
             block_table = cad.block_table_tensor[torch.from_numpy(rows).to(device)]
         query_start_loc_cpu = torch.from_numpy(cu_query_lens)
         seq_lens_cpu = torch.from_numpy(ends.astype(np.int32))
-        query_start_loc = query_start_loc_cpu.to(device)
         sub = CommonAttentionMetadata(
-            query_start_loc=query_start_loc, query_start_loc_cpu=query_start_loc_cpu,
-            seq_lens=seq_lens_cpu.to(device), num_reqs=rows.size, num_actual_tokens=num_tokens,
-            max_query_len=int(query_lens.max()), max_seq_len=int(ends.max()),
+            query_start_loc=query_start_loc_cpu if on_cpu else query_start_loc_cpu.to(device),
+            query_start_loc_cpu=query_start_loc_cpu,
+            seq_lens=seq_lens_cpu if on_cpu else seq_lens_cpu.to(device),
+            num_reqs=rows.size, num_actual_tokens=num_tokens,
+            max_query_len=max_query_len, max_seq_len=max_seq_len,
             block_table_tensor=block_table, slot_mapping=values[2], causal=True,
-            seq_lens_cpu_upper_bound=seq_lens_cpu.clone())
+            # (vLLM's M-RoPE update writes the lengths in place: not into seq_lens)
+            seq_lens_cpu_upper_bound=(seq_lens_cpu if self._one_dim_positions
+                                      else seq_lens_cpu.clone()))
         # [num_rows] each row's last token: one row's is a view (a slice; a gather by a
         # tensor index held, by py-spy at batch 1, 3% of the plugin's samples, draft forwards
         # included)
         last = (slice(num_tokens - 1, num_tokens) if rows.size == 1
                 else torch.from_numpy(cu_query_lens[1:] - 1).to(device))
         return sub, num_tokens, last
-
-    def _decode_pass_inputs(self, cad, ends: np.ndarray, num_passes: int,
-                            num_padded: int) -> "DecodePasses":
-        """The positions, slots and sequence lengths of every decode pass the run may
-        make (``ends`` [num_rows]: each row's context length, its newest token
-        included), computed once: vLLM's own update
-        (``_update_positions_dependent_metadata``) makes a call per pass that measured
-        ~0.08 ms here, most of a pass's glue outside the forward. The padding rows of the
-        slot mapping (up to ``num_padded``) get the padding slot once: nothing else writes
-        them during the run."""
-        if num_padded > ends.size:
-            self._slot_mapping_buffer[ends.size:num_padded].fill_(PADDING_SLOT_ID)
-        return decode_passes(cad.block_table_tensor, ends, num_passes, self.block_size,
-                             self.max_model_len)
 
     def _learn_draft_step(self, context, num_accepted: list[int],
                           rejected: list[int] | None) -> None:
@@ -795,41 +801,57 @@ class PluginDraftProposer(DraftModelProposer):
             all_sampled=all_sampled, unit_temperature=unit,
             uniform=None if uniforms is None else uniforms[run.num_positions]))
 
-    def _finish(self, run: DraftRun, rows: np.ndarray, batch: StepBatch) -> torch.Tensor:
+    def _finish(self, run: DraftRun, rows: list[int], batch: StepBatch) -> list[list[int]]:
         """The draft model alone: every drafting row keeps what its rule drafted."""
-        self._count_step(self._keep_runs(run, rows, batch))
-        token_ids, self._last_draft_probs = self._full_rows(run, rows, batch.num_reqs)
-        return token_ids
+        lengths = self._keep_runs(run, rows, batch)
+        self._count_step(lengths)
+        self._last_draft_probs = self._full_probs(run, rows, batch.num_reqs)
+        return self._drafts(run, rows, lengths)
 
-    def _keep_runs(self, run: DraftRun, rows: np.ndarray, batch: StepBatch) -> list[int]:
+    def _keep_runs(self, run: DraftRun, rows: list[int], batch: StepBatch) -> list[int]:
         """Every drafting row sends what its run drafted (the draft model alone, or the
         union's held step): recorded to learn from, noted for the cursor and the cost
         model; returns [num_reqs] the draft tokens each row sends."""
         lengths = [0] * batch.num_reqs
-        if rows.size:
-            row_list = rows.tolist()
-            for r, n in zip(row_list, run.length_list()):
-                lengths[r] = n
-            self.outcomes.record([batch.req_ids[r] for r in row_list], run)
+        for r, n in zip(rows, run.length_list()):
+            lengths[r] = n
+        self._note_drafts(run, lengths)
+        # what the next step learns from: read only after it settles (see _settle), so
+        # in the worker's wait (Background)
+        self._defer(lambda: self._record_runs(run, rows, batch, lengths))
+        return lengths
+
+    def _record_runs(self, run: DraftRun, rows: list[int], batch: StepBatch,
+                     lengths: list[int]) -> None:
+        """:meth:`_keep_runs`'s drafts recorded to learn from and noted for the cursor."""
+        if rows:
+            self.outcomes.record([batch.req_ids[r] for r in rows], run)
         else:
             self.outcomes.forget()
         self._note_ahead(run, rows, batch, lengths)
-        self._note_drafts(run, lengths)
-        return lengths
 
-    def _note_ahead(self, run: DraftRun, rows: np.ndarray, batch: StepBatch,
+    @staticmethod
+    def _drafts(run: DraftRun, rows: list[int], lengths: list[int]) -> list[list[int]]:
+        """[num_reqs] each row's draft tokens as it sends them (``lengths`` [num_reqs]),
+        as lists: vLLM's scheduler takes lists, and a tensor would cost vLLM's copy to the
+        host and its read back."""
+        drafts: list[list[int]] = [[] for _ in lengths]
+        for r, tokens in zip(rows, run.token_lists([lengths[r] for r in rows])):
+            drafts[r] = tokens
+        return drafts
+
+    def _note_ahead(self, run: DraftRun, rows: list[int], batch: StepBatch,
                     sent: list[int]) -> None:
         """Tell the cursor which rows' decode passes read the draft tokens they send
         (``sent``: [num_reqs] the draft's own tokens each row verifies), for
         :meth:`DraftKVCursor.accepted`. Not with the batch-expanding scorer: a row's
         emitted tokens may then be another candidate's."""
-        if not rows.size or self.plugin_runner.expander is not None:
+        if not rows or self.plugin_runner.expander is not None:
             self.cursor.forget_pending()
             return
         passes = run.num_positions - 1  # decode passes run (the first pass excluded)
-        row_list = rows.tolist()
-        self.cursor.drafted([batch.req_ids[r] for r in row_list],
-                            [min(sent[r], passes) for r in row_list])
+        self.cursor.drafted([batch.req_ids[r] for r in rows],
+                            [min(sent[r], passes) for r in rows])
 
     def _count_step(self, lengths: list[int]) -> None:  # [num_reqs] draft tokens per row
         """The draft model alone: its choices this step, for the metrics."""
@@ -845,24 +867,29 @@ class PluginDraftProposer(DraftModelProposer):
         self._last_forwards = run.num_positions  # the first pass included
         self._last_draft_tokens = sum(lengths)
 
-    def _full_rows(self, run: DraftRun, rows: np.ndarray, num_reqs: int):
+    def _full_rows(self, run: DraftRun, rows: list[int], num_reqs: int):
         """The run's [num_rows, positions] token ids (and [num_rows, positions, vocab] draft
         probabilities) as [num_reqs, ...] tensors, zero for rows that did not draft."""
         device = self.input_ids.device
-        if not rows.size:
+        if not rows:
             return torch.zeros((num_reqs, 1), dtype=torch.int64, device=device), None
         drafted = run.stacked_token_ids()
-        if rows.size == num_reqs:  # every row drafted (rows ascending): nothing to scatter
+        if len(rows) == num_reqs:  # every row drafted (rows ascending): nothing to scatter
             return drafted, run.stacked_draft_probs()
-        index = torch.from_numpy(rows).to(device)
+        index = torch.tensor(rows, dtype=torch.int64, device=device)
         token_ids = drafted.new_zeros((num_reqs, drafted.shape[1]))
         token_ids[index] = drafted
-        draft_probs = run.stacked_draft_probs()
-        if draft_probs is not None:
-            full = draft_probs.new_zeros((num_reqs, *draft_probs.shape[1:]))
-            full[index] = draft_probs
-            draft_probs = full
-        return token_ids, draft_probs
+        return token_ids, self._full_probs(run, rows, num_reqs)
+
+    def _full_probs(self, run: DraftRun, rows: list[int], num_reqs: int):
+        """The run's [num_rows, positions, vocab] draft probabilities as [num_reqs, ...],
+        zero for rows that did not draft (None: the run drew none, all greedy)."""
+        draft_probs = run.stacked_draft_probs() if rows else None
+        if draft_probs is None or len(rows) == num_reqs:  # (rows ascending: no scatter)
+            return draft_probs
+        full = draft_probs.new_zeros((num_reqs, *draft_probs.shape[1:]))
+        full[torch.tensor(rows, dtype=torch.int64, device=full.device)] = draft_probs
+        return full
 
 
     def _speculating(self, context, scheduled: list[int], num_accepted: list[int],
@@ -983,8 +1010,8 @@ class PluginDraftProposer(DraftModelProposer):
                                  / max(1, sum(p.numel() for p in target.parameters())))
         return self._param_ratio * self.union.cost.forward_one(max(1, num_rows))
 
-    def _finish_union(self, run: DraftRun, rows: np.ndarray, batch: StepBatch,
-                      offers) -> torch.Tensor:
+    def _finish_union(self, run: DraftRun, rows: list[int], batch: StepBatch,
+                      offers) -> list[list[int]]:
         """The union chooses, per request, the draft's candidate or a token-level one (and
         how much of it). Draft rows keep their draft probabilities; token-level rows are
         deterministic guesses and get one-hot ones, so at temperature > 0 both kinds are
@@ -992,7 +1019,7 @@ class PluginDraftProposer(DraftModelProposer):
         token_ids, draft_probs = self._full_rows(run, rows, batch.num_reqs)
         lengths = np.zeros(batch.num_reqs, dtype=np.int64)
         confidences = np.zeros(token_ids.shape)
-        if rows.size:
+        if rows:
             lengths[rows] = run.lengths()
             confidences[rows] = run.stacked_confidences()
         self.draft_candidates.set(token_ids.cpu().numpy(), confidences, lengths)
@@ -1003,10 +1030,9 @@ class PluginDraftProposer(DraftModelProposer):
         draft_rows = np.array([source == draft_index for source in self.plan.sources],
                               dtype=bool)
         chosen = [len(d) for d in drafts]
-        if rows.size:
-            row_list = rows.tolist()
-            self.outcomes.record([batch.req_ids[r] for r in row_list], run,
-                                 [chosen[r] if draft_rows[r] else 0 for r in row_list])
+        if rows:
+            self.outcomes.record([batch.req_ids[r] for r in rows], run,
+                                 [chosen[r] if draft_rows[r] else 0 for r in rows])
         else:
             self.outcomes.forget()
         self._note_drafts(run, chosen)
@@ -1017,18 +1043,19 @@ class PluginDraftProposer(DraftModelProposer):
         self._note_ahead(run, rows, batch, [c if v else 0 for c, v in zip(chosen, verified)])
         return self._mixed_output(token_ids, draft_probs, drafts, verified)
 
-    def _finish_held(self, run: DraftRun, rows: np.ndarray, batch: StepBatch) -> torch.Tensor:
+    def _finish_held(self, run: DraftRun, rows: list[int],
+                     batch: StepBatch) -> list[list[int]]:
         """The union's held step (:meth:`Union.choose_held
         <specplugin.adaptive.union.Union.choose_held>`): every drafting row keeps what its
         run drafted, as with the draft model alone (:meth:`_finish`); the union remembers
         it."""
         lengths = self._keep_runs(run, rows, batch)
         signals: list[list[float]] = [[] for _ in lengths]  # [num_reqs][length]
-        for i, r in enumerate(rows.tolist()):
+        for i, r in enumerate(rows):
             signals[r] = run.row_confidences(i, lengths[r])
         self.plan = self.union.choose_held(batch, lengths, signals, run.num_positions)
-        token_ids, self._last_draft_probs = self._full_rows(run, rows, batch.num_reqs)
-        return token_ids
+        self._last_draft_probs = self._full_probs(run, rows, batch.num_reqs)
+        return self._drafts(run, rows, lengths)
 
     def _finish_without_draft(self, batch: StepBatch, offers) -> list[list[int]]:
         """The union's step in which the draft model runs for no row: its choice among the
@@ -1045,18 +1072,12 @@ class PluginDraftProposer(DraftModelProposer):
         return drafts
 
     def _mixed_output(self, token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
-                      drafts, draft_rows: np.ndarray) -> torch.Tensor:
-        """[num_reqs, k_out] token ids (and [num_reqs, k_out, vocab] probabilities when
-        sampling) holding each row's chosen draft; ``draft_probs`` [num_reqs, positions,
-        vocab] are the draft model's, taken for the ``draft_rows``; the other rows' drafts
-        are deterministic guesses (one-hot). ``drafts`` already holds every row's tokens
-        (a draft row's are its prefix of ``token_ids``), so they are laid out on the host
-        and sent once: no tensor per row."""
+                      drafts, draft_rows: np.ndarray) -> list[list[int]]:
+        """Each row's chosen draft, as lists (``drafts``: a draft row's are its prefix of
+        ``token_ids``), and [num_reqs, k_out, vocab] probabilities when sampling:
+        ``draft_probs`` [num_reqs, positions, vocab] are the draft model's, taken for the
+        ``draft_rows``; the other rows' drafts are deterministic guesses (one-hot)."""
         num_reqs, k_out = len(drafts), max(1, max(len(d) for d in drafts))
-        laid_out = np.zeros((num_reqs, k_out), dtype=np.int64)
-        for r, draft in enumerate(drafts):
-            laid_out[r, :len(draft)] = draft
-        out = torch.from_numpy(laid_out).to(device=token_ids.device, dtype=token_ids.dtype)
         probs = None
         guessed = [bool(d) and not draft_rows[r] for r, d in enumerate(drafts)]
         if draft_probs is not None and not any(guessed):
@@ -1073,17 +1094,25 @@ class PluginDraftProposer(DraftModelProposer):
             guess = (~draft_rows & (lengths > 0))[:, None] & (
                 np.arange(k_out)[None, :] < lengths[:, None])  # [num_reqs, k_out]
             if guess.any():
-                r, j = (torch.from_numpy(a).to(probs.device) for a in np.nonzero(guess))
-                probs[r, j, out[r, j]] = 1.0
+                rows, positions = np.nonzero(guess)
+                tokens = [drafts[r][j] for r, j in zip(rows.tolist(), positions.tolist())]
+                r, j, t = (torch.as_tensor(a, dtype=torch.int64, device=probs.device)
+                           for a in (rows, positions, tokens))
+                probs[r, j, t] = 1.0
         self._last_draft_probs = probs
-        return out
+        return drafts
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodePasses:
     """Inputs of a draft run's decode passes, one row of each tensor per pass:
-    [num_passes, num_rows] positions (int64), slots (int64) and sequence lengths (int32,
-    on the device and on the host), as vLLM's update leaves them after each pass."""
+    [num_passes, num_padded] positions and slots (int64; the padding columns read position
+    0 into the padding slot) and [num_passes, num_rows] sequence lengths (int32, on the
+    device and on the host), as vLLM's update leaves them after each pass. Computed once
+    for the run (:func:`decode_passes`): vLLM's own update
+    (``_update_positions_dependent_metadata``) made a call per pass that measured ~0.08
+    ms here, most of a pass's glue outside the forward; a pass then reads its row of each
+    as views, where copying them into the proposer's buffers took two copies a pass."""
 
     positions: torch.Tensor
     slots: torch.Tensor
@@ -1091,38 +1120,52 @@ class DecodePasses:
     seq_lens_cpu: torch.Tensor
     max_model_len: int
 
-    def set_pass(self, index: int, cad, positions: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        """Pass ``index`` (0: the first decode pass) into the proposer's ``positions``
-        and ``slot_mapping`` buffers and the run's attention metadata ``cad``."""
-        num_rows = self.positions.shape[1]
-        positions[:num_rows].copy_(self.positions[index])
-        slot_mapping[:num_rows].copy_(self.slots[index])
-        cad.slot_mapping = slot_mapping[:num_rows]
+    def set_pass(self, index: int, cad, input_ids: torch.Tensor,
+                 layer_names) -> tuple[dict, dict]:
+        """Pass ``index`` (0: the first decode pass) into the run's attention metadata
+        ``cad``; returns the pass's model inputs (``input_ids``: [num_padded], the buffer
+        the loop writes each pass's tokens into) and its slot mapping for ``layer_names``
+        (the draft's attention layers), as :meth:`PluginDraftProposer._forward` takes them."""
+        num_rows = self.seq_lens.shape[1]
+        slots = self.slots[index]  # [num_padded]
+        cad.slot_mapping = slots if slots.shape[0] == num_rows else slots[:num_rows]
         cad.seq_lens = self.seq_lens[index]
         cad.seq_lens_cpu_upper_bound = self.seq_lens_cpu[index]
         cad.max_seq_len = min(cad.max_seq_len + 1, self.max_model_len)
+        return ({"input_ids": input_ids, "positions": self.positions[index],
+                 "inputs_embeds": None}, dict.fromkeys(layer_names, slots))
 
 
 def decode_passes(block_table: torch.Tensor,  # [num_rows, max_blocks] the rows' own tables
                   ends: np.ndarray,  # [num_rows] context length, the newest token included
-                  num_passes: int, block_size: int, max_model_len: int) -> DecodePasses:
+                  num_passes: int, block_size: int, max_model_len: int,
+                  num_padded: int | None = None) -> DecodePasses:
     """What vLLM's per-pass update (``eagle_step_update_slot_mapping_and_metadata``)
     gives for passes 1..``num_passes`` after a first pass that ended at each row's
     newest token (position ``ends - 1``): pass j reads position ``ends - 1 + j``, or,
     past ``max_model_len`` (a row that stopped drafting, still computed), position 0
-    into the padding slot with a sequence of 1."""
-    # One int64 array holds positions and slots ([2, num_passes, num_rows]), filled in one
-    # compiled pass: one conversion to a tensor, where each numpy or torch call after the
-    # draft forward costs microseconds of cold caches.
-    out = np.empty((2, num_passes, ends.size), dtype=np.int64)
+    into the padding slot with a sequence of 1. ``num_padded`` (default the rows): the
+    forwards' padded token count (CUDA graphs run a captured batch size), whose dummy
+    rows must write into the padding slot, never over real draft KV."""
+    # One int64 tensor holds positions and slots ([2, num_passes, num_padded]), filled in
+    # one compiled pass, where each numpy or torch call after the draft forward costs
+    # microseconds of cold caches. Each pass's row starts on 64 bytes (the row stride is
+    # rounded up to 8 values): it is a compiled model's input, as the proposer's own
+    # buffers are.
+    num_padded = num_padded or ends.size
+    both = torch.empty((2, num_passes, -(-num_padded // 8) * 8), dtype=torch.int64)
+    both = both[:, :, :num_padded]
     seq_lens = np.empty((num_passes, ends.size), dtype=np.int32)
     host_kernels.decode_pass_inputs(_host(block_table), ends.astype(np.int64, copy=False),
-                                    block_size, max_model_len, PADDING_SLOT_ID, out, seq_lens)
-    device = block_table.device
-    both = torch.from_numpy(out).to(device)
+                                    block_size, max_model_len, PADDING_SLOT_ID, both.numpy(),
+                                    seq_lens)
     seq_lens_cpu = torch.from_numpy(seq_lens)
-    return DecodePasses(both[0], both[1], seq_lens_cpu.to(device), seq_lens_cpu, max_model_len)
+    device = block_table.device
+    if device.type == "cpu":  # (no copy, nor a call that would return the same tensors)
+        device_seq_lens = seq_lens_cpu
+    else:
+        both, device_seq_lens = both.to(device), seq_lens_cpu.to(device)
+    return DecodePasses(both[0], both[1], device_seq_lens, seq_lens_cpu, max_model_len)
 
 
 def _host(table: torch.Tensor) -> np.ndarray:

@@ -112,7 +112,7 @@ WORKER_TIMED: Timed = (
     (_DRAFT, "PluginDraftProposer", "_union_offers", "plugin: plan"),
     (_DRAFT, "PluginDraftProposer", "_first_pass_inputs", "draft: inputs"),
     (_DRAFT, "PluginDraftProposer", "_forward", "draft: inputs"),  # metadata around the forward
-    (_DRAFT, "PluginDraftProposer", "_decode_pass_inputs", "draft: inputs"),
+    (_DRAFT, None, "decode_passes", "draft: inputs"),
     # inside them, per forward: vLLM's attention metadata (its CPU builder's scheduler
     # metadata included), and the next decode pass's positions and slots
     (_DRAFT, "PluginDraftProposer", "build_per_group_and_layer_attn_metadata",
