@@ -80,12 +80,11 @@ def test_a_mixed_batch_hands_the_sampler_each_rows_tokens_and_probabilities():
         _last_draft_probs = None
 
     vocab = 11
-    token_ids = torch.tensor([[3, 4, 5], [0, 0, 0], [7, 8, 9], [0, 0, 0]])  # the draft's
     draft_probs = torch.rand((4, 3, vocab))
     drafts = [[3, 4], [6, 2, 1], [], [10]]  # row 0 the draft's, rows 1 and 3 token-level
     draft_rows = np.array([True, False, True, False])
     drafter = Drafter()
-    out = PluginDraftProposer._mixed_output(drafter, token_ids, draft_probs, drafts, draft_rows)
+    out = PluginDraftProposer._mixed_output(drafter, draft_probs, drafts, draft_rows)
     assert out == [[3, 4], [6, 2, 1], [], [10]]  # each row's draft as sent
     probs = drafter._last_draft_probs
     assert probs.shape == (4, 3, vocab)
@@ -95,5 +94,5 @@ def test_a_mixed_batch_hands_the_sampler_each_rows_tokens_and_probabilities():
         one_hot[torch.arange(len(draft)), torch.tensor(draft)] = 1.0
         assert torch.equal(probs[r], one_hot), r
     assert not probs[2].any()
-    PluginDraftProposer._mixed_output(drafter, token_ids, None, drafts, draft_rows)
+    PluginDraftProposer._mixed_output(drafter, None, drafts, draft_rows)
     assert drafter._last_draft_probs is None  # greedy: no probabilities

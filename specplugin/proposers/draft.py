@@ -159,7 +159,7 @@ def sample_draft_tokens(
     return token_ids, confidence_of(draft_probs), draft_probs
 
 
-_NO_GREEDY: dict[int, np.ndarray] = {}  # num_rows -> all False (read only)
+_NO_GREEDY: dict[int, np.ndarray] = {}  # num_rows -> all False (only ever read)
 
 
 def _no_greedy_rows(num_rows: int) -> np.ndarray:  # [num_rows] bool, all False

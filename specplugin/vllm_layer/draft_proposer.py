@@ -731,8 +731,9 @@ class PluginDraftProposer(DraftModelProposer):
         """One draft-model forward over ``num_tokens`` query tokens on the paged cache;
         ``draft_index`` 0 is the first pass (many tokens per request), then one each.
         ``padding``: vLLM's (cudagraph mode, padded token count, tokens across DP ranks)
-        for this pass, computed here when not given; ``inputs``: a decode pass's
-        :meth:`_decode_inputs`, taken here when not given."""
+        for this pass, computed here when not given; ``inputs``: a decode pass's model
+        inputs and slot mapping (:meth:`DecodePasses.set_pass`, or :meth:`_decode_inputs`
+        with M-RoPE positions)."""
         if self._forward_fault is not None:
             self._forward_fault.tick()
         _, attn_metadata = self.build_per_group_and_layer_attn_metadata(cad, draft_index)
@@ -743,7 +744,7 @@ class PluginDraftProposer(DraftModelProposer):
                 num_tokens, num_input_tokens, None)
             slot_mapping = self._get_slot_mapping(slot_size, cad.slot_mapping)
         else:
-            kwargs, slot_mapping = inputs or self._decode_inputs(num_input_tokens)
+            kwargs, slot_mapping = inputs
         with set_forward_context(attn_metadata, self.vllm_config, num_tokens=num_input_tokens,
                                  num_tokens_across_dp=across_dp,
                                  cudagraph_runtime_mode=mode, slot_mapping=slot_mapping):
@@ -1041,7 +1042,7 @@ class PluginDraftProposer(DraftModelProposer):
         decoyed = self.union.decoy_primary & ~np.asarray(batch.sampled, dtype=bool)
         verified = draft_rows & ~decoyed  # [num_reqs] the rows that verify the draft's tokens
         self._note_ahead(run, rows, batch, [c if v else 0 for c, v in zip(chosen, verified)])
-        return self._mixed_output(token_ids, draft_probs, drafts, verified)
+        return self._mixed_output(draft_probs, drafts, verified)
 
     def _finish_held(self, run: DraftRun, rows: list[int],
                      batch: StepBatch) -> list[list[int]]:
@@ -1071,10 +1072,10 @@ class PluginDraftProposer(DraftModelProposer):
         # token-level methods hand back no draft probabilities either)
         return drafts
 
-    def _mixed_output(self, token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
-                      drafts, draft_rows: np.ndarray) -> list[list[int]]:
-        """Each row's chosen draft, as lists (``drafts``: a draft row's are its prefix of
-        ``token_ids``), and [num_reqs, k_out, vocab] probabilities when sampling:
+    def _mixed_output(self, draft_probs: torch.Tensor | None, drafts,
+                      draft_rows: np.ndarray) -> list[list[int]]:
+        """Each row's chosen draft, as lists (``drafts``: a draft row's are a prefix of
+        the draft's run), and [num_reqs, k_out, vocab] probabilities when sampling:
         ``draft_probs`` [num_reqs, positions, vocab] are the draft model's, taken for the
         ``draft_rows``; the other rows' drafts are deterministic guesses (one-hot)."""
         num_reqs, k_out = len(drafts), max(1, max(len(d) for d in drafts))
