@@ -9,8 +9,9 @@ complete --batch-size 1 --temperature 1 --methods none,plugin-draft-vllm-k --tim
 --set step_arbiter=false``) verification went from 0.211 to 0.115-0.136 ms a step, the
 draft's draws from 0.130 to 0.080-0.099 ms (1.93 a step) and the draft's inputs and
 metadata from 0.225-0.236 to 0.155-0.165 ms (the first pass's and the decode passes'
-positions, token ids and slots). The vocabulary-wide softmax stays torch's: vectorised,
-where a scalar ``exp`` loop here is several times slower.
+positions, token ids and slots). The draft's softmax joined its draw later
+(:func:`softmax_draw_rows`): a scalar ``exp`` loop here is several times slower than
+torch's vectorised one, so its exponential is a polynomial that LLVM vectorises.
 
 What it does not buy: the first call after a forward pays for the caches the forward swept,
 whichever call it is, so removing one small call moves much of its cost to the next.
@@ -81,13 +82,15 @@ def cdf_draw(weights, u):  # weights: [vocab_size] >= 0; u in (0, 1]
     return first_reaching(weights, u * total)
 
 
-@numba.njit("void(float32[:, :], float64[:], boolean[::1], int64[::1], float32[::1])", **JIT)
-def draw_rows(probs, uniforms, greedy, token_ids, confidence):
+@numba.njit("void(float32[:, :], float64[:], boolean[::1], int64[::1], float32[::1], "
+             "int32[::1])", **JIT)
+def draw_rows(probs, uniforms, greedy, token_ids, confidence, ids32):
     """One draft token per row of ``probs`` ([num_rows, vocab_size], rows summing to 1):
     the argmax where ``greedy``, else the draw of :func:`cdf_draw` at the row's uniform
-    (``uniforms``: [num_rows] in (0, 1]); writes ``token_ids`` [num_rows] and
-    ``confidence`` [num_rows] (each row's top probability). One pass finds the top and the
-    total, a second walks the running sum to the draw."""
+    (``uniforms``: [num_rows] in (0, 1]); writes ``token_ids`` [num_rows], ``confidence``
+    [num_rows] (each row's top probability) and, unless it is empty, ``ids32``
+    [num_rows] (the tokens again, as the next forward's int32 input ids). One pass finds
+    the top and the total, a second walks the running sum to the draw."""
     vocab = probs.shape[1]
     for i in range(probs.shape[0]):
         row = probs[i]
@@ -99,6 +102,104 @@ def draw_rows(probs, uniforms, greedy, token_ids, confidence):
                 best, top = v, p
         confidence[i] = top
         token_ids[i] = best if greedy[i] else first_reaching(row, uniforms[i] * total)
+        if ids32.shape[0] > 0:
+            ids32[i] = token_ids[i]
+
+
+# 2**f for f in [0, 1): exp(f ln 2) to degree 7 (coefficients ln(2)**k / k!), within 2e-6
+# of it; a polynomial LLVM vectorises, where ``math.exp`` is a scalar call per entry
+_LOG2E = np.float32(1.4426950408889634)
+_EXP2 = tuple(np.float32(c) for c in (
+    1.0, 0.6931471805599453, 0.2402265069591007, 0.05550410866482158,
+    0.009618129107628477, 0.0013333558146428443, 0.00015403530393381606,
+    1.525273380405984e-05))
+_LOWEST = np.float32(-126.0)  # 2**-126, float32's smallest normal: below it, 0
+_BLOCK = 64  # a draw's block: summed vectorised, then walked entry by entry
+
+
+@numba.njit("float32(float32[::1], int64)", fastmath=True, **JIT)
+def _block_sum(weights, start):  # the float32 sum of weights[start:start + _BLOCK]
+    total = np.float32(0.0)
+    for v in range(start, min(start + _BLOCK, weights.shape[0])):
+        total += weights[v]
+    return total
+
+
+@numba.njit("int64(float32[::1], float64)", **JIT)
+def _blocked_draw(weights, u):  # weights: [vocab_size] >= 0; u in (0, 1]
+    """The first token whose running sum of ``weights`` reaches ``u`` times their total,
+    the sums taken block by block (see :func:`softmax_draw_rows`)."""
+    vocab = weights.shape[0]
+    sums = np.empty(-(-vocab // _BLOCK), dtype=np.float64)
+    total = 0.0
+    for b in range(sums.shape[0]):
+        sums[b] = _block_sum(weights, b * _BLOCK)
+        total += sums[b]
+    target = u * total
+    running = 0.0
+    for b in range(sums.shape[0]):
+        if running + sums[b] >= target:
+            inside = running
+            for v in range(b * _BLOCK, min((b + 1) * _BLOCK, vocab)):
+                inside += weights[v]
+                if weights[v] > 0 and inside >= target:
+                    return v
+        running += sums[b]
+    for v in range(vocab - 1, -1, -1):  # (rounding carried the target past the end)
+        if weights[v] > 0:
+            return v
+    return 0  # (a row of no mass at all)
+
+
+@numba.njit("void(float32[:, ::1], float32[::1], float64[:], boolean[::1], float32[:, ::1], "
+             "int64[::1], float32[::1], int32[::1], int32[::1])", fastmath=True, **JIT)
+def softmax_draw_rows(logits, scale, uniforms, greedy, probs, token_ids, confidence, ids32,
+                      bits):
+    """:func:`draw_rows` from the logits: ``probs`` [num_rows, vocab_size] gets each row's
+    ``softmax(logits * scale)`` (``scale``: [num_rows] each row's 1 / temperature), and
+    the draw, the top probability and the int32 copy are :func:`draw_rows`'s, in one call
+    where the softmax took a torch call of its own (~10-25 us after a draft forward).
+
+    The exponential is ``2**t`` split as ``2**floor(t)`` (the float's exponent bits, through
+    ``bits``: [vocab_size] scratch) times a polynomial in the fraction, to within 2e-6 of
+    ``exp``; an entry below ``2**-126`` of the row's top gets 0, as ``-inf`` logits do. The
+    draft's distribution is whatever these probabilities are: the draw and the verifier
+    read the same ones, which is all losslessness asks. The draw walks running sums in
+    blocks of :data:`_BLOCK` (each block's float32 sum vectorised, the running total in
+    float64) to the first token whose sum reaches ``u * total``, then entry by entry inside
+    that block; only a token of positive probability is ever drawn (past the end, through
+    the rounding of the block sums, the last such token)."""
+    num_rows, vocab = logits.shape
+    two = bits.view(np.float32)  # [vocab_size] 2**floor(t), written as exponent bits
+    c0, c1, c2, c3, c4, c5, c6, c7 = _EXP2
+    for i in range(num_rows):
+        x, out = logits[i], probs[i]
+        top = x[0]
+        for v in range(vocab):
+            top = max(top, x[v])
+        best = 0
+        while x[best] != top:  # the first token at the maximum (argmax's)
+            best += 1
+        k = scale[i] * _LOG2E
+        for v in range(vocab):
+            t = max((x[v] - top) * k, _LOWEST)
+            n = np.floor(t)
+            f = t - n
+            out[v] = c0 + f * (c1 + f * (c2 + f * (c3 + f * (c4 + f * (c5 + f * (
+                c6 + f * c7))))))
+            bits[v] = 0 if t <= _LOWEST else (np.int32(n) + np.int32(127)) << np.int32(23)
+        total = np.float32(0.0)
+        for v in range(vocab):
+            e = out[v] * two[v]
+            out[v] = e
+            total += e
+        inv = np.float32(1.0) / total
+        for v in range(vocab):
+            out[v] *= inv
+        confidence[i] = out[best]
+        token_ids[i] = best if greedy[i] else _blocked_draw(out, uniforms[i])
+        if ids32.shape[0] > 0:
+            ids32[i] = token_ids[i]
 
 
 @numba.njit(["void(int64[::1], int32[::1], int64[::1], int32[:, ::1], int32)",

@@ -28,6 +28,7 @@ from specplugin.adaptive.draft_rule import (
 )
 from specplugin.proposers.draft import (
     DraftKVCursor,
+    HostDraws,
     UniformPool,
     confidence_of,
     draft_uniforms,
@@ -134,6 +135,35 @@ def test_stacked_outputs_have_one_column_per_position():
     assert run.stacked_token_ids().tolist() == [[0, 1, 2], [10, 11, 12]]
     assert run.stacked_draft_probs().shape == (2, 3, 5)
     assert run.stacked_confidences().shape == (2, 3)
+
+
+def test_a_runs_host_draws_are_the_per_position_draws_in_one_block():
+    """``HostDraws`` (a run's float32 draws into blocks made once) draws what
+    :func:`sample_draft_tokens` draws from the same logits and uniforms, position by
+    position (tokens, confidences, probabilities, the int32 copy), and the run reads its
+    probabilities back from the block as the per-position list would stack them."""
+    generator = torch.Generator().manual_seed(5)
+    sampled, temperature = [True, False, True], np.array([0.8, 0.0, 1.0], dtype=np.float32)
+    uniforms = draft_uniforms((4, 3), "cpu", generator).numpy()
+    next_ids = np.zeros(3, dtype=np.int32)
+    draws = HostDraws(uniforms, temperature, sampled, next_ids)
+    blocked = DraftRun(StopRule(k=4, k_max=4), Identity(), sampled)
+    listed = DraftRun(StopRule(k=4, k_max=4), Identity(), sampled)
+    for position in range(4):
+        logits = torch.randn(3, 300, generator=generator) * 3
+        if position % 2:  # (a view of wider rows, as an LM head may hand back)
+            logits = torch.cat([logits, torch.zeros(3, 20)], dim=1)[:, :300]
+        tokens, confidence, _ = draws.draw(position, logits)
+        want = sample_draft_tokens(logits, torch.from_numpy(temperature),
+                                   torch.tensor(sampled), uniform=uniforms[position])
+        assert tokens.tolist() == want[0].tolist() == next_ids.tolist()
+        assert confidence == want[1]
+        blocked.add(tokens, confidence)
+        blocked.probs_block = draws.probs
+        listed.add(*want)
+    assert torch.equal(blocked.stacked_draft_probs(), listed.stacked_draft_probs())
+    assert torch.equal(blocked.stacked_token_ids(), listed.stacked_token_ids())
+    assert blocked.token_lists([4, 2, 3]) == listed.token_lists([4, 2, 3])
 
 
 def test_calibration_learns_acceptance_per_table_and_position():
@@ -410,7 +440,8 @@ def test_draft_tokens_follow_the_draft_probabilities_they_return():
 def test_the_compiled_draw_is_the_inverse_cdf_draw():
     """On CPU the draw, the greedy rows' argmax and the confidence come from one compiled
     pass (``host_kernels.draw_rows``): the same tokens as :func:`inverse_cdf_draw` and
-    torch's argmax from the same uniforms, and each row's top probability."""
+    torch's argmax from the same uniforms, each row's top probability, and the tokens
+    again as int32 where the next forward's input ids are asked for."""
     generator = torch.Generator().manual_seed(4)
     for vocab_size in (5, 300, 6144):
         logits = torch.randn(64, vocab_size, generator=generator) * 3
@@ -418,11 +449,58 @@ def test_the_compiled_draw_is_the_inverse_cdf_draw():
         sampled = torch.rand(64, generator=generator) < 0.7
         uniform = draft_uniforms((64, 1), "cpu", generator)
         uniform[::7] = 1.0
+        next_ids = np.full(64, -1, dtype=np.int32)
         token_ids, confidence, probs = sample_draft_tokens(
-            logits, torch.ones(64), sampled, uniform=uniform.numpy())
+            logits, torch.ones(64), sampled, uniform=uniform.numpy(), next_ids=next_ids)
         want = torch.where(sampled, inverse_cdf_draw(probs, uniform), probs.argmax(dim=-1))
         assert token_ids.tolist() == want.tolist()
+        assert next_ids.tolist() == want.tolist()
         assert confidence == probs.amax(dim=-1).tolist()
+
+
+def test_the_host_draws_softmax_is_torchs_within_float_rounding():
+    """With float32 logits on the host the softmax is in the draw's compiled pass
+    (``host_kernels.softmax_draw_rows``, its exponential a polynomial): each row's
+    probabilities are ``softmax(logits / temperature)`` (greedy rows' at temperature 1)
+    within 1e-5 of each entry, a ``-inf`` logit's exactly 0, each row sums to 1, and the
+    confidence is the row's top probability."""
+    generator = torch.Generator().manual_seed(11)
+    for vocab_size in (3, 64, 65, 6144):
+        logits = torch.randn(6, vocab_size, generator=generator) * 6
+        logits[1, : vocab_size // 2] = -float("inf")
+        logits[2] += 90.0  # (large logits: the top is taken out first)
+        temperature = torch.tensor([1.0, 0.7, 1.3, 0.0, 1.0, 0.5])
+        sampled = temperature > 0
+        _, confidence, probs = sample_draft_tokens(logits, temperature, sampled,
+                                                   uniform=np.full(6, 0.5))
+        scale = torch.where(sampled, temperature, torch.ones_like(temperature))
+        want = (logits / scale[:, None]).softmax(dim=-1)
+        assert torch.allclose(probs, want, rtol=1e-5, atol=1e-7)
+        assert bool((probs[1, : vocab_size // 2] == 0).all())
+        assert torch.allclose(probs.sum(dim=-1), torch.ones(6), atol=1e-5)
+        assert confidence == probs.amax(dim=-1).tolist()
+
+
+def test_a_blocked_draw_at_a_blocks_edge_never_lands_on_a_token_of_no_mass():
+    """The host draw sums its weights block by block (``host_kernels._blocked_draw``):
+    where a target falls on a block's edge, the rounding of the block sums must not hand
+    the draw to the zero-weight tokens that open the next block."""
+    from specplugin import host_kernels
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        vocab_size = int(rng.integers(65, 600))
+        weights = (rng.random(vocab_size) ** 8).astype(np.float32)
+        weights[rng.random(vocab_size) < 0.5] = 0
+        edges = range(64, vocab_size, 64)
+        for edge in edges:
+            weights[edge:edge + 3] = 0
+        total = weights.astype(np.float64).sum()
+        for edge in edges:
+            u = weights[:edge].astype(np.float64).sum() / total
+            for point in (u, np.nextafter(u, 0), np.nextafter(u, 2)):
+                if 0 < point <= 1:
+                    assert weights[host_kernels._blocked_draw(weights, float(point))] > 0
 
 
 def test_a_draw_at_either_end_of_its_uniforms_lands_on_a_token_that_can_be_drawn():

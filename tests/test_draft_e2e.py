@@ -98,7 +98,7 @@ from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
 from specplugin.vllm_layer.draft_proposer import PluginDraftProposer as P
 
 PAD, state, pad_checks = 3, {"decode": False}, []
-orig_switch, orig_pad, orig_forward = P._switch_to_decode, P._padding, P._forward
+orig_switch, orig_pad, orig_decode = P._switch_to_decode, P._padding, P._decode_forward
 
 def switch(self, *args):
     orig_switch(self, *args)
@@ -111,17 +111,18 @@ def padded(self, num_tokens):
         return mode, num_input + PAD, across
     return mode, num_input, across
 
-def forward_pass(self, cad, num_tokens, draft_index, padding=None, inputs=None):
-    if draft_index > 0:  # the pass's slot mapping, as the forward context gets it
-        kwargs, slot_mappings = inputs
-        rows = [s[num_tokens : padding[1]] for s in slot_mappings.values()]
-        pad_checks.append(padding[1] == num_tokens + PAD and bool(rows)
-                          and kwargs["positions"].shape[0] == padding[1]
-                          and all(bool((r == PADDING_SLOT_ID).all()) for r in rows)
-                          and all(r.shape[0] == PAD for r in rows))
-    return orig_forward(self, cad, num_tokens, draft_index, padding, inputs)
+def decode_pass(self, context, cad, draft_index, inputs):
+    # the pass's slot mapping, as the forward context gets it
+    kwargs, slot_mappings = inputs
+    num_tokens, num_padded = cad.num_actual_tokens, kwargs["input_ids"].shape[0]
+    rows = [s[num_tokens:num_padded] for s in slot_mappings.values()]
+    pad_checks.append(num_padded == num_tokens + PAD and bool(rows)
+                      and kwargs["positions"].shape[0] == num_padded
+                      and all(bool((r == PADDING_SLOT_ID).all()) for r in rows)
+                      and all(r.shape[0] == PAD for r in rows))
+    return orig_decode(self, context, cad, draft_index, inputs)
 
-P._switch_to_decode, P._padding, P._forward = switch, padded, forward_pass
+P._switch_to_decode, P._padding, P._decode_forward = switch, padded, decode_pass
 
 # The draft runs only for rows that use it: force odd rows to skip every third step and
 # record what each first pass re-reads, per request: [start, end) position ranges.

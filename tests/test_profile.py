@@ -137,6 +137,7 @@ def test_every_timed_method_exists_in_this_vllm_and_plugin():
         assert callable(getattr(target, attribute, None)), f"{module}.{owner}.{attribute}"
     for module in p.DRAFT_FORWARD_MODULES:
         assert callable(getattr(p.importlib.import_module(module), "set_forward_context"))
+    assert callable(getattr(p._owner(*p.DRAFT_FORWARD_METHOD[:2]), p.DRAFT_FORWARD_METHOD[2]))
 
 
 def test_coarse_timers_keep_vllms_rows_and_the_plugins_entry_points():

@@ -393,6 +393,9 @@ class DraftRun:
     token_ids: list[torch.Tensor] = field(default_factory=list)  # positions x [num_reqs]
     draft_probs: list[torch.Tensor] = field(default_factory=list)  # positions x [num_reqs, vocab]
     confidences: list[list[float]] = field(default_factory=list)  # positions x [num_reqs]
+    # [k_max, num_reqs, vocab]: where the draws wrote each position's probabilities, in
+    # place of the list (draft_probs), when they wrote into one block for the run
+    probs_block: torch.Tensor | None = None
     # Per-row bookkeeping is Python lists: it runs after every draft forward, for a few
     # rows, where each numpy call (let alone torch's) costs several microseconds of cold
     # caches (measured, batch 1, caches flushed between calls: 85 us for this
@@ -410,7 +413,7 @@ class DraftRun:
 
     def add(
         self,
-        token_ids: torch.Tensor,  # [num_reqs] drafted at this position
+        token_ids: torch.Tensor | np.ndarray,  # [num_reqs] drafted at this position
         confidence: list[float] | np.ndarray,  # [num_reqs] in [0, 1]
         draft_probs: torch.Tensor | None = None,  # [num_reqs, vocab_size] they were drawn from
     ) -> bool:
@@ -468,6 +471,8 @@ class DraftRun:
         return [position[row] for position in self.confidences[:length]]
 
     def stacked_token_ids(self) -> torch.Tensor:  # [num_reqs, num_positions]
+        if self.token_ids and isinstance(self.token_ids[0], np.ndarray):  # (host draws)
+            return torch.from_numpy(np.stack(self.token_ids, axis=1))
         return torch.stack(self.token_ids, dim=1)
 
     def token_lists(self, lengths: Sequence[int]) -> list[list[int]]:  # [num_reqs][length]
@@ -481,6 +486,8 @@ class DraftRun:
         return np.asarray(self.confidences, dtype=np.float64).T
 
     def stacked_draft_probs(self) -> torch.Tensor | None:  # [num_reqs, num_positions, vocab]
+        if self.probs_block is not None:  # (one row: a view, no copy)
+            return self.probs_block[:self.num_positions].transpose(0, 1).contiguous()
         if not self.draft_probs:
             return None
         return torch.stack(self.draft_probs, dim=1).contiguous()

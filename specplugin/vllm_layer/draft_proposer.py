@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 import torch
-from vllm.forward_context import set_forward_context
+from vllm.forward_context import get_forward_context, set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.spec_decode.llm_base_proposer import PADDING_SLOT_ID
@@ -46,8 +46,9 @@ from specplugin.metrics import FailureCounter, ProposerStats
 from specplugin.proposers import MODEL_PROPOSERS, StepBatch, build_proposer
 from specplugin.adaptive.draft_rule import (AcceptanceCalibration, CostModel, DraftRun,
                                              OutcomeTracker, StopRule)
-from specplugin.proposers.draft import (DraftCandidates, DraftKVCursor, UniformPool,
-                                        greedy_draft_tokens, sample_draft_tokens)
+from specplugin.proposers.draft import (DraftCandidates, DraftKVCursor, HostDraws,
+                                        UniformPool, greedy_draft_tokens,
+                                        sample_draft_tokens)
 from specplugin.adaptive.union import StepPlan, Union, Verified
 from specplugin.vllm_layer.ranks import RankZeroClock, tensor_parallel_rank
 from specplugin.vllm_layer import verification
@@ -69,6 +70,8 @@ class PluginDraftProposer(DraftModelProposer):
         # neither model uses M-RoPE: positions are one row (asked once, not per pass)
         self._one_dim_positions = not (self.uses_mrope or vllm_config.model_config.uses_mrope)
         self._paddings: dict[int, tuple] = {}  # tokens -> vLLM's padding (see _padding)
+        # rows -> views of the proposer's buffers a run of that many rows reads (_views)
+        self._row_views: dict[int, tuple] = {}
         settings = plugin_config.draft
         k_max = plugin_config.num_speculative_tokens
         self.fixed_min_acceptance = settings.min_acceptance  # None: measured by self.costs
@@ -101,6 +104,9 @@ class PluginDraftProposer(DraftModelProposer):
         self.uniforms = UniformPool(device)  # the draws' uniforms, one per row and position
         # on CPU the draws are compiled and read the uniforms as numpy (take_host)
         self._host_draws = torch.device(device).type == "cpu"
+        # vLLM's CPU attention builder, when the draft's layers use it: its decode
+        # metadata is carried from pass to pass (update_cpu_decode_metadata)
+        self._cpu_builder = None
         self._token_arange_cpu = torch.from_numpy(self.token_arange_np)  # [max_num_tokens]
         # [num_reqs] draft tokens kept per row of the last propose(); the runner cuts
         # the rows of the returned [num_reqs, positions] tensor to these lengths.
@@ -536,7 +542,16 @@ class PluginDraftProposer(DraftModelProposer):
         uniforms = (None if temperature is None
                     else self.uniforms.take_host((run.rule.k_max, num_rows))
                     if self._host_draws else self.uniforms.take((run.rule.k_max, num_rows, 1)))
-        more = self._sample_into(run, hidden[last], temperature, mode, uniforms)
+        # the host's draws write each position's tokens straight into the next decode
+        # pass's input ids (int32, vLLM's buffer), where a copy would cost a call a pass
+        next_ids = None if temperature is None else self._views(num_rows)[3]
+        # float32 logits on the host: every position's draw into blocks made once for the run
+        draws = (HostDraws(uniforms, None if unit else
+                           host_temperatures[row_array].astype(np.float32), run.sampled,
+                           next_ids)
+                 if self._host_draws and temperature is not None else None)
+        more = self._sample_into(run, hidden[last], temperature, mode, uniforms, next_ids,
+                                 draws)
         first_pass = (time.perf_counter() - start, num_tokens - num_rows)
         warm = self._start_run(*first_pass)
         if warm or not more:
@@ -552,31 +567,40 @@ class PluginDraftProposer(DraftModelProposer):
         # the slot mapping's padding rows must get the padding slot id, or the dummy rows
         # would write over real draft KV.
         padding = self._padding(num_rows)
-        padded_ids = self.input_ids[:padding[1]]  # [num_padded] (the same buffer every pass)
-        input_ids = padded_ids if padding[1] == num_rows else padded_ids[:num_rows]
+        # [num_padded] and [num_rows]: the same buffer every pass
+        padded_ids, input_ids = self._views(padding[1])[2], self._views(num_rows)[2]
         if self._one_dim_positions:  # every pass's positions and slots at once
             passes = decode_passes(cad.block_table_tensor, end_array, run.rule.k_max - 1,
                                    self.block_size, self.max_model_len, padding[1])
         else:  # (M-RoPE positions: vLLM's update, one pass at a time)
             positions = self.positions[last].clone()  # (a slice for one row: not a view)
             inputs = self._decode_inputs(padding[1])  # (buffer views, rewritten per pass)
-        for draft_index in range(1, run.rule.k_max):
-            start = time.perf_counter()
-            if self._one_dim_positions:
-                inputs = passes.set_pass(draft_index - 1, cad, padded_ids,
-                                         self._draft_attn_layer_names)
-            else:
-                positions = self._update_positions_dependent_metadata(
-                    positions, cad, num_rows, padding[1], self.block_size)
-            input_ids.copy_(run.token_ids[-1])  # (int64 -> int32 in the copy)
-            hidden = self._forward(cad, num_rows, draft_index, padding, inputs)
-            if hidden.shape[0] != num_rows:  # (padded)
-                hidden = hidden[:num_rows]
-            more = self._sample_into(run, hidden, temperature, mode, uniforms)
-            self._observe_decode_pass(time.perf_counter() - start, cold_first_pass)
-            cold_first_pass = None
-            if not more:
-                return
+        # One forward context for every decode pass: they share the padded size, hence
+        # vLLM's cudagraph mode and batch descriptor; each pass puts its own attention
+        # metadata and slots in it (_decode_forward)
+        with set_forward_context(None, self.vllm_config, num_tokens=padding[1],
+                                 num_tokens_across_dp=padding[2],
+                                 cudagraph_runtime_mode=padding[0]):
+            context = get_forward_context()
+            for draft_index in range(1, run.rule.k_max):
+                start = time.perf_counter()
+                if self._one_dim_positions:
+                    inputs = passes.set_pass(draft_index - 1, cad, padded_ids,
+                                             self._draft_attn_layer_names)
+                else:
+                    positions = self._update_positions_dependent_metadata(
+                        positions, cad, num_rows, padding[1], self.block_size)
+                if next_ids is None:  # (else the host's draw wrote them there)
+                    input_ids.copy_(run.token_ids[-1])  # (int64 -> int32 in the copy)
+                hidden = self._decode_forward(context, cad, draft_index, inputs)
+                if hidden.shape[0] != num_rows:  # (padded)
+                    hidden = hidden[:num_rows]
+                more = self._sample_into(run, hidden, temperature, mode, uniforms, next_ids,
+                                         draws)
+                self._observe_decode_pass(time.perf_counter() - start, cold_first_pass)
+                cold_first_pass = None
+                if not more:
+                    return
 
     def _first_pass_inputs(self, batch: StepBatch, rows: np.ndarray, starts: np.ndarray,
                            ends: np.ndarray, cad, sizes: tuple[int, int, int]):
@@ -698,6 +722,10 @@ class PluginDraftProposer(DraftModelProposer):
         excess = 0.0 if price is None else max(0.0, seconds - price)
         self._observe_first_pass(first_seconds + excess, catch_up_tokens, warm=False)
 
+    def initialize_attn_backend(self, *args, **kwargs) -> None:
+        super().initialize_attn_backend(*args, **kwargs)
+        self._cpu_builder = cpu_metadata_builder(self.draft_attn_groups)
+
     def _observe_forward(self, seconds: float) -> None:
         if self.clock.shared:  # shared at the next step (_agree_on_timings)
             self._forward_seconds.append(seconds)
@@ -726,29 +754,54 @@ class PluginDraftProposer(DraftModelProposer):
             self.costs.observe_first_pass(first_seconds, int(first_tokens), bool(warm))
         return step_seconds, draft_seconds or 0.0
 
-    def _forward(self, cad, num_tokens: int, draft_index: int,
-                 padding: tuple | None = None, inputs: tuple | None = None) -> torch.Tensor:
-        """One draft-model forward over ``num_tokens`` query tokens on the paged cache;
-        ``draft_index`` 0 is the first pass (many tokens per request), then one each.
-        ``padding``: vLLM's (cudagraph mode, padded token count, tokens across DP ranks)
-        for this pass, computed here when not given; ``inputs``: a decode pass's model
-        inputs and slot mapping (:meth:`DecodePasses.set_pass`, or :meth:`_decode_inputs`
-        with M-RoPE positions)."""
+    def _forward(self, cad, num_tokens: int, draft_index: int = 0) -> torch.Tensor:
+        """The first pass: one draft-model forward over ``num_tokens`` query tokens (many
+        per request) on the paged cache, in its own forward context."""
         if self._forward_fault is not None:
             self._forward_fault.tick()
-        _, attn_metadata = self.build_per_group_and_layer_attn_metadata(cad, draft_index)
-        mode, num_input_tokens, across_dp = (
-            padding or self._padding(num_tokens))
-        if draft_index == 0:
-            kwargs, slot_size = self.build_model_inputs_first_pass(
-                num_tokens, num_input_tokens, None)
-            slot_mapping = self._get_slot_mapping(slot_size, cad.slot_mapping)
-        else:
-            kwargs, slot_mapping = inputs
+        attn_metadata = self._attn_metadata(cad, draft_index)
+        mode, num_input_tokens, across_dp = self._padding(num_tokens)
+        kwargs, slot_size = self.build_model_inputs_first_pass(num_tokens, num_input_tokens,
+                                                               None)
+        slot_mapping = self._get_slot_mapping(slot_size, cad.slot_mapping)
         with set_forward_context(attn_metadata, self.vllm_config, num_tokens=num_input_tokens,
                                  num_tokens_across_dp=across_dp,
                                  cudagraph_runtime_mode=mode, slot_mapping=slot_mapping):
-            return self.model(**kwargs)
+            return self._run_model(kwargs)
+
+    def _decode_forward(self, context, cad, draft_index: int,
+                        inputs: tuple[dict, dict]) -> torch.Tensor:
+        """A decode pass (one query token per row) in the run's forward context
+        ``context`` (vLLM's ``ForwardContext``, entered once for every decode pass of the
+        run: entering one per pass, as vLLM's drafters do, measured ~0.02 ms a pass after
+        the forward before it): the pass's attention metadata and slot mapping go into
+        it, then the model runs. ``inputs``: the pass's model inputs and slot mapping
+        (:meth:`DecodePasses.set_pass`, or :meth:`_decode_inputs` with M-RoPE positions)."""
+        if self._forward_fault is not None:
+            self._forward_fault.tick()
+        kwargs, context.slot_mapping = inputs
+        if draft_index > 1 and self._cpu_builder is not None:
+            update_cpu_decode_metadata(self._cpu_builder, context.attn_metadata, cad)
+        else:
+            context.attn_metadata = self._attn_metadata(cad, draft_index)
+        context.moe_layer_index = 0  # (MoE layers count their calls within a forward)
+        return self._run_model(kwargs)
+
+    def _attn_metadata(self, cad, draft_index: int) -> dict:
+        """vLLM's attention metadata of a draft forward, per attention layer: what
+        ``build_per_group_and_layer_attn_metadata`` returns second, built straight from
+        the one group a draft model's layers form (a few calls less per pass)."""
+        groups = self.draft_attn_groups
+        if len(groups) != 1:
+            return self.build_per_group_and_layer_attn_metadata(cad, draft_index)[1]
+        group = groups[0]
+        return dict.fromkeys(group.layer_names, group.build_metadata_for_drafting(
+            common_attn_metadata=cad, draft_index=draft_index))
+
+    def _run_model(self, kwargs: dict) -> torch.Tensor:  # [num_tokens, hidden_size]
+        """The draft model's forward (its own method: the profile times it as the draft's
+        compute, as it times the forward contexts of vLLM's drafters)."""
+        return self.model(**kwargs)
 
     def _decode_inputs(self, num_input_tokens: int) -> tuple[dict, dict]:
         """A decode pass's model inputs and slot mapping over ``num_input_tokens`` (padded):
@@ -775,10 +828,24 @@ class PluginDraftProposer(DraftModelProposer):
         """After the first pass every row has exactly one query token per pass."""
         cad.num_actual_tokens = num_rows
         cad.max_query_len = 1
-        cad.query_start_loc = self.arange[: num_rows + 1]
-        # a view of vLLM's 0..max_num_tokens, which nothing writes (vLLM's own switch
-        # copies it, a call more after each first pass)
-        cad.query_start_loc_cpu = self._token_arange_cpu[: num_rows + 1]
+        cad.query_start_loc, cad.query_start_loc_cpu = self._views(num_rows)[:2]
+
+    def _views(self, num_rows: int) -> tuple:
+        """The buffer views a run over ``num_rows`` rows (or, as input ids, padded to
+        ``num_rows``) reads, made once per count (each slice is a torch call, which after
+        a forward costs microseconds): the decode passes' query starts on the device and
+        on the host (a view of vLLM's 0..max_num_tokens, which nothing writes: vLLM's own
+        switch copies it), their input ids, and those as the host's draws write them
+        (None where they cannot: another device or dtype)."""
+        views = self._row_views.get(num_rows)
+        if views is None:
+            input_ids = self.input_ids[:num_rows]
+            host_ids = (input_ids.numpy() if self._host_draws
+                        and self.input_ids.dtype == torch.int32 else None)
+            views = self._row_views[num_rows] = (
+                self.arange[: num_rows + 1], self._token_arange_cpu[: num_rows + 1],
+                input_ids, host_ids)
+        return views
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, vocab_size]
         """The draft model's LM head (its own method so that the profile counts it as the
@@ -788,19 +855,28 @@ class PluginDraftProposer(DraftModelProposer):
     def _sample_into(self, run: DraftRun, hidden: torch.Tensor,
                      temperature: torch.Tensor | None,
                      mode: tuple[bool, bool] = (False, False),
-                     uniforms: torch.Tensor | np.ndarray | None = None) -> bool:
+                     uniforms: torch.Tensor | np.ndarray | None = None,
+                     next_ids: np.ndarray | None = None,
+                     draws: HostDraws | None = None) -> bool:
         """Draw one draft token per drafting row (hidden: [num_rows, hidden_size];
         temperature: [num_rows], None when every request is greedy; ``mode``: every row
         samples, and every row samples at temperature 1; ``uniforms``: [k_max, num_rows,
-        1] the run's uniforms, one per row and position); True if any row keeps drafting."""
+        1] the run's uniforms, one per row and position; ``next_ids``: [num_rows] int32,
+        where a host draw also writes the tokens; ``draws``: the run's host draws, which
+        take float32 logits); True if any row keeps drafting."""
         logits = self._logits(hidden)  # [num_rows, vocab_size]
+        if draws is not None and logits.dtype == torch.float32:
+            added = run.add(*draws.draw(run.num_positions, logits))
+            run.probs_block = draws.probs
+            return added
         if temperature is None:
             return run.add(*greedy_draft_tokens(logits))
         all_sampled, unit = mode
         return run.add(*sample_draft_tokens(
             logits, temperature, None if all_sampled else temperature >= _SAMPLING_EPS,
             all_sampled=all_sampled, unit_temperature=unit,
-            uniform=None if uniforms is None else uniforms[run.num_positions]))
+            uniform=None if uniforms is None else uniforms[run.num_positions],
+            next_ids=next_ids))
 
     def _finish(self, run: DraftRun, rows: list[int], batch: StepBatch) -> list[list[int]]:
         """The draft model alone: every drafting row keeps what its rule drafted."""
@@ -1102,6 +1178,54 @@ class PluginDraftProposer(DraftModelProposer):
                 probs[r, j, t] = 1.0
         self._last_draft_probs = probs
         return drafts
+
+
+def cpu_metadata_builder(groups):
+    """The draft's one attention group's builder when it is vLLM's CPU builder, whose
+    decode metadata :func:`update_cpu_decode_metadata` carries from pass to pass; else
+    None (each pass builds its own)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
+    except ImportError:  # (a build without the CPU backend)
+        return None
+    if len(groups) != 1:
+        return None
+    builder = groups[0].get_metadata_builder()
+    return builder if type(builder) is CPUAttentionMetadataBuilder else None
+
+
+def update_cpu_decode_metadata(builder, per_layer: dict, cad) -> None:
+    """The previous decode pass's CPU attention metadata (``per_layer``: one object for
+    every layer, :meth:`PluginDraftProposer._attn_metadata`'s) made this pass's, in
+    place, as vLLM's in-place draft update (``update_draft_decode_metadata``, which its
+    CPU builder lacks) does for GPU backends: between decode passes only the sequence
+    lengths, the slots and the scheduler metadata computed from the lengths change; the
+    query layout (one token per row) and the block table stay. What vLLM's
+    ``CPUAttentionMetadataBuilder.build`` computes, without its chain of calls and a new
+    object each pass."""
+    metadata = next(iter(per_layer.values()))
+    metadata.seq_lens = cad.seq_lens
+    metadata.slot_mapping = cad.slot_mapping
+    metadata.max_seq_len = cad.max_seq_len
+    metadata.scheduler_metadata = _cpu_ops().cpu_attn_get_scheduler_metadata(
+        num_reqs=cad.num_reqs, num_heads=builder.num_heads, num_kv_heads=builder.num_kv_heads,
+        head_dim=builder.head_dim, seq_lens=cad.seq_lens, dtype=builder.dtype,
+        query_start_loc=metadata.query_start_loc, causal=metadata.causal,
+        sliding_window_size=builder.window_size, isa=builder.isa,
+        enable_kv_split=_cpu_attn_split_kv(), dynamic_causal=metadata.dynamic_causal,
+        kv_cache_dtype=builder.kv_cache_dtype)
+
+
+@functools.cache
+def _cpu_ops():
+    from vllm import _custom_ops
+    return _custom_ops
+
+
+@functools.cache
+def _cpu_attn_split_kv() -> bool:
+    import vllm.envs as envs
+    return envs.VLLM_CPU_ATTN_SPLIT_KV
 
 
 @dataclasses.dataclass(frozen=True)

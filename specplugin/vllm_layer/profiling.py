@@ -112,11 +112,11 @@ WORKER_TIMED: Timed = (
     (_DRAFT, "PluginDraftProposer", "_union_offers", "plugin: plan"),
     (_DRAFT, "PluginDraftProposer", "_first_pass_inputs", "draft: inputs"),
     (_DRAFT, "PluginDraftProposer", "_forward", "draft: inputs"),  # metadata around the forward
+    (_DRAFT, "PluginDraftProposer", "_decode_forward", "draft: inputs"),
     (_DRAFT, None, "decode_passes", "draft: inputs"),
     # inside them, per forward: vLLM's attention metadata (its CPU builder's scheduler
     # metadata included), and the next decode pass's positions and slots
-    (_DRAFT, "PluginDraftProposer", "build_per_group_and_layer_attn_metadata",
-     "draft: metadata"),
+    (_DRAFT, "PluginDraftProposer", "_attn_metadata", "draft: metadata"),
     (_DRAFT, "DecodePasses", "set_pass", "draft: metadata"),
     (_DRAFT, "PluginDraftProposer", "_sample_into", "draft: sample"),
     # inside it: the draw from the draft's logits, and the stop rule's bookkeeping
@@ -171,9 +171,12 @@ COARSE_PLUGIN_ROWS = frozenset({
     (None, "expected_acceptance"), (None, "draw_recovered"), (None, "verify_greedy"),
     (None, "verify_sampled"),
 })
-# Modules whose draft-model forwards run inside ``with set_forward_context(...)``: the
-# with-block is the forward ("draft forward", counted), vLLM's draft_model and the plugin's.
-DRAFT_FORWARD_MODULES = ("vllm.v1.spec_decode.llm_base_proposer", _DRAFT)
+# Modules whose draft-model forwards run inside ``with set_forward_context(...)``, one
+# with-block a forward ("draft forward", counted): vLLM's draft_model's. The plugin's
+# decode passes share one forward context (PluginDraftProposer._decode_forward), so its
+# forwards are its model calls (DRAFT_FORWARD_METHOD), timed and counted the same way.
+DRAFT_FORWARD_MODULES = ("vllm.v1.spec_decode.llm_base_proposer",)
+DRAFT_FORWARD_METHOD = (_DRAFT, "PluginDraftProposer", "_run_model")
 DRAFT_FORWARD = "draft forward"
 # Tensor methods that wait for the device and copy to the host: counted per phase.
 SYNC_METHODS = ("cpu", "item", "tolist")
@@ -290,6 +293,19 @@ def _timed_forward_context(original):
     return wrapper
 
 
+def _timed_draft_forward(original, self, *args, **kwargs):
+    """The plugin's draft forward: timed and counted as a forward context of vLLM's
+    drafters is (:func:`_timed_forward_context`)."""
+    if not CLOCK.stack:
+        return original(self, *args, **kwargs)
+    CLOCK.count(DRAFT_FORWARDS)
+    CLOCK.enter(DRAFT_FORWARD)
+    try:
+        return original(self, *args, **kwargs)
+    finally:
+        CLOCK.exit()
+
+
 def _counted_sync(original):
     @functools.wraps(original)
     def wrapper(self, *args, **kwargs):
@@ -351,6 +367,8 @@ def install_worker(runner) -> None:
         module = importlib.import_module(module_name)
         patches.replace_attribute(module, "set_forward_context",
                                   _timed_forward_context(module.set_forward_context))
+    patches.patch_around(_owner(*DRAFT_FORWARD_METHOD[:2]), DRAFT_FORWARD_METHOD[2],
+                         _timed_draft_forward)
     for name in SYNC_METHODS:
         patches.replace_attribute(torch.Tensor, name, _counted_sync(getattr(torch.Tensor, name)))
     model = runner.model
