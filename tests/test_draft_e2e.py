@@ -97,7 +97,7 @@ verification.verify_sampled = verify_sampled
 from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
 from specplugin.vllm_layer.draft_proposer import PluginDraftProposer as P
 
-PAD, state, pad_checks = 3, {"decode": False}, []
+PAD, state, pad_checks, meta_checks = 3, {"decode": False}, [], []
 orig_switch, orig_pad, orig_decode = P._switch_to_decode, P._padding, P._decode_forward
 
 def switch(self, *args):
@@ -120,7 +120,19 @@ def decode_pass(self, context, cad, draft_index, inputs):
                       and kwargs["positions"].shape[0] == num_padded
                       and all(bool((r == PADDING_SLOT_ID).all()) for r in rows)
                       and all(r.shape[0] == PAD for r in rows))
-    return orig_decode(self, context, cad, draft_index, inputs)
+    hidden = orig_decode(self, context, cad, draft_index, inputs)
+    if draft_index > 1 and self._cpu_builder is not None:
+        # the metadata carried from the pass before, against vLLM's build of this pass
+        mine = next(iter(context.attn_metadata.values()))
+        fresh = next(iter(self._attn_metadata(cad, draft_index).values()))
+        meta_checks.append(
+            all(torch.equal(getattr(mine, f), getattr(fresh, f))
+                for f in ("seq_lens", "slot_mapping", "block_table", "query_start_loc"))
+            and all(getattr(mine, f) == getattr(fresh, f)
+                    for f in ("num_actual_tokens", "max_query_len", "max_seq_len", "causal"))
+            and mine.scheduler_metadata.shape == fresh.scheduler_metadata.shape
+            and mine.scheduler_metadata is not fresh.scheduler_metadata)
+    return hidden
 
 P._switch_to_decode, P._padding, P._decode_forward = switch, padded, decode_pass
 
@@ -196,11 +208,13 @@ results = {}
 for cell in job["cells"]:
     seen.clear()
     pad_checks.clear()
+    meta_checks.clear()
     reads.clear()
     credits.clear()
     prepared.update(vllm=0, decided=0)
     results[cell["key"]] = {**run_cell(llm, cell, True), "probe": list(seen),
-                            "pad_checks": list(pad_checks), "reads": list(reads),
+                            "pad_checks": list(pad_checks), "meta_checks": list(meta_checks),
+                            "reads": list(reads),
                             "credits": list(credits), "prepared": dict(prepared)}
 print("RESULT " + json.dumps(results))
 """
@@ -228,6 +242,15 @@ def test_padded_draft_passes_give_padding_rows_the_padding_slot(with_draft, cell
     would; greedy output stays identical (above) and no padding row holds a real slot."""
     checks = [c for cell in cells for c in with_draft[cell["key"]]["pad_checks"]]
     assert checks and all(checks), checks.count(False)
+
+
+def test_decode_passes_carry_vllms_cpu_attention_metadata(with_draft, cells):
+    """Past a run's first decode pass the CPU attention metadata is the previous pass's,
+    updated in place (``update_cpu_decode_metadata``): field by field what vLLM's builder
+    gives for the pass (its scheduler metadata is an opaque buffer holding pointers:
+    rebuilt, of the same size)."""
+    checks = [c for cell in cells for c in with_draft[cell["key"]]["meta_checks"]]
+    assert checks and all(checks), (len(checks), checks.count(False))
 
 
 def test_the_draft_rereads_exactly_what_it_skipped(with_draft, cells):
