@@ -138,10 +138,12 @@ def test_stacked_outputs_have_one_column_per_position():
 
 
 def test_a_runs_host_draws_are_the_per_position_draws_in_one_block():
-    """``HostDraws`` (a run's float32 draws into blocks made once) draws what
-    :func:`sample_draft_tokens` draws from the same logits and uniforms, position by
-    position (tokens, confidences, probabilities, the int32 copy), and the run reads its
-    probabilities back from the block as the per-position list would stack them."""
+    """``HostDraws`` (a run's float32 draws into blocks made once; :func:`sample_draft_tokens`
+    on the host is one position of it) draws, position by position, from
+    ``softmax(logits / temperature)`` (greedy rows: the argmax) what :func:`inverse_cdf_draw`
+    draws from its probabilities at the same uniforms, writes the int32 copy, takes logits
+    that are a view of wider rows, and the run reads its probabilities back from the block as
+    the per-position list would stack them."""
     generator = torch.Generator().manual_seed(5)
     sampled, temperature = [True, False, True], np.array([0.8, 0.0, 1.0], dtype=np.float32)
     uniforms = draft_uniforms((4, 3), "cpu", generator).numpy()
@@ -149,18 +151,21 @@ def test_a_runs_host_draws_are_the_per_position_draws_in_one_block():
     draws = HostDraws(uniforms, temperature, sampled, next_ids)
     blocked = DraftRun(StopRule(k=4, k_max=4), Identity(), sampled)
     listed = DraftRun(StopRule(k=4, k_max=4), Identity(), sampled)
+    scale = torch.tensor([0.8, 1.0, 1.0])[:, None]
     for position in range(4):
         logits = torch.randn(3, 300, generator=generator) * 3
         if position % 2:  # (a view of wider rows, as an LM head may hand back)
             logits = torch.cat([logits, torch.zeros(3, 20)], dim=1)[:, :300]
         tokens, confidence, _ = draws.draw(position, logits)
-        want = sample_draft_tokens(logits, torch.from_numpy(temperature),
-                                   torch.tensor(sampled), uniform=uniforms[position])
-        assert tokens.tolist() == want[0].tolist() == next_ids.tolist()
-        assert confidence == want[1]
+        probs = draws.probs[position]
+        assert torch.allclose(probs, (logits / scale).softmax(dim=-1), rtol=1e-5, atol=1e-7)
+        drawn = inverse_cdf_draw(probs, torch.from_numpy(uniforms[position])[:, None])
+        want = torch.where(torch.tensor(sampled), drawn, logits.argmax(dim=-1))
+        assert tokens.tolist() == want.tolist() == next_ids.tolist()
+        assert confidence == probs.amax(dim=-1).tolist()
         blocked.add(tokens, confidence)
         blocked.probs_block = draws.probs
-        listed.add(*want)
+        listed.add(torch.from_numpy(tokens.copy()), confidence, probs.clone())
     assert torch.equal(blocked.stacked_draft_probs(), listed.stacked_draft_probs())
     assert torch.equal(blocked.stacked_token_ids(), listed.stacked_token_ids())
     assert blocked.token_lists([4, 2, 3]) == listed.token_lists([4, 2, 3])

@@ -171,31 +171,19 @@ def sample_draft_tokens(
 
 def _softmax_draw_on_host(logits, temperature, sampled, generator, all_sampled: bool,
                           unit_temperature: bool, uniform, next_ids):
-    """:func:`sample_draft_tokens` for float32 logits on the host: the softmax too in the
-    compiled pass (:func:`specplugin.host_kernels.softmax_draw_rows`), one call per drafted
-    position where torch's softmax and the draw were two (in an engine's draft loop,
-    after each forward, ~0.045 -> 0.027 ms at batch 1, vocabulary 6,144, measured with the
-    caches swept between calls)."""
-    num_rows, vocab = logits.shape
+    """:func:`sample_draft_tokens` for float32 logits on the host: one position of
+    :class:`HostDraws` (the softmax too in the compiled pass,
+    :func:`specplugin.host_kernels.softmax_draw_rows`)."""
+    num_rows = logits.shape[0]
     if uniform is None:
         uniform = draft_uniforms((num_rows, 1), logits.device, generator).numpy()
-    all_sampled = all_sampled or sampled is None
-    greedy = _no_greedy_rows(num_rows) if all_sampled else (~sampled).numpy()
-    if unit_temperature:
-        scale = _unit_scales(num_rows)
-    else:  # 1 / temperature where the row samples; a greedy row's confidence is at 1
-        values = temperature.numpy().astype(np.float32)
-        scale = np.ones(num_rows, dtype=np.float32)
-        np.divide(np.float32(1.0), values, out=scale, where=~greedy & (values > 0))
-    values = logits if logits.is_contiguous() else logits.contiguous()
-    draft_probs = torch.empty((num_rows, vocab), dtype=torch.float32)
-    token_ids, confidence = np.empty(num_rows, np.int64), np.empty(num_rows, np.float32)
-    host_kernels.softmax_draw_rows(
-        values.numpy(), scale,
-        uniform if uniform.ndim == 1 else uniform.reshape(num_rows), greedy,
-        draft_probs.numpy(), token_ids, confidence, _NO_IDS if next_ids is None else next_ids,
-        _exponent_bits(vocab))
-    return torch.from_numpy(token_ids), confidence.tolist(), draft_probs
+    rows_sampled = ([True] * num_rows if all_sampled or sampled is None
+                    else sampled.tolist())
+    draws = HostDraws(uniform.reshape(1, num_rows),
+                      None if unit_temperature else temperature.numpy().astype(np.float32),
+                      rows_sampled, next_ids)
+    token_ids, confidence, _ = draws.draw(0, logits)
+    return torch.from_numpy(token_ids), confidence, draws.probs[0]
 
 
 _UNIT_SCALES: dict[int, np.ndarray] = {}  # num_rows -> all 1 (only ever read)

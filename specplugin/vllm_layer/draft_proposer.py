@@ -28,6 +28,7 @@ import time
 
 import numpy as np
 import torch
+from vllm import _custom_ops as vllm_ops
 from vllm.forward_context import get_forward_context, set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
@@ -526,7 +527,7 @@ class PluginDraftProposer(DraftModelProposer):
         cad, num_tokens, last = self._first_pass_inputs(
             batch, row_array, np.array(starts, dtype=np.int64), end_array, cad,
             (sum(query_lens), max(query_lens), max(ends)))
-        hidden = self._forward(cad, num_tokens, draft_index=0)
+        hidden = self._forward(cad, num_tokens)
         self.cursor.advance([batch.req_ids[r] for r in rows], ends)
         if temperature is not None and num_rows != temperature.shape[0]:  # (rows ascend)
             temperature = temperature[torch.from_numpy(row_array).to(temperature.device)]
@@ -754,12 +755,12 @@ class PluginDraftProposer(DraftModelProposer):
             self.costs.observe_first_pass(first_seconds, int(first_tokens), bool(warm))
         return step_seconds, draft_seconds or 0.0
 
-    def _forward(self, cad, num_tokens: int, draft_index: int = 0) -> torch.Tensor:
+    def _forward(self, cad, num_tokens: int) -> torch.Tensor:
         """The first pass: one draft-model forward over ``num_tokens`` query tokens (many
         per request) on the paged cache, in its own forward context."""
         if self._forward_fault is not None:
             self._forward_fault.tick()
-        attn_metadata = self._attn_metadata(cad, draft_index)
+        attn_metadata = self._attn_metadata(cad, 0)
         mode, num_input_tokens, across_dp = self._padding(num_tokens)
         kwargs, slot_size = self.build_model_inputs_first_pass(num_tokens, num_input_tokens,
                                                                None)
@@ -1207,19 +1208,13 @@ def update_cpu_decode_metadata(builder, per_layer: dict, cad) -> None:
     metadata.seq_lens = cad.seq_lens
     metadata.slot_mapping = cad.slot_mapping
     metadata.max_seq_len = cad.max_seq_len
-    metadata.scheduler_metadata = _cpu_ops().cpu_attn_get_scheduler_metadata(
+    metadata.scheduler_metadata = vllm_ops.cpu_attn_get_scheduler_metadata(
         num_reqs=cad.num_reqs, num_heads=builder.num_heads, num_kv_heads=builder.num_kv_heads,
         head_dim=builder.head_dim, seq_lens=cad.seq_lens, dtype=builder.dtype,
         query_start_loc=metadata.query_start_loc, causal=metadata.causal,
         sliding_window_size=builder.window_size, isa=builder.isa,
         enable_kv_split=_cpu_attn_split_kv(), dynamic_causal=metadata.dynamic_causal,
         kv_cache_dtype=builder.kv_cache_dtype)
-
-
-@functools.cache
-def _cpu_ops():
-    from vllm import _custom_ops
-    return _custom_ops
 
 
 @functools.cache
