@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -477,3 +478,40 @@ def test_py_spy_records_a_flame_graph_or_raw_stacks_with_the_venvs_py_spy(tmp_pa
     fake.unlink()
     with pytest.raises(ValueError, match="pip install py-spy"):
         profile.find_py_spy()
+
+
+def test_sampled_mode_reports_shares_pooled_over_rounds_and_never_stops_the_worker():
+    """``--timers sampled``: py-spy reads the worker without stopping it (its blocking
+    mode cost 75% of tok/s here) from a core the worker is not bound to; the table gives
+    every row's share, the plugin's with its interval, per round and pooled by samples."""
+    import argparse
+
+    from specplugin.bench import profile
+
+    parser = argparse.ArgumentParser()
+    profile.add_arguments(parser)
+    args = parser.parse_args(["--timers", "sampled"])
+    assert args.timers == "sampled" and args.sample_rate == profile.SAMPLE_RATE
+    command = profile.SampledWindow("/x/py-spy", 7, Path("/tmp/s.txt"), 250).command()
+    assert "--nonblocking" in command and "--idle" in command
+    assert command[command.index("--rate") + 1] == "250"
+    assert command[command.index("--pid") + 1] == "7"
+    assert not profile.other_cores(os.getpid()) & os.sched_getaffinity(os.getpid())
+
+    def result(own, n):
+        shares = {"forward": 0.6, "draft forward": 0.2, "plugin": own, "vllm": 0.2 - own}
+        return {"own_share": own, "step_samples": n, "tok_s": 100.0,
+                "mean_acceptance_length": 2.0, "overhead": {"measured": 0.05},
+                "sampled": {"shares": shares, "own_half_interval": 0.01, "step_samples": n,
+                            "samples": 2 * n, "background_share": 0.0,
+                            "plugin_functions": [("HostDraws.draw", 0.02)]}}
+
+    first = result(0.10, 1000)
+    first["rounds"] = [{"own_share": 0.10, "step_samples": 1000},
+                       {"own_share": 0.04, "step_samples": 500}]
+    assert profile.pooled_own_share(first["rounds"]) == pytest.approx(0.08)
+    rows = dict(r for r in profile.ledger_rows({"plugin-union": first}) if r is not None)
+    assert rows["plugin's own work (no forwards)"] == ["10.0% +-1.0%"]
+    assert rows["  per round (fresh engines); all rounds' samples pooled"] == ["10.0%, 4.0%; 8.0%"]
+    assert rows["plugin function #1 (innermost, not passing through)"] == ["HostDraws.draw 2.0%"]
+    assert "py-spy" in profile._note({"plugin-union": first})

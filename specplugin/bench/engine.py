@@ -269,7 +269,9 @@ def run_generate(llm, job: dict[str, Any], emit: Emit) -> None:
     plugin = is_plugin(job)
     warm_up(llm, cells, plugin)
     for cell in cells:
-        result = run_cell(llm, cell, job["return_token_ids"] or job["return_texts"], plugin)
+        return_ids = job["return_token_ids"] or job["return_texts"]
+        result = (sampled_cell(llm, cell, cell["sampler"], return_ids, plugin)
+                  if cell.get("sampler") else run_cell(llm, cell, return_ids, plugin))
         if job["return_texts"]:
             result["texts"] = decode(llm, result["token_ids"])
         emit({"event": "cell", **result})
@@ -340,11 +342,51 @@ def step_ab(llm, cell: dict[str, Any], passes: int) -> list | None:
     return records
 
 
+def sampled_cell(llm, cell: dict[str, Any], sampler: dict[str, Any],
+                 return_token_ids: bool = False, plugin: bool = False,
+                 pid: int | None = None) -> dict[str, Any]:
+    """:func:`run_cell` while py-spy samples rank 0's worker (``sampler``: the
+    :class:`~specplugin.bench.profile.SampledWindow`'s executable, file and rate): the
+    cell's result, with the ledger of its samples (:mod:`specplugin.stack_samples`)."""
+    from specplugin.bench.profile import SampledWindow, worker_pid
+    from specplugin.stack_samples import SampledLedger
+    from specplugin.vllm_layer.profiling import stack_roles
+
+    path = Path(sampler["path"])
+    with SampledWindow(sampler["executable"], pid or worker_pid(), path, sampler["rate"]):
+        result = run_cell(llm, cell, return_token_ids, plugin)
+    with path.open() as lines:
+        return {**result, "sampled": SampledLedger.from_raw(lines, stack_roles()).summary()}
+
+
+def run_sampled(llm, job: dict[str, Any], emit: Emit) -> None:
+    """A cell of prompts generated once after the warm-up, with no timer installed,
+    while py-spy samples rank 0's worker (``specplugin profile --timers sampled``), then
+    ``overhead_pairs`` times more, unsampled and sampled in turn: the sampler's own cost
+    as a tok/s ratio measured in this one engine."""
+    from specplugin.bench.profile import worker_pid
+
+    (cell,) = [with_token_ids(llm, cell) for cell in job["cells"]]
+    plugin = is_plugin(job)
+    warm_up(llm, [cell], plugin)
+    sampler, pid = job["sampler"], worker_pid()
+    result = sampled_cell(llm, cell, sampler, plugin=plugin, pid=pid)
+    again = {**sampler, "path": str(Path(sampler["path"]).with_suffix(".overhead.txt"))}
+    rates: dict[str, list[float]] = {"off": [], "on": []}
+    for i in range(job["overhead_pairs"]):
+        for state in (("off", "on") if i % 2 == 0 else ("on", "off")):
+            run = (sampled_cell(llm, cell, again, pid=pid) if state == "on"
+                   else run_cell(llm, cell, return_token_ids=False))
+            rates[state].append(run["num_output_tokens"] / run["seconds"])
+    emit({"event": "cell", **result, "overhead_tok_s": rates})
+
+
 # what a job's cells are -> how the child runs them
 JOB_KINDS: dict[str, Callable[[Any, dict[str, Any], Emit], None]] = {
     "generate": run_generate,
     "forward_times": run_forward_times,
     "profile": run_profile,
+    "sampled": run_sampled,
 }
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import statistics
 import subprocess
@@ -30,6 +31,9 @@ from typing import Any
 from specplugin import trace
 
 DEFAULT_METHODS = "none,vllm-suffix,vllm-draft,plugin-suffix,plugin-union"
+SAMPLED = "sampled"  # --timers: no timer, py-spy's samples (specplugin.stack_samples)
+TIMER_MODES = ("fine", "coarse", SAMPLED)
+SAMPLE_RATE = 400  # py-spy's samples a second of the worker, --timers sampled
 DEFAULT_OUT_DIR = "bench-out/profile"
 # --py-spy's formats (py-spy's own names) -> the file's suffix
 PY_SPY_FORMATS = {"flamegraph": ".svg", "raw": ".txt"}
@@ -102,11 +106,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also write the union's decision trace (specplugin.trace: every "
                              "step's time, every block the step arbiter closed, every draft "
                              "plan) under OUT_DIR/trace and summarize the timed cell's part")
-    parser.add_argument("--timers", choices=("fine", "coarse"), default="fine",
+    parser.add_argument("--timers", choices=TIMER_MODES, default="fine",
                         help="fine: every phase of the plugin's work timed apart; coarse: the "
                              "plugin timed at its entry points only (its own work in all, "
                              "without most of the timers' own cost, measured at +4%% of the "
-                             "step with fine timers on this project's machine)")
+                             "step with fine timers on this project's machine); sampled: no "
+                             "timer at all, py-spy samples the worker during the cell and each "
+                             "sample is charged to the target's forward, the draft's, the "
+                             "plugin or vLLM (needs py-spy: .venv/bin/pip install py-spy; "
+                             "--overhead-pairs then measure the sampler's own cost; --step-ab "
+                             "does not apply)")
+    parser.add_argument("--sample-rate", type=int, default=SAMPLE_RATE, metavar="HZ",
+                        help=f"--timers sampled: py-spy's samples a second (default "
+                             f"{SAMPLE_RATE})")
     add_eager_argument(parser)
 
 
@@ -129,11 +141,12 @@ def run(args: argparse.Namespace) -> int:
             kwargs = spec.engine_kwargs(models, settings_for(spec, args.overrides))
             _check_plugin_settings(kwargs)
         if (args.batch_size < 1 or args.overhead_pairs < 0 or args.rounds < 1
-                or args.step_ab < 0):
-            raise ValueError("--batch-size and --rounds must be >= 1 and --overhead-pairs and "
-                             f"--step-ab >= 0; got {args.batch_size}, {args.rounds}, "
+                or args.step_ab < 0 or args.sample_rate < 1):
+            raise ValueError("--batch-size, --rounds and --sample-rate must be >= 1 and "
+                             "--overhead-pairs and --step-ab >= 0; got "
+                             f"{args.batch_size}, {args.rounds}, {args.sample_rate}, "
                              f"{args.overhead_pairs} and {args.step_ab}.")
-        if args.py_spy:
+        if args.py_spy or args.timers == SAMPLED:
             args.py_spy_path = find_py_spy()
         cell = Cell(args.workload, args.batch_size, args.temperature)
         sizes = QUICK_SIZES if args.quick else FULL_SIZES
@@ -156,8 +169,9 @@ def run(args: argparse.Namespace) -> int:
                 console.print(f"[red]FAILED {spec.name}: {err}[/red]")
                 continue
             result = results.setdefault(spec.name, summary)  # the first round's ledger
+            keys = SAMPLED_ROUND_KEYS if args.timers == SAMPLED else ROUND_KEYS
             result.setdefault("rounds", []).append(
-                {key: summary[key] for key in ROUND_KEYS} | {"round": round_index})
+                {key: summary[key] for key in keys} | {"round": round_index})
     if results:
         payload = {"meta": _meta(args, models, cell, prompts), "methods": results}
         title = _title(payload["meta"])
@@ -165,11 +179,12 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
-        plot_path = plot(results, Path(args.plot or out_dir / "profile.png"), title)
+        plot_path = (None if args.timers == SAMPLED else
+                     plot(results, Path(args.plot or out_dir / "profile.png"), title))
         if args.markdown:
             Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
             Path(args.markdown).write_text(markdown(results, title, payload["meta"]))
-        console.print(f"plot: {plot_path}  logs: {out_dir / 'logs'}"
+        console.print((f"plot: {plot_path}  " if plot_path else "") + f"logs: {out_dir / 'logs'}"
                       + (f"  json: {args.json}" if args.json else ""))
     for failure in failures:
         console.print(f"[red]FAILED {failure}[/red]")
@@ -208,6 +223,7 @@ def settings_for(spec, overrides: Mapping[str, Any]) -> dict[str, Any]:
 
 # what each round keeps of a method's summary (the ledger is the first round's)
 ROUND_KEYS = ("tok_s", "step_ms", "plain_step_ms", "skipped_step_ms")
+SAMPLED_ROUND_KEYS = ("tok_s", "own_share", "step_samples")
 
 
 def profile_method(spec, models, prompts, args, out_dir: Path,
@@ -219,11 +235,13 @@ def profile_method(spec, models, prompts, args, out_dir: Path,
     from specplugin.vllm_layer.profiling import ENV, TIMERS_ENV
 
     label = f"profile-{spec.name}" + (f"-r{round_index + 1}" if round_index else "")
-    env = {ENV: "1", TIMERS_ENV: args.timers}
+    env = {} if args.timers == SAMPLED else {ENV: "1", TIMERS_ENV: args.timers}
     trace_dir = out_dir / "trace" / label
     if args.trace:
         shutil.rmtree(trace_dir, ignore_errors=True)
         env[trace.ENV] = str(trace_dir)
+    if args.timers == SAMPLED:
+        return sampled_method(spec, models, prompts, args, out_dir, label, env, trace_dir)
     job = EngineJob(label=label, model=models.target,
                     engine_kwargs=spec.engine_kwargs(models, settings_for(spec, args.overrides)),
                     cells=(cell_payload(prompts),),
@@ -267,6 +285,93 @@ def profile_method(spec, models, prompts, args, out_dir: Path,
                   if env.get(trace.ENV) else None),
     })
     return summary
+
+
+def sampled_method(spec, models, prompts, args, out_dir: Path, label: str,
+                   env: Mapping[str, str], trace_dir: Path) -> dict[str, Any]:
+    """One fresh engine with no timer, its worker sampled by py-spy during the cell
+    (:func:`specplugin.bench.engine.run_sampled`): the shares of its step's samples."""
+    from specplugin.bench.runner import EngineJob, cell_payload, run_job
+
+    samples_path = out_dir / "samples" / f"{label}.txt"
+    job = EngineJob(label=label, model=models.target,
+                    engine_kwargs=spec.engine_kwargs(models, settings_for(spec, args.overrides)),
+                    cells=(cell_payload(prompts),), kind=SAMPLED, eager=args.eager,
+                    overhead_pairs=args.overhead_pairs,
+                    sampler={"executable": args.py_spy_path, "path": str(samples_path),
+                             "rate": args.sample_rate}, env=env)
+    result = run_job(job, out_dir / "logs")
+    cell = next(iter(result.cells.values()))
+    sampled = cell["sampled"]
+    return {
+        "method": spec.name, "settings": settings_for(spec, args.overrides),
+        "startup_s": result.startup_s, "num_output_tokens": cell["num_output_tokens"],
+        "seconds": cell["seconds"], "tok_s": cell["num_output_tokens"] / cell["seconds"],
+        "num_drafts": cell["num_drafts"], "num_accepted_tokens": cell["num_accepted_tokens"],
+        "mean_acceptance_length": (1 + cell["num_accepted_tokens"] / cell["num_drafts"]
+                                   if cell["num_drafts"] else None),
+        "sampled": sampled, "own_share": sampled["own_share"],
+        "step_samples": sampled["step_samples"], "sample_rate": args.sample_rate,
+        "overhead": overhead(cell["overhead_tok_s"]["off"], cell["overhead_tok_s"]["on"],
+                             0.0, 0.0),
+        "samples_path": str(samples_path),
+        "trace": (trace.summarize(trace.after_last_forget(trace.read(trace_dir)))
+                  if env.get(trace.ENV) else None),
+    }
+
+
+def sampled_rows(results: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
+    """``--timers sampled``: each row's share of the worker's step samples, the plugin's
+    own work with its sampling interval and per round (each round a fresh engine)."""
+    from specplugin.stack_samples import DRAFT_FORWARD, FORWARD, PLUGIN, VLLM
+
+    rs = list(results.values())
+    share = lambda row: [f"{r['sampled']['shares'][row]:.1%}" for r in rs]  # noqa: E731
+    rows: list = [
+        ("forward (the target's, LM head included)", share(FORWARD)),
+        ("draft forward (and its LM head)", share(DRAFT_FORWARD)),
+        ("vLLM (the rest of the step)", share(VLLM)),
+        ("plugin's own work (no forwards)",
+         [f"{r['own_share']:.1%} +-{r['sampled']['own_half_interval']:.1%}" for r in rs]),
+        None,
+        ("  per round (fresh engines); all rounds' samples pooled",
+         [", ".join(f"{x['own_share']:.1%}" for x in r["rounds"])
+          + (f"; {pooled_own_share(r['rounds']):.1%}" if len(r["rounds"]) > 1 else "")
+          for r in rs]),
+        ("  and outside the step (the worker's wait)",
+         [f"{r['sampled']['background_share']:.1%}" for r in rs]),
+        ("samples in the step / all the worker's",
+         [f"{r['sampled']['step_samples']} / {r['sampled']['samples']}" for r in rs]),
+        ("tok/s (sampled run)", [f"{r['tok_s']:.1f}" for r in rs]),
+        ("sampler overhead: measured (1 - tok/s sampled / not)",
+         [_pct(r["overhead"]["measured"]) for r in rs]),
+        ("mean acceptance length", ["-" if r["mean_acceptance_length"] is None
+                                    else f"{r['mean_acceptance_length']:.2f}" for r in rs]),
+    ]
+    top = max((len(r["sampled"]["plugin_functions"]) for r in rs), default=0)
+    for i in range(min(top, 8)):
+        rows.append((f"plugin function #{i + 1} (innermost, not passing through)",
+                     [_function_share(r, i) for r in rs]))
+    return rows
+
+
+def pooled_own_share(rounds: Sequence[Mapping[str, Any]]) -> float:
+    """The plugin's share of every round's step samples together."""
+    samples = sum(r["step_samples"] for r in rounds)
+    return sum(r["own_share"] * r["step_samples"] for r in rounds) / samples if samples else 0.0
+
+
+def _function_share(result: Mapping[str, Any], i: int) -> str:
+    functions = result["sampled"]["plugin_functions"]
+    if i >= len(functions):
+        return "-"
+    name, share = functions[i]
+    return f"{_shorten(name, 40)} {share:.1%}"
+
+
+SAMPLED_NOTE = ("sampled: py-spy reads rank 0's worker {rate} times a second without stopping it; "
+                "shares are of the samples inside the worker's step (execute_model and "
+                "sample_tokens), no timer installed; +- is the samples' 95% interval")
 
 
 def step_ab_summary(records: Sequence[Sequence] | None) -> dict[str, Any] | None:
@@ -329,16 +434,19 @@ def ordered_phases(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
 
 
 def _title(meta: Mapping[str, Any]) -> str:
+    mode = meta.get("timers", "fine")
     return (f"specplugin profile: {meta['cell']}, {meta['num_requests']} requests x "
             f"{meta['max_tokens']} tokens, {'eager' if meta['eager'] else 'compiled'}, "
-            f"{meta.get('timers', 'fine')} timers, ms per engine step (share of the step)")
+            + ("no timers, py-spy's samples of the worker's step (share of them)"
+               if mode == SAMPLED else
+               f"{mode} timers, ms per engine step (share of the step)"))
 
 
 def _report_saved(path: Path, args, console) -> int:
     payload = json.loads(path.read_text())
     results, meta = payload["methods"], payload["meta"]
     print_ledger(results, _title(meta))
-    if args.plot:
+    if args.plot and meta.get("timers") != SAMPLED:
         plot(results, Path(args.plot), _title(meta))
     if args.markdown:
         Path(args.markdown).write_text(markdown(results, _title(meta), meta))
@@ -348,6 +456,8 @@ def _report_saved(path: Path, args, console) -> int:
 def ledger_rows(results: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
     """(label, one cell per method): the phases, a separator (None), then the totals."""
     rs = list(results.values())
+    if rs and "sampled" in rs[0]:
+        return sampled_rows(results)
     rows: list = [(phase, [_ms_share(r, phase) for r in rs]) for phase in ordered_phases(results)]
     rows.append(None)
     rows += [
@@ -441,11 +551,18 @@ def print_ledger(results: Mapping[str, Mapping[str, Any]], title: str, console=N
         else:
             table.add_row(row[0], *row[1])
     console.print(table)
-    console.print(f"timing: {_devices(results)}; {OVERHEAD_NOTE}")
+    console.print(_note(results))
 
 
 OVERHEAD_NOTE = ("overhead measured = 1 - median tok/s with timers on / off (same engine, same "
                  "prompts, caches warm)")
+
+
+def _note(results: Mapping[str, Mapping[str, Any]]) -> str:
+    if any("sampled" in r for r in results.values()):
+        rates = sorted({r.get("sample_rate", SAMPLE_RATE) for r in results.values()})
+        return SAMPLED_NOTE.format(rate="/".join(map(str, rates)))
+    return f"timing: {_devices(results)}; {OVERHEAD_NOTE}"
 
 
 def _devices(results: Mapping[str, Mapping[str, Any]]) -> str:
@@ -463,7 +580,7 @@ def markdown(results: Mapping[str, Mapping[str, Any]], title: str,
     for row in ledger_rows(results):
         if row is not None:
             lines.append(f"| {row[0]} | " + " | ".join(row[1]) + " |")
-    lines += ["", f"Timing: {_devices(results)}; {OVERHEAD_NOTE}.", ""]
+    lines += ["", f"{_note(results)}.", ""]
     return "\n".join(lines)
 
 
@@ -614,3 +731,77 @@ class PySpy:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.proc.terminate()
+
+
+
+class SampledWindow:
+    """``py-spy record`` of one process (its threads, idle ones too, so that a step's
+    waits are in the step), from entering (once py-spy reports it is sampling) to
+    leaving (an interrupt: py-spy writes its raw stacks to ``path`` and exits).
+    Non-blocking: py-spy reads the process's memory without stopping it, so the timing
+    is the untimed engine's (a stack read mid-change is rare, and counted where it
+    lands)."""
+
+    def __init__(self, executable: str, pid: int, path: Path, rate: int = SAMPLE_RATE):
+        self.executable, self.pid, self.path, self.rate = executable, pid, path, rate
+        self.proc: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        return [self.executable, "record", "--pid", str(self.pid), "--rate", str(self.rate),
+                "--idle", "--nonblocking", "--format", "raw", "--output", str(self.path)]
+
+    def __enter__(self) -> SampledWindow:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        cores = other_cores(self.pid)
+        self.proc = subprocess.Popen(
+            self.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            preexec_fn=(lambda: _bind(cores)) if cores else None)
+        first = self.proc.stdout.readline()
+        if "Sampling process" not in first:
+            rest, _ = self.proc.communicate(timeout=30)
+            raise RuntimeError(f"py-spy did not start sampling process {self.pid}: "
+                               f"{(first + rest).strip()}")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        self.proc.send_signal(signal.SIGINT)
+        output, _ = self.proc.communicate(timeout=120)
+        if self.proc.returncode != 0 or not self.path.exists():
+            raise RuntimeError(f"py-spy failed on process {self.pid} "
+                               f"(exit {self.proc.returncode}): {output.strip()[-500:]}")
+
+
+def other_cores(pid: int) -> set[int]:
+    """The cores process ``pid`` may not run on (vLLM binds its CPU worker to its own):
+    py-spy runs there, so that reading the worker never takes the worker's core."""
+    return set(range(os.cpu_count() or 1)) - os.sched_getaffinity(pid)
+
+
+def _bind(cores: set[int]) -> None:
+    try:
+        os.sched_setaffinity(0, cores)
+    except OSError:  # none of them allowed here: py-spy runs where the system puts it
+        pass
+
+
+WORKER_TITLE = "VLLM::Worker"  # the process title vLLM gives its worker processes
+
+
+def worker_pid() -> int:
+    """This engine's first worker process (rank 0: started first), a descendant of the
+    calling process whose title vLLM set to :data:`WORKER_TITLE`."""
+    import psutil  # a dependency of vLLM's
+
+    workers = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if WORKER_TITLE in " ".join(proc.cmdline()):
+                workers.append((proc.create_time(), proc.pid))
+        except psutil.Error:  # gone, or not ours to read
+            continue
+    if not workers:
+        raise RuntimeError(f"no vLLM worker process ({WORKER_TITLE!r}) under this engine "
+                           "to sample")
+    return min(workers)[1]

@@ -132,6 +132,9 @@ class EngineJob:
     # "profile" jobs: passes over the cell in which blocks of settled plain steps run as
     # vLLM's own runner, the arms taking turns (PlainStepAB)
     step_ab: int = 0
+    # "sampled" jobs: SampledWindow's arguments (py-spy's executable, the file its stacks
+    # of the cell go to, its rate)
+    sampler: Mapping[str, Any] | None = None
     env: Mapping[str, str] = field(default_factory=dict)  # the child's, over child_env()
     timeout_s: float = 3600.0
 
@@ -312,6 +315,9 @@ class EngineRun:
     # failures the plugin caught in the engine up to the end of the cell, by name (each
     # cost a step its drafts, never a request; None: no plugin)
     proposer_failures: dict[str, int] | None = None
+    # the cell ran while py-spy sampled the worker (a cell payload's "sampler"): the
+    # ledger's summary (specplugin.stack_samples.SampledLedger.summary)
+    sampled: dict[str, Any] | None = None
     warnings: list[str] = field(default_factory=list)
     log_path: Path | None = None
 
@@ -326,7 +332,7 @@ class EngineRun:
                    worker_gc_frozen=out.get("worker_gc_frozen"),
                    worker_learning=out.get("worker_learning"),
                    proposer_failures=out.get("proposer_failures"),
-                   warnings=list(result.warnings),
+                   sampled=out.get("sampled"), warnings=list(result.warnings),
                    log_path=result.log_path, **counters)
 
     @property

@@ -35,11 +35,14 @@ import torch
 from specplugin.profiling import (BACKGROUND, BACKGROUND_WAIT, DRAFT_FORWARDS, DRAFT_TOKENS,
                                   DRAFTED, PROBE_ENV, QUERY_TOKENS, SETTLED, WORKER,
                                   PhaseClock)
+from specplugin.stack_samples import StackRoles
 from specplugin.vllm_layer import draft_handoff, patches
 
 ENV = "SPECPLUGIN_PROFILE"  # "1" in specplugin profile's engine children only
 # "coarse": the worker times the plugin at its entry points only (see COARSE_PLUGIN_ROWS)
 TIMERS_ENV = "SPECPLUGIN_PROFILE_TIMERS"
+DRAFT_FORWARD = "draft forward"  # the draft model's compute: its forwards and LM heads
+DRAFT_LM_HEAD = "_logits"  # PluginDraftProposer's
 RPC = "specplugin_profile"
 # each worker of an engine started with PROBE_ENV answers this (memory_probe_ms)
 PROBE_RPC = "specplugin_memory_probe"
@@ -123,7 +126,7 @@ WORKER_TIMED: Timed = (
     (_DRAFT, None, "sample_draft_tokens", "draft: draw"),
     (_DRAFT, None, "greedy_draft_tokens", "draft: draw"),
     ("specplugin.adaptive.draft_rule", "DraftRun", "add", "draft: stop rule"),
-    (_DRAFT, "PluginDraftProposer", "_logits", "draft forward"),  # the LM head: model compute
+    (_DRAFT, "PluginDraftProposer", DRAFT_LM_HEAD, DRAFT_FORWARD),  # the LM head: model compute
     (_DRAFT, "PluginDraftProposer", "_draft", "draft: loop"),
     (_DRAFT, "PluginDraftProposer", "_finish", "plugin: hand back"),
     (_DRAFT, "PluginDraftProposer", "_finish_union", "plugin: hand back"),
@@ -177,7 +180,6 @@ COARSE_PLUGIN_ROWS = frozenset({
 # forwards are its model calls (DRAFT_FORWARD_METHOD), timed and counted the same way.
 DRAFT_FORWARD_MODULES = ("vllm.v1.spec_decode.llm_base_proposer",)
 DRAFT_FORWARD_METHOD = (_DRAFT, "PluginDraftProposer", "_run_model")
-DRAFT_FORWARD = "draft forward"
 # Tensor methods that wait for the device and copy to the host: counted per phase.
 SYNC_METHODS = ("cpu", "item", "tolist")
 
@@ -314,6 +316,15 @@ def _counted_sync(original):
         return original(self, *args, **kwargs)
 
     return wrapper
+
+
+def stack_roles() -> StackRoles:
+    """The plugin's model compute for ``specplugin profile --timers sampled``
+    (:mod:`specplugin.stack_samples`): the draft's model call and its LM head, named by
+    the functions themselves (the rows the timed ledger charges to ``draft forward``)."""
+    owner = _owner(*DRAFT_FORWARD_METHOD[:2])
+    return StackRoles(frozenset(getattr(owner, name).__qualname__
+                                for name in (DRAFT_FORWARD_METHOD[2], DRAFT_LM_HEAD)))
 
 
 def _is_plugin(phase: str) -> bool:
