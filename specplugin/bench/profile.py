@@ -18,6 +18,7 @@ Exit status 0 when every engine ran, 1 when any failed (the rest is still report
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -65,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--quick", action="store_true",
                         help="short outputs (the test suite's size)")
+    parser.add_argument("--requests", type=int, default=None, metavar="N",
+                        help="requests in the cell (default: bench's, 4 at batch 1): more "
+                             "steps to time or sample, the same prompts' kind")
     parser.add_argument("--rounds", type=int, default=1,
                         help="engines per method, methods interleaved and rotated per round: "
                              "the ledger is the first round's; the plain step's ratio to "
@@ -150,6 +154,10 @@ def run(args: argparse.Namespace) -> int:
             args.py_spy_path = find_py_spy()
         cell = Cell(args.workload, args.batch_size, args.temperature)
         sizes = QUICK_SIZES if args.quick else FULL_SIZES
+        if args.requests is not None:
+            if args.requests < 1:
+                raise ValueError(f"--requests must be >= 1; got {args.requests}.")
+            sizes = dataclasses.replace(sizes, min_requests=args.requests)
         prompts = cell_prompts(source_from_zoo(zoo_root), sizes, cell, args.seed)
     except (ValueError, FileNotFoundError) as err:
         console.print(f"[red]specplugin profile: {err}[/red]")
