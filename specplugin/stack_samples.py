@@ -6,9 +6,12 @@ one line per distinct stack: ``frame;frame;...;frame COUNT`` with the root first
 each frame ``function (file:line)``. This module charges every sample to one row.
 
 Timers cost time inside the very rows they measure (their wrappers, and the counters on
-host syncs, run in the plugin's entry points); a sampler costs the worker nothing but
-the instants it is read at. So the sampled share of the plugin's own work is the figure
-with no instrument inside it, against the timed ledger's finer split.
+host syncs, run in the plugin's entry points); a sampler that stops the worker for each
+read costs it pauses, in which no sample is taken, so no row is charged for them. The
+sampled share of the plugin's own work is the figure with no instrument inside its rows,
+against the timed ledger's finer split. (Reads that do not stop the worker fail where the
+stack changes under them, most in fast-moving Python code, and such rows come out low:
+see :class:`specplugin.bench.profile.SampledWindow`.)
 
 A sample is in the step when a frame of vLLM's worker (``vllm/v1/worker/``) named
 ``execute_model`` or ``sample_tokens`` is on its stack; samples outside (the worker's

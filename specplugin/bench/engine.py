@@ -353,10 +353,13 @@ def sampled_cell(llm, cell: dict[str, Any], sampler: dict[str, Any],
     from specplugin.vllm_layer.profiling import stack_roles
 
     path = Path(sampler["path"])
-    with SampledWindow(sampler["executable"], pid or worker_pid(), path, sampler["rate"]):
+    window = SampledWindow(sampler["executable"], pid or worker_pid(), path, sampler["rate"],
+                           sampler.get("nonblocking", False))
+    with window:
         result = run_cell(llm, cell, return_token_ids, plugin)
     with path.open() as lines:
-        return {**result, "sampled": SampledLedger.from_raw(lines, stack_roles()).summary()}
+        summary = SampledLedger.from_raw(lines, stack_roles()).summary()
+    return {**result, "sampled": {**summary, "failed_reads": window.errors}}
 
 
 def run_sampled(llm, job: dict[str, Any], emit: Emit) -> None:

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -34,7 +35,7 @@ from specplugin import trace
 DEFAULT_METHODS = "none,vllm-suffix,vllm-draft,plugin-suffix,plugin-union"
 SAMPLED = "sampled"  # --timers: no timer, py-spy's samples (specplugin.stack_samples)
 TIMER_MODES = ("fine", "coarse", SAMPLED)
-SAMPLE_RATE = 400  # py-spy's samples a second of the worker, --timers sampled
+SAMPLE_RATE = 100  # py-spy's samples a second of the worker, --timers sampled
 DEFAULT_OUT_DIR = "bench-out/profile"
 # --py-spy's formats (py-spy's own names) -> the file's suffix
 PY_SPY_FORMATS = {"flamegraph": ".svg", "raw": ".txt"}
@@ -115,14 +116,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "plugin timed at its entry points only (its own work in all, "
                              "without most of the timers' own cost, measured at +4%% of the "
                              "step with fine timers on this project's machine); sampled: no "
-                             "timer at all, py-spy samples the worker during the cell and each "
-                             "sample is charged to the target's forward, the draft's, the "
-                             "plugin or vLLM (needs py-spy: .venv/bin/pip install py-spy; "
+                             "timer at all, py-spy samples the worker during the cell (stopping "
+                             "it for each read) and each sample is charged to the target's "
+                             "forward, the draft's, the plugin or vLLM (needs py-spy, installed "
+                             "with the test extra, or .venv/bin/pip install py-spy; "
                              "--overhead-pairs then measure the sampler's own cost; --step-ab "
                              "does not apply)")
     parser.add_argument("--sample-rate", type=int, default=SAMPLE_RATE, metavar="HZ",
                         help=f"--timers sampled: py-spy's samples a second (default "
                              f"{SAMPLE_RATE})")
+    parser.add_argument("--nonblocking", action="store_true",
+                        help="--timers sampled: py-spy reads the worker without stopping it "
+                             "(no pauses, but reads of a stack that changed meanwhile fail and "
+                             "count nowhere: 12%% of them here, most in fast-moving Python, so "
+                             "the plugin's share and the draft's forward come out low)")
     add_eager_argument(parser)
 
 
@@ -307,7 +314,8 @@ def sampled_method(spec, models, prompts, args, out_dir: Path, label: str,
                     cells=(cell_payload(prompts),), kind=SAMPLED, eager=args.eager,
                     overhead_pairs=args.overhead_pairs,
                     sampler={"executable": args.py_spy_path, "path": str(samples_path),
-                             "rate": args.sample_rate}, env=env)
+                             "rate": args.sample_rate, "nonblocking": args.nonblocking},
+                    env=env)
     result = run_job(job, out_dir / "logs")
     cell = next(iter(result.cells.values()))
     sampled = cell["sampled"]
@@ -320,6 +328,7 @@ def sampled_method(spec, models, prompts, args, out_dir: Path, label: str,
                                    if cell["num_drafts"] else None),
         "sampled": sampled, "own_share": sampled["own_share"],
         "step_samples": sampled["step_samples"], "sample_rate": args.sample_rate,
+        "nonblocking": args.nonblocking,
         "overhead": overhead(cell["overhead_tok_s"]["off"], cell["overhead_tok_s"]["on"],
                              0.0, 0.0),
         "samples_path": str(samples_path),
@@ -350,6 +359,9 @@ def sampled_rows(results: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, li
          [f"{r['sampled']['background_share']:.1%}" for r in rs]),
         ("samples in the step / all the worker's",
          [f"{r['sampled']['step_samples']} / {r['sampled']['samples']}" for r in rs]),
+        ("py-spy's failed reads (in no row) / reads",
+         ["-" if not r["sampled"].get("failed_reads") else
+          "{} / {}".format(*r["sampled"]["failed_reads"]) for r in rs]),
         ("tok/s (sampled run)", [f"{r['tok_s']:.1f}" for r in rs]),
         ("sampler overhead: measured (1 - tok/s sampled / not)",
          [_pct(r["overhead"]["measured"]) for r in rs]),
@@ -377,7 +389,7 @@ def _function_share(result: Mapping[str, Any], i: int) -> str:
     return f"{_shorten(name, 40)} {share:.1%}"
 
 
-SAMPLED_NOTE = ("sampled: py-spy reads rank 0's worker {rate} times a second without stopping it; "
+SAMPLED_NOTE = ("sampled: py-spy reads rank 0's worker {rate} times a second{how}; "
                 "shares are of the samples inside the worker's step (execute_model and "
                 "sample_tokens), no timer installed; +- is the samples' 95% interval")
 
@@ -569,7 +581,10 @@ OVERHEAD_NOTE = ("overhead measured = 1 - median tok/s with timers on / off (sam
 def _note(results: Mapping[str, Mapping[str, Any]]) -> str:
     if any("sampled" in r for r in results.values()):
         rates = sorted({r.get("sample_rate", SAMPLE_RATE) for r in results.values()})
-        return SAMPLED_NOTE.format(rate="/".join(map(str, rates)))
+        how = {r.get("nonblocking", False) for r in results.values()}
+        return SAMPLED_NOTE.format(rate="/".join(map(str, rates)), how=(
+            " without stopping it (failed reads count nowhere)" if how == {True}
+            else ", stopping it for each read" if how == {False} else ""))
     return f"timing: {_devices(results)}; {OVERHEAD_NOTE}"
 
 
@@ -745,18 +760,29 @@ class PySpy:
 class SampledWindow:
     """``py-spy record`` of one process (its threads, idle ones too, so that a step's
     waits are in the step), from entering (once py-spy reports it is sampling) to
-    leaving (an interrupt: py-spy writes its raw stacks to ``path`` and exits).
-    Non-blocking: py-spy reads the process's memory without stopping it, so the timing
-    is the untimed engine's (a stack read mid-change is rare, and counted where it
-    lands)."""
+    leaving (an interrupt: py-spy writes its raw stacks to ``path`` and exits), from a
+    core the process is not bound to.
 
-    def __init__(self, executable: str, pid: int, path: Path, rate: int = SAMPLE_RATE):
+    By default py-spy stops the process for each read: the pauses cost the engine time
+    (26% of tok/s at 100 reads a second here) but no row any (no sample is taken in
+    them, and the worker's core stays idle, its caches warm). ``nonblocking`` reads
+    without stopping it, and a read of a stack that changed meanwhile fails: 12% of the
+    reads at 400 a second here, mostly in fast-moving Python code (the plugin's glue, a
+    small draft model's forward), so those rows came out low (the plugin's own work
+    7.7% against 10.8% stopped, the draft's forward 21.8% against 30.0%, the same cell
+    in other engines). ``errors`` reports py-spy's count of failed reads."""
+
+    def __init__(self, executable: str, pid: int, path: Path, rate: int = SAMPLE_RATE,
+                 nonblocking: bool = False):
         self.executable, self.pid, self.path, self.rate = executable, pid, path, rate
+        self.nonblocking = nonblocking
         self.proc: subprocess.Popen | None = None
+        self.errors: tuple[int, int] | None = None  # (failed reads, samples), py-spy's count
 
     def command(self) -> list[str]:
         return [self.executable, "record", "--pid", str(self.pid), "--rate", str(self.rate),
-                "--idle", "--nonblocking", "--format", "raw", "--output", str(self.path)]
+                "--idle", "--format", "raw", "--output", str(self.path)] + (
+                    ["--nonblocking"] if self.nonblocking else [])
 
     def __enter__(self) -> SampledWindow:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -779,6 +805,10 @@ class SampledWindow:
         if self.proc.returncode != 0 or not self.path.exists():
             raise RuntimeError(f"py-spy failed on process {self.pid} "
                                f"(exit {self.proc.returncode}): {output.strip()[-500:]}")
+        # "Samples: N Errors: M": reads that failed are in no row (a stack that changed
+        # while py-spy read it, most likely in fast-moving Python code)
+        found = re.search(r"Samples: (\d+) Errors: (\d+)", output)
+        self.errors = (int(found[2]), int(found[1])) if found else None
 
 
 def other_cores(pid: int) -> set[int]:
