@@ -102,12 +102,19 @@ class StackRoles:
 
 
 def passes_through(frames: Sequence[Frame], i: int) -> bool:
-    """Whether plugin frame ``i`` only hands its call on to vLLM (see the module); the
-    frames of a decorator between them (``torch.inference_mode``'s) do not count."""
+    """Whether plugin frame ``i`` only hands its call on to vLLM (see the module). The
+    frames of a decorator between them (``torch.inference_mode``'s, around vLLM's
+    ``execute_model`` and ``sample_tokens``) do not count, and a sample inside such a
+    decorator's own code, on the way in or out of the function it wraps, is that
+    function's: vLLM's, where the plugin's overrides call their namesakes through it."""
+    if i + 1 >= len(frames):
+        return False  # its own line is running
     callee = next((f for f in frames[i + 1:] if not any(d in f.file for d in DECORATORS)),
                   None)
-    if callee is None or callee.is_plugin:
-        return False  # its own line is running, or its callee is the plugin's
+    if callee is None:
+        return True  # inside the decorator of what it calls
+    if callee.is_plugin:
+        return False
     return callee.name == frames[i].name or PATCH_WRAPPERS in frames[i].file
 
 

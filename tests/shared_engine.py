@@ -83,11 +83,11 @@ def run_shared(zoo_root: Path, workdir: Path) -> dict[str, EngineRun]:
 
 def _with_sampler(cell: dict[str, Any], workdir: Path) -> dict[str, Any]:
     """A cell registered ``sampled``, with what the engine's py-spy window needs (py-spy
-    is installed with the test extra; 200 reads a second, the worker stopped for each:
+    is installed with the test extra; 250 reads a second, the worker stopped for each:
     the cell is short)."""
     from specplugin.bench.profile import find_py_spy
 
     if not cell.pop("sample"):
         return cell
     path = workdir / f"{cell['key'].replace('/', '-')}.samples.txt"
-    return {**cell, "sampler": {"executable": find_py_spy(), "path": str(path), "rate": 200}}
+    return {**cell, "sampler": {"executable": find_py_spy(), "path": str(path), "rate": 250}}

@@ -11,9 +11,8 @@ from tests.prompts import PARSE_HEADER
 from tests.shared_engine import add_cell
 
 # the draft model alone, greedy, one request at a time, the worker sampled
-SAMPLED_CELL = add_cell("stack_samples/draft", [PARSE_HEADER, "import os\nimport sys\n\n\n"],
-                        max_tokens=64, batch_size=1, options={"specplugin_proposers": "draft"},
-                        sampled=True)
+SAMPLED_CELL = add_cell("stack_samples/draft", [PARSE_HEADER], max_tokens=48, batch_size=1,
+                        options={"specplugin_proposers": "draft"}, sampled=True)
 
 ROLES = StackRoles(frozenset({"PluginDraftProposer._run_model", "PluginDraftProposer._logits"}))
 
@@ -47,6 +46,10 @@ def _charge(stack: str):
      FORWARD, None),
     (f"{STEP};Qwen2ForCausalLM.compute_logits (vllm/model_executor/models/qwen2.py:600)",
      FORWARD, None),
+    # ... as is the decorator's own code on the way into vLLM's execute_model
+    ("{LOOP};Worker.execute_model (vllm/v1/worker/gpu_worker.py:700);"
+     "PluginRunnerMixin.execute_model (specplugin/vllm_layer/worker.py:317);".replace(
+         "{LOOP}", LOOP) + DECORATOR, VLLM, None),
     # an override's own line, and what it calls that is not its vLLM namesake: the plugin's
     ("{LOOP};Worker.execute_model (vllm/v1/worker/gpu_worker.py:700);"
      "PluginRunnerMixin.execute_model (specplugin/vllm_layer/worker.py:303)".replace(
@@ -108,7 +111,7 @@ def test_a_real_workers_step_splits_into_forwards_the_plugin_and_vllm(shared_run
     run = shared_runs[SAMPLED_CELL]
     assert run.num_drafts > 0  # the draft model ran (it is the only proposer)
     sampled = run.sampled
-    assert sampled["step_samples"] >= 200, sampled
+    assert sampled["step_samples"] >= 100, sampled
     for row in (FORWARD, DRAFT_FORWARD, PLUGIN, VLLM):
         assert sampled["shares"][row] > 0.0, (row, sampled["shares"])
     assert sum(sampled["shares"].values()) == pytest.approx(1.0)
