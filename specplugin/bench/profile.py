@@ -10,7 +10,9 @@ the plugin (:mod:`specplugin.vllm_layer.profiling`): the mean time per engine st
 split into phases whose exclusive times add up to the step's wall time, ``rest``
 (what no timer claims) included. Then the same cell ``--overhead-pairs`` times more
 with the timers off and on in turn, in the same engine: the timers' cost as a tok/s
-ratio, beside the cost computed from timer calls per step.
+ratio, beside the cost computed from timer calls per step. ``--timers sampled``
+installs no timer: py-spy samples the worker during the cell instead
+(:mod:`specplugin.stack_samples`), and the pairs measure the sampler's cost.
 
 Exit status 0 when every engine ran, 1 when any failed (the rest is still reported).
 """
@@ -24,6 +26,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 from collections.abc import Mapping, Sequence
@@ -243,47 +246,68 @@ SAMPLED_ROUND_KEYS = ("tok_s", "own_share", "step_samples")
 
 def profile_method(spec, models, prompts, args, out_dir: Path,
                    round_index: int = 0) -> dict[str, Any]:
-    """One fresh engine: the method's summary (see :func:`specplugin.profiling.summarize`)
-    with its overhead check, front-end time and device note."""
+    """One fresh engine: the method's summary, timed (see
+    :func:`specplugin.profiling.summarize`, with its overhead check, front-end time and
+    device note) or sampled (:func:`sampled_summary`)."""
     from specplugin.bench.runner import EngineJob, cell_payload, run_job
-    from specplugin.profiling import Ledger, combine, summarize
     from specplugin.vllm_layer.profiling import ENV, TIMERS_ENV
 
     label = f"profile-{spec.name}" + (f"-r{round_index + 1}" if round_index else "")
-    env = {} if args.timers == SAMPLED else {ENV: "1", TIMERS_ENV: args.timers}
+    sampled = args.timers == SAMPLED
+    env = {} if sampled else {ENV: "1", TIMERS_ENV: args.timers}
     trace_dir = out_dir / "trace" / label
     if args.trace:
         shutil.rmtree(trace_dir, ignore_errors=True)
         env[trace.ENV] = str(trace_dir)
-    if args.timers == SAMPLED:
-        return sampled_method(spec, models, prompts, args, out_dir, label, env, trace_dir)
+    samples_path = out_dir / "samples" / f"{label}.txt"
     job = EngineJob(label=label, model=models.target,
                     engine_kwargs=spec.engine_kwargs(models, settings_for(spec, args.overrides)),
-                    cells=(cell_payload(prompts),),
-                    kind="profile", eager=args.eager, overhead_pairs=args.overhead_pairs,
-                    step_ab=args.step_ab, env=env)
+                    cells=(cell_payload(prompts),), kind=SAMPLED if sampled else "profile",
+                    eager=args.eager, overhead_pairs=args.overhead_pairs,
+                    step_ab=0 if sampled else args.step_ab,
+                    sampler=({"executable": args.py_spy_path, "path": str(samples_path),
+                              "rate": args.sample_rate, "nonblocking": args.nonblocking}
+                             if sampled else None), env=env)
+    # (a sampled engine has py-spy on its worker already: no second one for a flame graph)
     spy = (PySpy(out_dir / f"flame-{spec.name}{PY_SPY_FORMATS[args.py_spy]}",
-                 args.py_spy_path, args.py_spy) if args.py_spy else None)
+                 args.py_spy_path, args.py_spy) if args.py_spy and not sampled else None)
     try:
         result = run_job(job, out_dir / "logs", spy.on_event if spy else lambda e: None)
     finally:
         if spy:
             spy.stop()
     cell = next(iter(result.cells.values()))
-    ledger = combine(Ledger.from_dict(cell["ledger"]["engine"]),
-                     Ledger.from_dict(cell["ledger"]["worker"]))
-    summary = summarize(ledger, cell["num_output_tokens"], cell["seconds"],
-                        prompts.cell.batch_size)
-    steps = max(summary["num_steps"], 1)
-    off, on = cell["overhead_tok_s"]["off"], cell["overhead_tok_s"]["on"]
+    summary = (sampled_summary(cell, args, samples_path) if sampled
+               else timed_summary(cell, prompts.cell.batch_size, spy))
     summary.update({
         "method": spec.name, "settings": settings_for(spec, args.overrides),
-        "startup_s": result.startup_s,
-        "device": cell["device"], "num_output_tokens": cell["num_output_tokens"],
+        "startup_s": result.startup_s, "num_output_tokens": cell["num_output_tokens"],
         "seconds": cell["seconds"], "num_drafts": cell["num_drafts"],
         "num_accepted_tokens": cell["num_accepted_tokens"],
         "mean_acceptance_length": (1 + cell["num_accepted_tokens"] / cell["num_drafts"]
                                    if cell["num_drafts"] else None),
+        # the timed cell's part of the trace: its steps come first after the warm-up's
+        # forget (the overhead and plain-step checks run after it; a sampled summary has
+        # no step count, so its trace runs on through them)
+        "trace": (trace.summarize(trace.after_last_forget(trace.read(trace_dir)),
+                                  max_steps=summary.get("num_steps"))
+                  if env.get(trace.ENV) else None),
+    })
+    return summary
+
+
+def timed_summary(cell: Mapping[str, Any], batch_size: int, spy) -> dict[str, Any]:
+    """A timed engine's cell: its ledger's per-step figures, the timers' cost two ways,
+    the flame graph (``spy``: None without ``--py-spy``) and the plain-step A/B."""
+    from specplugin.profiling import Ledger, combine, summarize
+
+    ledger = combine(Ledger.from_dict(cell["ledger"]["engine"]),
+                     Ledger.from_dict(cell["ledger"]["worker"]))
+    summary = summarize(ledger, cell["num_output_tokens"], cell["seconds"], batch_size)
+    steps = max(summary["num_steps"], 1)
+    off, on = cell["overhead_tok_s"]["off"], cell["overhead_tok_s"]["on"]
+    summary.update({
+        "device": cell["device"],
         "front_end_ms_per_step": cell["front_end_s"] * 1e3 / steps,
         # the engine's memory probe before the cell (engines on one machine differ in
         # speed by their memory's: specplugin.bench.engine.memory_probe)
@@ -293,48 +317,20 @@ def profile_method(spec, models, prompts, args, out_dir: Path,
                              * 1e3, summary["step_ms"]),
         "flame_graph": str(spy.path) if spy and spy.path.exists() else None,
         "step_ab": step_ab_summary(cell.get("step_ab")),
-        # the timed cell's part of the trace: its steps come first after the warm-up's
-        # forget (the overhead and plain-step checks run after it)
-        "trace": (trace.summarize(trace.after_last_forget(trace.read(trace_dir)),
-                                  max_steps=summary["num_steps"])
-                  if env.get(trace.ENV) else None),
     })
     return summary
 
 
-def sampled_method(spec, models, prompts, args, out_dir: Path, label: str,
-                   env: Mapping[str, str], trace_dir: Path) -> dict[str, Any]:
-    """One fresh engine with no timer, its worker sampled by py-spy during the cell
-    (:func:`specplugin.bench.engine.run_sampled`): the shares of its step's samples."""
-    from specplugin.bench.runner import EngineJob, cell_payload, run_job
-
-    samples_path = out_dir / "samples" / f"{label}.txt"
-    job = EngineJob(label=label, model=models.target,
-                    engine_kwargs=spec.engine_kwargs(models, settings_for(spec, args.overrides)),
-                    cells=(cell_payload(prompts),), kind=SAMPLED, eager=args.eager,
-                    overhead_pairs=args.overhead_pairs,
-                    sampler={"executable": args.py_spy_path, "path": str(samples_path),
-                             "rate": args.sample_rate, "nonblocking": args.nonblocking},
-                    env=env)
-    result = run_job(job, out_dir / "logs")
-    cell = next(iter(result.cells.values()))
+def sampled_summary(cell: Mapping[str, Any], args, samples_path: Path) -> dict[str, Any]:
+    """A sampled engine's cell (:func:`specplugin.bench.engine.run_sampled`): the shares
+    of its step's samples, and the sampler's cost measured by ``--overhead-pairs``."""
     sampled = cell["sampled"]
-    return {
-        "method": spec.name, "settings": settings_for(spec, args.overrides),
-        "startup_s": result.startup_s, "num_output_tokens": cell["num_output_tokens"],
-        "seconds": cell["seconds"], "tok_s": cell["num_output_tokens"] / cell["seconds"],
-        "num_drafts": cell["num_drafts"], "num_accepted_tokens": cell["num_accepted_tokens"],
-        "mean_acceptance_length": (1 + cell["num_accepted_tokens"] / cell["num_drafts"]
-                                   if cell["num_drafts"] else None),
-        "sampled": sampled, "own_share": sampled["own_share"],
-        "step_samples": sampled["step_samples"], "sample_rate": args.sample_rate,
-        "nonblocking": args.nonblocking,
-        "overhead": overhead(cell["overhead_tok_s"]["off"], cell["overhead_tok_s"]["on"],
-                             0.0, 0.0),
-        "samples_path": str(samples_path),
-        "trace": (trace.summarize(trace.after_last_forget(trace.read(trace_dir)))
-                  if env.get(trace.ENV) else None),
-    }
+    return {"tok_s": cell["num_output_tokens"] / cell["seconds"],
+            "sampled": sampled, "own_share": sampled["own_share"],
+            "step_samples": sampled["step_samples"], "sample_rate": args.sample_rate,
+            "nonblocking": args.nonblocking,
+            "overhead": overhead(cell["overhead_tok_s"]["off"], cell["overhead_tok_s"]["on"]),
+            "samples_path": str(samples_path)}
 
 
 def sampled_rows(results: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
@@ -439,10 +435,11 @@ def _mean_and_half_interval(values: Sequence[float]) -> tuple[float, float]:
     return statistics.fmean(values), 1.96 * statistics.stdev(values) / math.sqrt(len(values))
 
 
-def overhead(off: Sequence[float], on: Sequence[float], timers_ms: float,
-             step_ms: float) -> dict[str, Any]:
+def overhead(off: Sequence[float], on: Sequence[float], timers_ms: float = 0.0,
+             step_ms: float = 0.0) -> dict[str, Any]:
     """The timers' cost two ways: the tok/s ratio of runs with them off and on (same
-    engine, same prompts), and timer calls per step times one call's measured cost."""
+    engine, same prompts), and timer calls per step times one call's measured cost
+    (None without a step time: a sampled engine, whose sampler has no calls to count)."""
     measured = (1 - statistics.median(on) / statistics.median(off)) if off and on else None
     return {"tok_s_off": list(off), "tok_s_on": list(on), "measured": measured,
             "estimated": timers_ms / step_ms if step_ms else None}
@@ -756,7 +753,6 @@ class PySpy:
                 self.proc.terminate()
 
 
-
 class SampledWindow:
     """``py-spy record`` of one process (its threads, idle ones too, so that a step's
     waits are in the step), from entering (once py-spy reports it is sampling) to
@@ -769,7 +765,7 @@ class SampledWindow:
     without stopping it, and a read of a stack that changed meanwhile fails: 12% of the
     reads at 400 a second here, mostly in fast-moving Python code (the plugin's glue, a
     small draft model's forward), so those rows came out low (the plugin's own work
-    7.7% against 10.8% stopped, the draft's forward 21.8% against 30.0%, the same cell
+    7.6% against 10.4% stopped, the draft's forward 20.5% against 28.1%, the same cell
     in other engines). ``errors`` reports py-spy's count of failed reads."""
 
     def __init__(self, executable: str, pid: int, path: Path, rate: int = SAMPLE_RATE,
@@ -798,8 +794,6 @@ class SampledWindow:
         return self
 
     def __exit__(self, *exc) -> None:
-        import signal
-
         self.proc.send_signal(signal.SIGINT)
         output, _ = self.proc.communicate(timeout=120)
         if self.proc.returncode != 0 or not self.path.exists():

@@ -9,6 +9,7 @@ request drafts is policy, the decider's: :mod:`specplugin.adaptive.draft_rule`.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Sequence
 
@@ -186,38 +187,27 @@ def _softmax_draw_on_host(logits, temperature, sampled, generator, all_sampled: 
     return torch.from_numpy(token_ids), confidence, draws.probs[0]
 
 
-_UNIT_SCALES: dict[int, np.ndarray] = {}  # num_rows -> all 1 (only ever read)
-_EXPONENT_BITS: dict[int, np.ndarray] = {}  # vocab_size -> the kernel's scratch
+@functools.cache
+def _unit_scales(num_rows: int) -> np.ndarray:  # [num_rows] float32, all 1 (only read)
+    return np.ones(num_rows, dtype=np.float32)
 
 
-def _unit_scales(num_rows: int) -> np.ndarray:  # [num_rows] float32, all 1
-    scales = _UNIT_SCALES.get(num_rows)
-    if scales is None:
-        scales = _UNIT_SCALES[num_rows] = np.ones(num_rows, dtype=np.float32)
-    return scales
-
-
+@functools.cache
 def _exponent_bits(vocab_size: int) -> np.ndarray:  # [vocab_size] int32 scratch
     """softmax_draw_rows's scratch, kept per vocabulary size (the draws run on the
     drafting thread only, one at a time)."""
-    bits = _EXPONENT_BITS.get(vocab_size)
-    if bits is None:
-        bits = _EXPONENT_BITS[vocab_size] = np.empty(vocab_size, dtype=np.int32)
-    return bits
+    return np.empty(vocab_size, dtype=np.int32)
 
 
-_NO_GREEDY: dict[int, np.ndarray] = {}  # num_rows -> all False (only ever read)
 _NO_IDS = np.empty(0, dtype=np.int32)  # draw_rows writes no int32 copy of the tokens
 
 
+@functools.cache
 def _no_greedy_rows(num_rows: int) -> np.ndarray:  # [num_rows] bool, all False
     """The draw's greedy flags when every row samples, kept per batch size: the kernel
     only reads them (one numpy call less per drafted position; not flagged read-only,
     which the compiled kernel's signature would refuse)."""
-    flags = _NO_GREEDY.get(num_rows)
-    if flags is None:
-        flags = _NO_GREEDY[num_rows] = np.zeros(num_rows, dtype=bool)
-    return flags
+    return np.zeros(num_rows, dtype=bool)
 
 
 def draft_uniforms(shape: tuple[int, ...], device,
