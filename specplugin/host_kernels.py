@@ -310,24 +310,30 @@ def verify_rows(logits, target_probs, counts, greedy, draft_token_ids, draft_pro
 
 
 @numba.njit("int64(int64[::1], int64[::1], int64[::1], int32[:, :], int32[:, :], int64, "
-            "int32[::1], int64[:, ::1])", **JIT)
+            "int32[::1], int32[::1], int64[::1], int32[::1], int64[::1], int64, int64)", **JIT)
 def first_pass_inputs(rows, starts, ends, token_ids, block_table, block_size, cu_query_lens,
-                      out):
+                      seq_lens, positions, input_ids, slots, num_padded, padding_slot):
     """A draft run's first pass reads row ``rows[i]``'s positions ``[starts[i], ends[i])``:
     writes each token's position, token id (``token_ids`` [num_reqs, max_len]) and KV slot
-    (through ``block_table`` [num_reqs, max_blocks]) into ``out`` [3, >= tokens], in turn,
-    and ``cu_query_lens`` [num_rows + 1] (0 first); returns the tokens in all."""
+    (through ``block_table`` [num_reqs, max_blocks]) into ``positions``, ``input_ids`` and
+    ``slots`` (each [>= num_padded]: the forward's own buffers), in turn; the slots of the
+    padding tokens up to ``num_padded`` (a padded forward's dummy tokens) get
+    ``padding_slot``, so they never write over real KV; ``cu_query_lens`` [num_rows + 1]
+    (0 first) and ``seq_lens`` [num_rows] (each row's ``ends``). Returns the tokens in all."""
     token = 0
     cu_query_lens[0] = 0
     for i in range(rows.shape[0]):
         r = rows[i]
         for position in range(starts[i], ends[i]):
-            out[0, token] = position
-            out[1, token] = token_ids[r, position]
-            out[2, token] = (np.int64(block_table[r, position // block_size]) * block_size
-                             + position % block_size)
+            positions[token] = position
+            input_ids[token] = token_ids[r, position]
+            slots[token] = (np.int64(block_table[r, position // block_size]) * block_size
+                            + position % block_size)
             token += 1
         cu_query_lens[i + 1] = token
+        seq_lens[i] = ends[i]
+    for t in range(token, num_padded):
+        slots[t] = padding_slot
     return token
 
 

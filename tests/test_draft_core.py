@@ -698,7 +698,7 @@ def test_the_decode_passes_inputs_are_vllms_update_pass_after_pass(max_model_len
 
     current_platform.register_triton_kernel_overrides()  # as an engine does (CPU: C++)
 
-    from specplugin.vllm_layer.draft_proposer import decode_passes
+    from specplugin.vllm_layer.draft_proposer import DecodePassBuffers, decode_passes
 
     block_size, num_passes = 4, 6
     rng = np.random.default_rng(0)
@@ -726,6 +726,19 @@ def test_the_decode_passes_inputs_are_vllms_update_pass_after_pass(max_model_len
     assert torch.equal(padded.positions[:, :3], passes.positions)
     assert torch.equal(padded.slots[:, :3], passes.slots)
     assert padded.positions[:, 3:].eq(0).all() and padded.slots[:, 3:].eq(PADDING_SLOT_ID).all()
+    # kept from run to run (DecodePassBuffers): the same values, after another run of
+    # the same shape wrote other ones; each pass's views are its rows
+    kept = DecodePassBuffers(["layer.0", "layer.1"])
+    decode_passes(block_table, ends + 1, num_passes, block_size, max_model_len, 5, kept)
+    again = decode_passes(block_table, ends, num_passes, block_size, max_model_len, 5, kept)
+    for field in ("positions", "slots", "seq_lens", "seq_lens_cpu"):
+        assert torch.equal(getattr(again, field), getattr(padded, field)), field
+    for j, views in enumerate(again.views):
+        assert torch.equal(views.positions, padded.positions[j])
+        assert torch.equal(views.slots, padded.slots[j, :3])
+        assert torch.equal(views.seq_lens, padded.seq_lens[j])
+        assert list(views.slot_mapping) == ["layer.0", "layer.1"]
+        assert all(torch.equal(s, padded.slots[j]) for s in views.slot_mapping.values())
     past = ends[2] - 1 + np.arange(1, num_passes + 1) >= max_model_len
     if max_model_len > 100:
         assert not past.any()
@@ -1146,21 +1159,27 @@ def test_the_first_pass_reads_each_rows_positions_through_its_own_block_table():
     """The first pass's host inputs (``host_kernels.first_pass_inputs``): row ``rows[i]``
     reads positions ``[starts[i], ends[i])``, in turn; each token's id from its row of the
     token buffer and its KV slot through its row of the block table; the query lengths'
-    running sums from 0."""
+    running sums from 0 and each row's sequence length; the padding tokens' slots are the
+    padding slot, and nothing past them is written."""
     from specplugin import host_kernels
 
     rng = np.random.default_rng(2)
-    block_size, max_blocks = 4, 10
+    block_size, max_blocks, num_padded, pad = 4, 10, 12, -1
     token_ids = rng.integers(0, 5000, (6, 40)).astype(np.int32)
     block_table = rng.permutation(500)[:6 * max_blocks].reshape(6, max_blocks).astype(np.int32)
     rows, starts, ends = np.array([0, 2, 5]), np.array([3, 0, 38]), np.array([9, 1, 40])
-    cu_query_lens = np.empty(4, dtype=np.int32)
-    out = np.empty((3, 9), dtype=np.int64)
+    cu_query_lens, seq_lens = np.empty(4, dtype=np.int32), np.empty(3, dtype=np.int32)
+    positions, slots = np.full(16, 7, dtype=np.int64), np.full(16, 7, dtype=np.int64)
+    input_ids = np.full(16, 7, dtype=np.int32)
     assert host_kernels.first_pass_inputs(rows, starts, ends, token_ids, block_table,
-                                          block_size, cu_query_lens, out) == 9
+                                          block_size, cu_query_lens, seq_lens, positions,
+                                          input_ids, slots, num_padded, pad) == 9
     assert cu_query_lens.tolist() == [0, 6, 7, 9]
+    assert seq_lens.tolist() == [9, 1, 40]
     want = [(r, p) for r, a, b in zip(rows, starts, ends) for p in range(a, b)]
-    assert out[0].tolist() == [p for _, p in want]
-    assert out[1].tolist() == [token_ids[r, p] for r, p in want]
-    assert out[2].tolist() == [block_table[r, p // block_size] * block_size + p % block_size
-                               for r, p in want]
+    assert positions[:9].tolist() == [p for _, p in want]
+    assert input_ids[:9].tolist() == [token_ids[r, p] for r, p in want]
+    assert slots[:9].tolist() == [block_table[r, p // block_size] * block_size
+                                  + p % block_size for r, p in want]
+    assert slots[9:].tolist() == [pad] * 3 + [7] * 4
+    assert positions[9:].tolist() == [7] * 7 and input_ids[9:].tolist() == [7] * 7

@@ -97,19 +97,46 @@ verification.verify_sampled = verify_sampled
 from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
 from specplugin.vllm_layer.draft_proposer import PluginDraftProposer as P
 
-PAD, state, pad_checks, meta_checks = 3, {"decode": False}, [], []
-orig_switch, orig_pad, orig_decode = P._switch_to_decode, P._padding, P._decode_forward
-
-def switch(self, *args):
-    orig_switch(self, *args)
-    state["decode"] = True
+PAD, pad_checks, meta_checks = 3, [], []
+orig_pad, orig_decode, orig_forward = P._padding, P._decode_forward, P._forward
+orig_meta = P._attn_metadata
 
 def padded(self, num_tokens):
     mode, num_input, across = orig_pad(self, num_tokens)
-    if state["decode"]:
-        state["decode"] = False
-        return mode, num_input + PAD, across
-    return mode, num_input, across
+    return mode, num_input + PAD, across
+
+def same_metadata(mine, fresh):
+    # field by field; the scheduler metadata is an opaque buffer holding pointers
+    return (all(torch.equal(getattr(mine, f), getattr(fresh, f))
+                for f in ("seq_lens", "slot_mapping", "block_table", "query_start_loc"))
+            and all(getattr(mine, f) == getattr(fresh, f)
+                    for f in ("num_actual_tokens", "max_query_len", "max_seq_len", "causal"))
+            and mine.scheduler_metadata.shape == fresh.scheduler_metadata.shape
+            and mine.scheduler_metadata is not fresh.scheduler_metadata)
+
+def vllms_metadata(self, cad, draft_index):
+    return self.draft_attn_groups[0].build_metadata_for_drafting(
+        common_attn_metadata=cad, draft_index=draft_index)
+
+def attn_metadata(self, cad, draft_index):
+    # each pass whose metadata is built (the first, the first decode pass): the
+    # plugin's build against vLLM's builder's
+    built = orig_meta(self, cad, draft_index)
+    if self._cpu_builder is not None:
+        meta_checks.append(same_metadata(next(iter(built.values())),
+                                         vllms_metadata(self, cad, draft_index)))
+    return built
+
+def first_pass(self, cad, num_tokens, views):
+    # the first pass's padding tokens (PAD more than its tokens) read the padding slot
+    kwargs, slot_mappings = views[:2]
+    rows = [s[num_tokens:] for s in slot_mappings.values()]
+    pad_checks.append(kwargs["input_ids"].shape[0] == num_tokens + PAD
+                      and kwargs["positions"].shape[0] == num_tokens + PAD
+                      and bool(rows) and all(r.shape[0] == PAD for r in rows)
+                      and all(bool((r == PADDING_SLOT_ID).all()) for r in rows)
+                      and torch.equal(views[2], cad.slot_mapping))
+    return orig_forward(self, cad, num_tokens, views)
 
 def decode_pass(self, context, cad, draft_index, inputs):
     # the pass's slot mapping, as the forward context gets it
@@ -123,18 +150,12 @@ def decode_pass(self, context, cad, draft_index, inputs):
     hidden = orig_decode(self, context, cad, draft_index, inputs)
     if draft_index > 1 and self._cpu_builder is not None:
         # the metadata carried from the pass before, against vLLM's build of this pass
-        mine = next(iter(context.attn_metadata.values()))
-        fresh = next(iter(self._attn_metadata(cad, draft_index).values()))
-        meta_checks.append(
-            all(torch.equal(getattr(mine, f), getattr(fresh, f))
-                for f in ("seq_lens", "slot_mapping", "block_table", "query_start_loc"))
-            and all(getattr(mine, f) == getattr(fresh, f)
-                    for f in ("num_actual_tokens", "max_query_len", "max_seq_len", "causal"))
-            and mine.scheduler_metadata.shape == fresh.scheduler_metadata.shape
-            and mine.scheduler_metadata is not fresh.scheduler_metadata)
+        meta_checks.append(same_metadata(next(iter(context.attn_metadata.values())),
+                                         vllms_metadata(self, cad, draft_index)))
     return hidden
 
-P._switch_to_decode, P._padding, P._decode_forward = switch, padded, decode_pass
+P._padding, P._decode_forward, P._forward = padded, decode_pass, first_pass
+P._attn_metadata = attn_metadata
 
 # The draft runs only for rows that use it: force odd rows to skip every third step and
 # record what each first pass re-reads, per request: [start, end) position ranges.
@@ -238,17 +259,19 @@ def test_greedy_output_is_identical_token_for_token(baseline, with_draft, cells)
 
 
 def test_padded_draft_passes_give_padding_rows_the_padding_slot(with_draft, cells):
-    """The module's draft engine pads every draft decode pass by 3 rows, as CUDA graphs
-    would; greedy output stays identical (above) and no padding row holds a real slot."""
+    """The module's draft engine pads every draft forward (first passes and decode
+    passes) by 3 tokens, as CUDA graphs would; greedy output stays identical (above) and
+    no padding token holds a real slot."""
     checks = [c for cell in cells for c in with_draft[cell["key"]]["pad_checks"]]
     assert checks and all(checks), checks.count(False)
 
 
-def test_decode_passes_carry_vllms_cpu_attention_metadata(with_draft, cells):
-    """Past a run's first decode pass the CPU attention metadata is the previous pass's,
-    updated in place (``update_cpu_decode_metadata``): field by field what vLLM's builder
-    gives for the pass (its scheduler metadata is an opaque buffer holding pointers:
-    rebuilt, of the same size)."""
+def test_draft_passes_get_vllms_cpu_attention_metadata(with_draft, cells):
+    """A run's first pass and first decode pass build their CPU attention metadata
+    without vLLM's builder (``cpu_attn_metadata``), and past the first decode pass it is
+    the previous pass's, updated in place (``update_cpu_decode_metadata``): either way
+    field by field what vLLM's builder gives for the pass (its scheduler metadata is an
+    opaque buffer holding pointers: rebuilt, of the same size)."""
     checks = [c for cell in cells for c in with_draft[cell["key"]]["meta_checks"]]
     assert checks and all(checks), (len(checks), checks.count(False))
 

@@ -70,6 +70,12 @@ def _charge(stack: str):
     # vLLM's sampler under the plugin's sample_tokens, reached through vLLM's own
     (f"{SAMPLE};GPUModelRunner.sample_tokens (vllm/v1/worker/gpu_model_runner.py:3500);"
      "Sampler.forward (vllm/v1/sample/sampler.py:80)", VLLM, None),
+    # a plain step the plugin runs as vLLM's own: vLLM's sampling is vLLM's, the
+    # plugin's bookkeeping after it the plugin's
+    (f"{SAMPLE};GPUModelRunner.sample_tokens (vllm/v1/worker/gpu_model_runner.py:3500);"
+     "Sampler.forward (vllm/v1/sample/sampler.py:80)", VLLM, None),
+    (f"{SAMPLE};PluginRunnerMixin._after_vllm_step (specplugin/vllm_layer/worker.py:514)",
+     PLUGIN, "PluginRunnerMixin._after_vllm_step"),
     # outside the step: the plugin's work in the wait, and the wait itself
     (f"{LOOP};after_worker_rpc (specplugin/vllm_layer/worker_wait.py:25);"
      "Union.settle (specplugin/adaptive/union.py:300)", BACKGROUND, "Union.settle"),

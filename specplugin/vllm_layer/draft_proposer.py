@@ -28,7 +28,6 @@ import time
 
 import numpy as np
 import torch
-from vllm import _custom_ops as vllm_ops
 from vllm.forward_context import get_forward_context, set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
@@ -108,6 +107,13 @@ class PluginDraftProposer(DraftModelProposer):
         # vLLM's CPU attention builder, when the draft's layers use it: its decode
         # metadata is carried from pass to pass (update_cpu_decode_metadata)
         self._cpu_builder = None
+        # the first pass's host inputs, written where its forward reads them
+        # (FirstPassBuffers); per token count, that forward's inputs (_first_pass_views)
+        self._first_buffers = FirstPassBuffers.of(self, vllm_config)
+        self._first_views: dict[int, tuple] = {}
+        # the decode passes' inputs, kept from run to run where they are host tensors
+        # (made with the attention backend, when the draft's layers are known)
+        self._decode_buffers: DecodePassBuffers | None = None
         self._token_arange_cpu = torch.from_numpy(self.token_arange_np)  # [max_num_tokens]
         # [num_reqs] draft tokens kept per row of the last propose(); the runner cuts
         # the rows of the returned [num_reqs, positions] tensor to these lengths.
@@ -524,10 +530,10 @@ class PluginDraftProposer(DraftModelProposer):
         row_array = np.array(rows, dtype=np.int64)  # [num_rows]
         end_array = np.array(ends, dtype=np.int64)  # [num_rows] exclusive
         query_lens = [e - s for s, e in zip(starts, ends)]  # [num_rows]
-        cad, num_tokens, last = self._first_pass_inputs(
+        cad, num_tokens, last, views = self._first_pass_inputs(
             batch, row_array, np.array(starts, dtype=np.int64), end_array, cad,
             (sum(query_lens), max(query_lens), max(ends)))
-        hidden = self._forward(cad, num_tokens)
+        hidden = self._forward(cad, num_tokens, views)
         self.cursor.advance([batch.req_ids[r] for r in rows], ends)
         if temperature is not None and num_rows != temperature.shape[0]:  # (rows ascend)
             temperature = temperature[torch.from_numpy(row_array).to(temperature.device)]
@@ -572,7 +578,8 @@ class PluginDraftProposer(DraftModelProposer):
         padded_ids, input_ids = self._views(padding[1])[2], self._views(num_rows)[2]
         if self._one_dim_positions:  # every pass's positions and slots at once
             passes = decode_passes(cad.block_table_tensor, end_array, run.rule.k_max - 1,
-                                   self.block_size, self.max_model_len, padding[1])
+                                   self.block_size, self.max_model_len, padding[1],
+                                   self._decode_buffers)
         else:  # (M-RoPE positions: vLLM's update, one pass at a time)
             positions = self.positions[last].clone()  # (a slice for one row: not a view)
             inputs = self._decode_inputs(padding[1])  # (buffer views, rewritten per pass)
@@ -609,49 +616,92 @@ class PluginDraftProposer(DraftModelProposer):
         row i reads positions ``[starts[i], ends[i])`` through its own block table
         (``sizes``: the tokens in all, the longest query and the longest context, which
         the caller has as Python ints). Returns (metadata, tokens in all, each row's last
-        token: an index of [num_rows] or, for one row, a slice)."""
+        token: an index of [num_rows] or, for one row, a slice, the forward's inputs:
+        :meth:`_first_pass_views`)."""
         num_tokens, max_query_len, max_seq_len = sizes
-        # the integer work on the host in one compiled pass, into one int64 array [3,
-        # num_tokens] (positions, token ids, slots): one conversion to a tensor, where
-        # each numpy or torch call after the target's forward costs microseconds of cold
-        # caches
-        cu_query_lens = np.empty(rows.size + 1, dtype=np.int32)
-        host = np.empty((3, num_tokens), dtype=np.int64)
+        num_rows = rows.size
+        views = self._first_pass_views(num_tokens)
+        num_padded = views[3][1]
+        # the integer work on the host in one compiled pass, written where the forward
+        # reads it (on CPU; else into host arrays, then copied): each numpy or torch call
+        # after the target's forward costs microseconds of cold caches, and by py-spy at
+        # batch 1 this method's conversions and copies were 0.7% of the worker's step
+        buffers = self._first_buffers
+        host = buffers.host if buffers is not None else FirstPassBuffers.host_arrays(
+            num_padded, num_rows)
+        if num_padded > host[3].shape[0]:  # (the kernel writes unchecked)
+            raise ValueError(f"a first pass of {num_padded} tokens overflows the draft's "
+                             f"buffers ({host[3].shape[0]})")
         host_kernels.first_pass_inputs(rows, starts, ends, batch.token_ids,
                                        _host(cad.block_table_tensor), self.block_size,
-                                       cu_query_lens, host)
-        values = torch.from_numpy(host)  # [3, num_tokens]
+                                       *host, num_padded, PADDING_SLOT_ID)
         device = self.input_ids.device
-        if device.type != "cpu":
-            values = values.to(device)
-        self.input_ids[:num_tokens].copy_(values[1])  # (int64 -> int32 in the copy)
-        if self._one_dim_positions:
-            self.positions[:num_tokens].copy_(values[0])
+        if buffers is not None:  # (host tensors: the same on both sides)
+            query_start_loc = query_start_loc_cpu = buffers.row_views(num_rows)[0]
+            seq_lens = seq_lens_cpu = buffers.row_views(num_rows)[1]
         else:
-            self._set_positions(num_tokens, values[0])
-        on_cpu = device.type == "cpu"
-        if rows[-1] == rows.size - 1:  # every row from 0 (rows ascend): a view
-            block_table = cad.block_table_tensor[:rows.size]  # [num_rows, max_blocks]
+            query_start_loc_cpu, seq_lens_cpu = self._copy_first_pass(host, num_rows,
+                                                                      num_padded)
+            query_start_loc, seq_lens = query_start_loc_cpu.to(device), seq_lens_cpu.to(device)
+        if rows[-1] == num_rows - 1:  # every row from 0 (rows ascend): a view
+            block_table = cad.block_table_tensor[:num_rows]  # [num_rows, max_blocks]
         else:
             block_table = cad.block_table_tensor[torch.from_numpy(rows).to(device)]
-        query_start_loc_cpu = torch.from_numpy(cu_query_lens)
-        seq_lens_cpu = torch.from_numpy(ends.astype(np.int32))
         sub = CommonAttentionMetadata(
-            query_start_loc=query_start_loc_cpu if on_cpu else query_start_loc_cpu.to(device),
-            query_start_loc_cpu=query_start_loc_cpu,
-            seq_lens=seq_lens_cpu if on_cpu else seq_lens_cpu.to(device),
-            num_reqs=rows.size, num_actual_tokens=num_tokens,
+            query_start_loc=query_start_loc, query_start_loc_cpu=query_start_loc_cpu,
+            seq_lens=seq_lens, num_reqs=num_rows, num_actual_tokens=num_tokens,
             max_query_len=max_query_len, max_seq_len=max_seq_len,
-            block_table_tensor=block_table, slot_mapping=values[2], causal=True,
+            block_table_tensor=block_table, slot_mapping=views[2], causal=True,
             # (vLLM's M-RoPE update writes the lengths in place: not into seq_lens)
             seq_lens_cpu_upper_bound=(seq_lens_cpu if self._one_dim_positions
                                       else seq_lens_cpu.clone()))
         # [num_rows] each row's last token: one row's is a view (a slice; a gather by a
         # tensor index held, by py-spy at batch 1, 3% of the plugin's samples, draft forwards
         # included)
-        last = (slice(num_tokens - 1, num_tokens) if rows.size == 1
-                else torch.from_numpy(cu_query_lens[1:] - 1).to(device))
-        return sub, num_tokens, last
+        last = (slice(num_tokens - 1, num_tokens) if num_rows == 1
+                else torch.from_numpy(host[0][1:num_rows + 1] - 1).to(device))
+        return sub, num_tokens, last, views
+
+    def _copy_first_pass(self, host: tuple, num_rows: int, num_padded: int):
+        """Off the host (another device, M-RoPE positions or other buffer types): the
+        first pass's host arrays (:meth:`FirstPassBuffers.host_arrays`) copied into the
+        proposer's buffers; returns the query starts and sequence lengths as host tensors."""
+        cu_query_lens, seq_lens, positions, input_ids, slots = host
+        device = self.input_ids.device
+        self.input_ids[:num_padded].copy_(torch.from_numpy(input_ids).to(device))
+        self._slot_mapping_buffer[:num_padded].copy_(torch.from_numpy(slots).to(device))
+        positions = torch.from_numpy(positions).to(device)
+        if self._one_dim_positions:
+            self.positions[:num_padded].copy_(positions)
+        else:
+            self._set_positions(num_padded, positions)
+        return torch.from_numpy(cu_query_lens), torch.from_numpy(seq_lens)
+
+    def _first_pass_views(self, num_tokens: int) -> tuple:
+        """The first pass's forward inputs over ``num_tokens``: (model inputs, slot
+        mapping per draft layer, the real tokens' slots, vLLM's padding of the forward:
+        :meth:`_padding`), views of the proposer's buffers over the padded count, made
+        once per count up to :data:`_KEPT_FIRST_VIEWS` tokens (each is a few torch
+        calls) where the padding is the count's alone (no data parallelism)."""
+        views = self._first_views.get(num_tokens)
+        if views is not None:
+            return views
+        padding = self._padding(num_tokens)
+        num_padded = padding[1]
+        if self.supports_mm_inputs:  # (embedded from the ids: by _forward, once written)
+            kwargs = None
+        elif self.pass_hidden_states_to_model:
+            kwargs = self.build_model_inputs_first_pass(num_tokens, num_padded, None)[0]
+        else:
+            kwargs = {"input_ids": self.input_ids[:num_padded],
+                      "positions": self._get_positions(num_padded), "inputs_embeds": None}
+        slots = self._slot_mapping_buffer[:num_padded]
+        views = (kwargs, dict.fromkeys(self._draft_attn_layer_names, slots),
+                 slots[:num_tokens], padding)
+        if (num_tokens <= _KEPT_FIRST_VIEWS and not self.supports_mm_inputs
+                and self.vllm_config.parallel_config.data_parallel_size == 1):
+            self._first_views[num_tokens] = views
+        return views
 
     def _learn_draft_step(self, context, num_accepted: list[int],
                           rejected: list[int] | None) -> None:
@@ -726,6 +776,8 @@ class PluginDraftProposer(DraftModelProposer):
     def initialize_attn_backend(self, *args, **kwargs) -> None:
         super().initialize_attn_backend(*args, **kwargs)
         self._cpu_builder = cpu_metadata_builder(self.draft_attn_groups)
+        if self._first_buffers is not None:  # (host buffers: the block tables' too)
+            self._decode_buffers = DecodePassBuffers(self._draft_attn_layer_names)
 
     def _observe_forward(self, seconds: float) -> None:
         if self.clock.shared:  # shared at the next step (_agree_on_timings)
@@ -755,16 +807,16 @@ class PluginDraftProposer(DraftModelProposer):
             self.costs.observe_first_pass(first_seconds, int(first_tokens), bool(warm))
         return step_seconds, draft_seconds or 0.0
 
-    def _forward(self, cad, num_tokens: int) -> torch.Tensor:
+    def _forward(self, cad, num_tokens: int, views: tuple) -> torch.Tensor:
         """The first pass: one draft-model forward over ``num_tokens`` query tokens (many
-        per request) on the paged cache, in its own forward context."""
+        per request) on the paged cache, in its own forward context (``views``: its
+        inputs, :meth:`_first_pass_views`)."""
         if self._forward_fault is not None:
             self._forward_fault.tick()
         attn_metadata = self._attn_metadata(cad, 0)
-        mode, num_input_tokens, across_dp = self._padding(num_tokens)
-        kwargs, slot_size = self.build_model_inputs_first_pass(num_tokens, num_input_tokens,
-                                                               None)
-        slot_mapping = self._get_slot_mapping(slot_size, cad.slot_mapping)
+        kwargs, slot_mapping, _, (mode, num_input_tokens, across_dp) = views
+        if kwargs is None:
+            kwargs = self.build_model_inputs_first_pass(num_tokens, num_input_tokens, None)[0]
         with set_forward_context(attn_metadata, self.vllm_config, num_tokens=num_input_tokens,
                                  num_tokens_across_dp=across_dp,
                                  cudagraph_runtime_mode=mode, slot_mapping=slot_mapping):
@@ -793,6 +845,9 @@ class PluginDraftProposer(DraftModelProposer):
         ``build_per_group_and_layer_attn_metadata`` returns second, built straight from
         the one group a draft model's layers form (a few calls less per pass)."""
         groups = self.draft_attn_groups
+        if self._cpu_builder is not None:  # (one group)
+            return dict.fromkeys(groups[0].layer_names,
+                                 cpu_attn_metadata(self._cpu_builder, cad))
         if len(groups) != 1:
             return self.build_per_group_and_layer_attn_metadata(cad, draft_index)[1]
         group = groups[0]
@@ -1182,17 +1237,37 @@ class PluginDraftProposer(DraftModelProposer):
 
 
 def cpu_metadata_builder(groups):
-    """The draft's one attention group's builder when it is vLLM's CPU builder, whose
-    decode metadata :func:`update_cpu_decode_metadata` carries from pass to pass; else
-    None (each pass builds its own)."""
+    """The draft's one attention group's builder when it is vLLM's CPU builder for
+    decoder layers over the group's own block table (no kernel block size of its own),
+    whose metadata :func:`cpu_attn_metadata` builds and :func:`update_cpu_decode_metadata`
+    carries from pass to pass; else None (vLLM's builder builds each pass's)."""
     try:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
     except ImportError:  # (a build without the CPU backend)
         return None
-    if len(groups) != 1:
+    if len(groups) != 1 or getattr(groups[0], "kernel_block_size", None) is not None:
         return None
     builder = groups[0].get_metadata_builder()
-    return builder if type(builder) is CPUAttentionMetadataBuilder else None
+    if (type(builder) is not CPUAttentionMetadataBuilder or builder.is_cross_attention
+            or builder.is_encoder_only_attention):
+        return None
+    return builder
+
+
+def cpu_attn_metadata(builder, cad):
+    """What vLLM's ``CPUAttentionMetadataBuilder.build`` returns for ``cad`` (a draft
+    forward's common metadata: causal, decoder layers, see :func:`cpu_metadata_builder`),
+    without the chain of calls that reaches it (the group's drafting build, its block
+    table mapping, the builder's drafting build, then the build): by py-spy at batch 1,
+    vLLM's side of the draft's metadata builds was 0.2-0.4% of the worker's step beside
+    the scheduler op they all need."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
+    return CPUAttentionMetadata(
+        num_actual_tokens=cad.num_actual_tokens, max_query_len=cad.max_query_len,
+        query_start_loc=cad.query_start_loc, max_seq_len=cad.max_seq_len,
+        seq_lens=cad.seq_lens, block_table=cad.block_table_tensor,
+        slot_mapping=cad.slot_mapping, causal=True,
+        scheduler_metadata=_scheduler_metadata(builder, cad, cad.query_start_loc, True, None))
 
 
 def update_cpu_decode_metadata(builder, per_layer: dict, cad) -> None:
@@ -1208,19 +1283,30 @@ def update_cpu_decode_metadata(builder, per_layer: dict, cad) -> None:
     metadata.seq_lens = cad.seq_lens
     metadata.slot_mapping = cad.slot_mapping
     metadata.max_seq_len = cad.max_seq_len
-    metadata.scheduler_metadata = vllm_ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=cad.num_reqs, num_heads=builder.num_heads, num_kv_heads=builder.num_kv_heads,
-        head_dim=builder.head_dim, seq_lens=cad.seq_lens, dtype=builder.dtype,
-        query_start_loc=metadata.query_start_loc, causal=metadata.causal,
-        sliding_window_size=builder.window_size, isa=builder.isa,
-        enable_kv_split=_cpu_attn_split_kv(), dynamic_causal=metadata.dynamic_causal,
-        kv_cache_dtype=builder.kv_cache_dtype)
+    metadata.scheduler_metadata = _scheduler_metadata(
+        builder, cad, metadata.query_start_loc, metadata.causal, metadata.dynamic_causal)
+
+
+def _scheduler_metadata(builder, cad, query_start_loc: torch.Tensor, causal: bool,
+                        dynamic_causal) -> torch.Tensor:
+    """vLLM's CPU attention scheduler metadata for ``cad``'s rows, as its builder asks
+    (``vllm._custom_ops.cpu_attn_get_scheduler_metadata``): its C++ op called with the
+    builder's constants looked up once (:func:`_scheduler_call`), positionally, on the
+    op's one overload; warm, 6.5 us a call here against 10-13 us through vLLM's keyword
+    wrapper and the op's overload lookup, and a run calls it once per pass."""
+    op, heads, rest = _scheduler_call(builder)
+    return op(cad.num_reqs, *heads, cad.seq_lens, builder.dtype, query_start_loc, causal,
+              *rest, dynamic_causal, builder.kv_cache_dtype)
 
 
 @functools.cache
-def _cpu_attn_split_kv() -> bool:
+def _scheduler_call(builder) -> tuple:
+    """(the op, (query heads, KV heads, head size), (window, ISA, KV split)) for
+    :func:`_scheduler_metadata`, in the op's argument order."""
     import vllm.envs as envs
-    return envs.VLLM_CPU_ATTN_SPLIT_KV
+    return (torch.ops._C.get_scheduler_metadata.default,
+            (builder.num_heads, builder.num_kv_heads, builder.head_dim),
+            (builder.window_size, builder.isa, envs.VLLM_CPU_ATTN_SPLIT_KV))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1232,13 +1318,16 @@ class DecodePasses:
     for the run (:func:`decode_passes`): vLLM's own update
     (``_update_positions_dependent_metadata``) made a call per pass that measured ~0.08
     ms here, most of a pass's glue outside the forward; a pass then reads its row of each
-    as views, where copying them into the proposer's buffers took two copies a pass."""
+    as views, where copying them into the proposer's buffers took two copies a pass.
+    ``views``: each pass's views made once (on the host, where the tensors are kept from
+    run to run: :class:`DecodePassBuffers`), else None (sliced per pass)."""
 
     positions: torch.Tensor
     slots: torch.Tensor
     seq_lens: torch.Tensor
     seq_lens_cpu: torch.Tensor
     max_model_len: int
+    views: list[PassViews] | None = None
 
     def set_pass(self, index: int, cad, input_ids: torch.Tensor,
                  layer_names) -> tuple[dict, dict]:
@@ -1246,39 +1335,91 @@ class DecodePasses:
         ``cad``; returns the pass's model inputs (``input_ids``: [num_padded], the buffer
         the loop writes each pass's tokens into) and its slot mapping for ``layer_names``
         (the draft's attention layers), as :meth:`PluginDraftProposer._forward` takes them."""
-        num_rows = self.seq_lens.shape[1]
-        slots = self.slots[index]  # [num_padded]
-        cad.slot_mapping = slots if slots.shape[0] == num_rows else slots[:num_rows]
-        cad.seq_lens = self.seq_lens[index]
-        cad.seq_lens_cpu_upper_bound = self.seq_lens_cpu[index]
+        views = (self.views[index] if self.views is not None
+                 else PassViews.of(self, index, layer_names))
+        cad.slot_mapping = views.slots
+        cad.seq_lens = views.seq_lens
+        cad.seq_lens_cpu_upper_bound = views.seq_lens_cpu
         cad.max_seq_len = min(cad.max_seq_len + 1, self.max_model_len)
-        return ({"input_ids": input_ids, "positions": self.positions[index],
-                 "inputs_embeds": None}, dict.fromkeys(layer_names, slots))
+        return ({"input_ids": input_ids, "positions": views.positions,
+                 "inputs_embeds": None}, views.slot_mapping)
+
+
+@dataclasses.dataclass(frozen=True)
+class PassViews:
+    """One decode pass's rows of :class:`DecodePasses`' tensors, and its slot mapping
+    per draft attention layer (the padded slots)."""
+
+    positions: torch.Tensor  # [num_padded]
+    slots: torch.Tensor  # [num_rows]
+    seq_lens: torch.Tensor  # [num_rows]
+    seq_lens_cpu: torch.Tensor  # [num_rows]
+    slot_mapping: dict
+
+    @classmethod
+    def of(cls, passes: DecodePasses, index: int, layer_names) -> PassViews:
+        num_rows = passes.seq_lens.shape[1]
+        slots = passes.slots[index]  # [num_padded]
+        return cls(passes.positions[index],
+                   slots if slots.shape[0] == num_rows else slots[:num_rows],
+                   passes.seq_lens[index], passes.seq_lens_cpu[index],
+                   dict.fromkeys(layer_names, slots))
+
+
+class DecodePassBuffers:
+    """Host tensors for :func:`decode_passes`, kept from run to run per (passes, rows,
+    padded rows), with every pass's views (:class:`PassViews`) made once: a run then
+    costs the kernel's call alone, where allocating the run's tensors and slicing each
+    pass's rows out of them took, by py-spy at batch 1, 0.4-0.7% of the worker's step."""
+
+    def __init__(self, layer_names):
+        self.layer_names = layer_names
+        # (passes, rows, padded) -> (the DecodePasses, [2, passes, padded] int64 numpy,
+        # [passes, rows] int32 numpy)
+        self._kept: dict[tuple[int, int, int], tuple] = {}
+
+    def get(self, num_passes: int, num_rows: int, num_padded: int,
+            max_model_len: int) -> tuple:
+        key = (num_passes, num_rows, num_padded)
+        kept = self._kept.get(key)
+        if kept is None:
+            both = _row_aligned((2, num_passes, num_padded))
+            seq_lens = torch.empty((num_passes, num_rows), dtype=torch.int32)
+            passes = DecodePasses(both[0], both[1], seq_lens, seq_lens, max_model_len)
+            views = [PassViews.of(passes, j, self.layer_names) for j in range(num_passes)]
+            kept = self._kept[key] = (dataclasses.replace(passes, views=views),
+                                      both.numpy(), seq_lens.numpy())
+        return kept
 
 
 def decode_passes(block_table: torch.Tensor,  # [num_rows, max_blocks] the rows' own tables
                   ends: np.ndarray,  # [num_rows] context length, the newest token included
                   num_passes: int, block_size: int, max_model_len: int,
-                  num_padded: int | None = None) -> DecodePasses:
+                  num_padded: int | None = None,
+                  buffers: DecodePassBuffers | None = None) -> DecodePasses:
     """What vLLM's per-pass update (``eagle_step_update_slot_mapping_and_metadata``)
     gives for passes 1..``num_passes`` after a first pass that ended at each row's
     newest token (position ``ends - 1``): pass j reads position ``ends - 1 + j``, or,
     past ``max_model_len`` (a row that stopped drafting, still computed), position 0
     into the padding slot with a sequence of 1. ``num_padded`` (default the rows): the
     forwards' padded token count (CUDA graphs run a captured batch size), whose dummy
-    rows must write into the padding slot, never over real draft KV."""
+    rows must write into the padding slot, never over real draft KV. ``buffers``: on the
+    host, where the tensors are kept (the block table on the host too); else they are
+    made for the run."""
     # One int64 tensor holds positions and slots ([2, num_passes, num_padded]), filled in
     # one compiled pass, where each numpy or torch call after the draft forward costs
-    # microseconds of cold caches. Each pass's row starts on 64 bytes (the row stride is
-    # rounded up to 8 values): it is a compiled model's input, as the proposer's own
-    # buffers are.
+    # microseconds of cold caches.
     num_padded = num_padded or ends.size
-    both = torch.empty((2, num_passes, -(-num_padded // 8) * 8), dtype=torch.int64)
-    both = both[:, :, :num_padded]
+    ends = ends.astype(np.int64, copy=False)
+    if buffers is not None:
+        passes, both, seq_lens = buffers.get(num_passes, ends.size, num_padded, max_model_len)
+        host_kernels.decode_pass_inputs(_host(block_table), ends, block_size, max_model_len,
+                                        PADDING_SLOT_ID, both, seq_lens)
+        return passes
+    both = _row_aligned((2, num_passes, num_padded))
     seq_lens = np.empty((num_passes, ends.size), dtype=np.int32)
-    host_kernels.decode_pass_inputs(_host(block_table), ends.astype(np.int64, copy=False),
-                                    block_size, max_model_len, PADDING_SLOT_ID, both.numpy(),
-                                    seq_lens)
+    host_kernels.decode_pass_inputs(_host(block_table), ends, block_size, max_model_len,
+                                    PADDING_SLOT_ID, both.numpy(), seq_lens)
     seq_lens_cpu = torch.from_numpy(seq_lens)
     device = block_table.device
     if device.type == "cpu":  # (no copy, nor a call that would return the same tensors)
@@ -1286,6 +1427,70 @@ def decode_passes(block_table: torch.Tensor,  # [num_rows, max_blocks] the rows'
     else:
         both, device_seq_lens = both.to(device), seq_lens_cpu.to(device)
     return DecodePasses(both[0], both[1], device_seq_lens, seq_lens_cpu, max_model_len)
+
+
+def _row_aligned(shape: tuple[int, int, int]) -> torch.Tensor:  # int64
+    """An int64 tensor of ``shape`` whose rows each start on 64 bytes (the row stride is
+    rounded up to 8 values): each pass's row is a compiled model's input, as the
+    proposer's own buffers are."""
+    *outer, num_padded = shape
+    return torch.empty((*outer, -(-num_padded // 8) * 8), dtype=torch.int64)[..., :num_padded]
+
+
+# the first pass's forward inputs are kept per token count up to this many tokens (a
+# steady run re-reads a few per row; a prompt's first read is long and seen once)
+_KEPT_FIRST_VIEWS = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstPassBuffers:
+    """Where :func:`host_kernels.first_pass_inputs <specplugin.host_kernels.first_pass_inputs>`
+    writes a first pass's inputs when the proposer's buffers are host memory of its types
+    (CPU, positions in one row, int32 token ids): numpy views of the proposer's token id,
+    position and slot buffers (the forward reads them as they are: no conversion, no
+    copy), and two host tensors of the pass's own for the rows' query starts and
+    sequence lengths (their numpy views in :attr:`host`, in the kernel's order)."""
+
+    query_start_loc: torch.Tensor  # [max_num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [max_num_reqs] int32
+    # (cu_query_lens, seq_lens, positions [max_positions] int64, input_ids
+    # [max_num_tokens] int32, slots [max_positions] int64), numpy
+    host: tuple
+    _views: dict = dataclasses.field(default_factory=dict)  # rows -> row_views
+
+    def row_views(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[num_rows + 1] query starts and [num_rows] sequence lengths, views made once
+        per count."""
+        views = self._views.get(num_rows)
+        if views is None:
+            views = self._views[num_rows] = (self.query_start_loc[:num_rows + 1],
+                                             self.seq_lens[:num_rows])
+        return views
+
+    @classmethod
+    def of(cls, proposer, vllm_config) -> FirstPassBuffers | None:
+        """The proposer's buffers as the kernel writes them; None where they are not host
+        memory of its types (the first pass then copies: ``_copy_first_pass``)."""
+        buffers = (proposer.input_ids, getattr(proposer, "positions", None),
+                   proposer._slot_mapping_buffer)
+        types = (torch.int32, torch.int64, torch.int64)
+        if (proposer.uses_mrope or vllm_config.model_config.uses_mrope
+                or any(b is None or b.device.type != "cpu" or b.dtype != t or b.dim() != 1
+                       for b, t in zip(buffers, types))):
+            return None
+        max_num_reqs = vllm_config.scheduler_config.max_num_seqs
+        query_start_loc = torch.zeros(max_num_reqs + 1, dtype=torch.int32)
+        seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32)
+        input_ids, positions, slots = (b.numpy() for b in buffers)
+        return cls(query_start_loc, seq_lens,
+                   (query_start_loc.numpy(), seq_lens.numpy(), positions, input_ids, slots))
+
+    @staticmethod
+    def host_arrays(num_padded: int, num_rows: int) -> tuple:
+        """Host arrays of :attr:`host`'s kinds for one pass (``_copy_first_pass``)."""
+        return (np.empty(num_rows + 1, dtype=np.int32), np.empty(num_rows, dtype=np.int32),
+                np.empty(num_padded, dtype=np.int64), np.empty(num_padded, dtype=np.int32),
+                np.empty(num_padded, dtype=np.int64))
 
 
 def _host(table: torch.Tensor) -> np.ndarray:

@@ -482,8 +482,13 @@ class PluginRunnerMixin:
         its non-speculative path (no drafting call, no draft copies, no draft-model
         preparation) and the step hands back no drafts; the drafter may foretell that
         steps after it are plain too (:meth:`execute_model`)."""
-        if self._vllm_step:
-            return self._sample_as_vllm(grammar_output)
+        if self._vllm_step:  # (called from this override, as its super(): the sampled
+            # profile, specplugin.stack_samples, charges vLLM's sampling to vLLM)
+            try:
+                output = super().sample_tokens(grammar_output)
+            finally:
+                self._end_vllm_step()
+            return self._after_vllm_step(output)
         self._note_new_requests()
         if self._skip_drafting():
             self._plain_ahead = self._foretold_plain_steps()
@@ -504,13 +509,9 @@ class PluginRunnerMixin:
             draft_handoff.attach(output, drafts)
         return output
 
-    def _sample_as_vllm(self, grammar_output):
-        """vLLM's sampling of a step run as its own (:meth:`execute_model`); the step's
-        time is kept for the drafter."""
-        try:
-            output = super().sample_tokens(grammar_output)
-        finally:
-            self._end_vllm_step()
+    def _after_vllm_step(self, output):
+        """After vLLM's sampling of a step run as its own (:meth:`execute_model`): the
+        step's time is kept for the drafter, and no drafts ride on its output."""
         self._plain_step_times.append(self.drafter.timer.lap())
         self._plain_run_reqs = self.input_batch.num_reqs
         self.num_steps_as_vllm += 1
