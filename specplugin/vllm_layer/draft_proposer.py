@@ -637,8 +637,8 @@ class PluginDraftProposer(DraftModelProposer):
                                        *host, num_padded, PADDING_SLOT_ID)
         device = self.input_ids.device
         if buffers is not None:  # (host tensors: the same on both sides)
-            query_start_loc = query_start_loc_cpu = buffers.row_views(num_rows)[0]
-            seq_lens = seq_lens_cpu = buffers.row_views(num_rows)[1]
+            query_start_loc, seq_lens = buffers.row_views(num_rows)
+            query_start_loc_cpu, seq_lens_cpu = query_start_loc, seq_lens
         else:
             query_start_loc_cpu, seq_lens_cpu = self._copy_first_pass(host, num_rows,
                                                                       num_padded)
@@ -1474,7 +1474,7 @@ class FirstPassBuffers:
         buffers = (proposer.input_ids, getattr(proposer, "positions", None),
                    proposer._slot_mapping_buffer)
         types = (torch.int32, torch.int64, torch.int64)
-        if (proposer.uses_mrope or vllm_config.model_config.uses_mrope
+        if (not proposer._one_dim_positions
                 or any(b is None or b.device.type != "cpu" or b.dtype != t or b.dim() != 1
                        for b, t in zip(buffers, types))):
             return None
