@@ -67,13 +67,11 @@ def _charge(stack: str):
     (f"{SAMPLE};GPUModelRunner.sample_tokens (vllm/v1/worker/gpu_model_runner.py:3500);"
      "DraftModelProposer.propose (vllm/v1/spec_decode/llm_base_proposer.py:300);" + MODEL,
      DRAFT_FORWARD, None),
-    # vLLM's sampler under the plugin's sample_tokens, reached through vLLM's own
+    # vLLM's sampler under the plugin's sample_tokens, reached through vLLM's own (also
+    # a plain step the plugin runs as vLLM's own: its override calls vLLM's directly)
     (f"{SAMPLE};GPUModelRunner.sample_tokens (vllm/v1/worker/gpu_model_runner.py:3500);"
      "Sampler.forward (vllm/v1/sample/sampler.py:80)", VLLM, None),
-    # a plain step the plugin runs as vLLM's own: vLLM's sampling is vLLM's, the
-    # plugin's bookkeeping after it the plugin's
-    (f"{SAMPLE};GPUModelRunner.sample_tokens (vllm/v1/worker/gpu_model_runner.py:3500);"
-     "Sampler.forward (vllm/v1/sample/sampler.py:80)", VLLM, None),
+    # that step's bookkeeping after vLLM's sampling is the plugin's
     (f"{SAMPLE};PluginRunnerMixin._after_vllm_step (specplugin/vllm_layer/worker.py:514)",
      PLUGIN, "PluginRunnerMixin._after_vllm_step"),
     # outside the step: the plugin's work in the wait, and the wait itself
