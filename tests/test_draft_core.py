@@ -1155,6 +1155,30 @@ def test_the_draft_models_arbiter_learns_foretold_plain_steps_as_if_it_had_decid
     assert foretold > 0.6 * ahead.proposer_stats.steps_skipped > 200
 
 
+def test_the_first_pass_copied_off_the_host_gives_padding_tokens_valid_ids_and_positions():
+    """Where the first pass's inputs are copied into the forward's buffers
+    (``FirstPassBuffers.host_arrays``, another device than the host), the padding tokens'
+    ids and positions are 0, not what the allocator left there: all ``num_padded`` are
+    copied, and a stray id or position would index out of range on the device."""
+    from specplugin import host_kernels
+    from specplugin.vllm_layer.draft_proposer import FirstPassBuffers
+
+    num_padded, num_rows = 24, 1
+    for _ in range(8):  # (memory the allocator will hand out again, full of stray values)
+        np.full(num_padded, -(1 << 40), dtype=np.int64)
+        np.full(num_padded, -(1 << 30), dtype=np.int32)
+    host = FirstPassBuffers.host_arrays(num_padded, num_rows)
+    token_ids = np.arange(40, dtype=np.int32).reshape(1, 40)
+    block_table = np.arange(10, dtype=np.int32).reshape(1, 10)
+    assert host_kernels.first_pass_inputs(np.array([0]), np.array([5]), np.array([9]),
+                                          token_ids, block_table, 4, *host, num_padded,
+                                          -1) == 4
+    _, _, positions, input_ids, slots = host
+    assert positions.tolist() == [5, 6, 7, 8] + [0] * 20
+    assert input_ids.tolist() == [5, 6, 7, 8] + [0] * 20
+    assert slots.tolist() == [5, 6, 7, 8] + [-1] * 20
+
+
 def test_the_first_pass_reads_each_rows_positions_through_its_own_block_table():
     """The first pass's host inputs (``host_kernels.first_pass_inputs``): row ``rows[i]``
     reads positions ``[starts[i], ends[i])``, in turn; each token's id from its row of the

@@ -1487,9 +1487,13 @@ class FirstPassBuffers:
 
     @staticmethod
     def host_arrays(num_padded: int, num_rows: int) -> tuple:
-        """Host arrays of :attr:`host`'s kinds for one pass (``_copy_first_pass``)."""
+        """Host arrays of :attr:`host`'s kinds for one pass (``_copy_first_pass``). The
+        positions and token ids start at 0: the kernel leaves the padding tokens' own
+        (it writes only their slots) and ``_copy_first_pass`` copies all ``num_padded``
+        into the forward's buffers, where an uninitialised id or position would index
+        the embedding or the rotary table out of range."""
         return (np.empty(num_rows + 1, dtype=np.int32), np.empty(num_rows, dtype=np.int32),
-                np.empty(num_padded, dtype=np.int64), np.empty(num_padded, dtype=np.int32),
+                np.zeros(num_padded, dtype=np.int64), np.zeros(num_padded, dtype=np.int32),
                 np.empty(num_padded, dtype=np.int64))
 
 
