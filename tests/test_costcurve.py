@@ -8,6 +8,7 @@ import sys
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -155,19 +156,53 @@ def test_time_forward_refuses_shapes_the_engine_cannot_run(shape, message):
     assert runner.dummy_runs == []
 
 
-def test_calibration_times_decoding_rows_through_the_same_timing():
+def test_calibration_times_what_a_speculative_step_runs_through_the_same_timing():
     from specplugin.vllm_layer.worker import CALIBRATION_CONTEXT_LEN
 
     runner = _fake_runner()
     calibrated = []
     runner.drafter = SimpleNamespace(calibrate=lambda n, s: calibrated.append((list(n), list(s))))
     runner.calibrate_step_cost(repeats=1)
-    knots = [1, 2, 4, 8, 16, 32, 64]
-    assert [(r["num_tokens"], r["query_len"]) for r in runner.dummy_runs[::2]] == [
-        (n, 1) for n in knots]
-    assert {r["profile_seq_lens"] for r in runner.dummy_runs} == {CALIBRATION_CONTEXT_LEN + 1}
+    # one row's query first (up to 8 of the 1 + K = 9 tokens), then rows of 8
+    shapes = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8), (4, 8), (8, 8)]
+    assert [(r["num_tokens"] // r["query_len"], r["query_len"])
+            for r in runner.dummy_runs[::2]] == shapes
+    assert {r["profile_seq_lens"] - r["query_len"] for r in runner.dummy_runs} == {
+        CALIBRATION_CONTEXT_LEN}
     assert {r["force_attention"] for r in runner.dummy_runs} == {True}
-    assert calibrated[0][0] == knots and len(calibrated[0][1]) == len(knots)
+    assert calibrated[0][0] == [1, 2, 4, 8, 16, 32, 64] and len(calibrated[0][1]) == 7
+
+
+def test_a_batch_1_engine_calibrates_up_to_its_verified_tokens_not_one_knot():
+    """max_num_seqs=1 once gave the single knot {1: T}, and the cost model priced
+    verifying n tokens at n plain steps: the controller never drafted (issue 86)."""
+    runner = _fake_runner()
+    runner.scheduler_config = SimpleNamespace(max_num_seqs=1)
+    calibrated = []
+    runner.drafter = SimpleNamespace(calibrate=lambda n, s: calibrated.append(list(n)))
+    runner.calibrate_step_cost(repeats=1)
+    assert calibrated == [[1, 2, 4, 8]]
+    assert {r["num_tokens"] // r["query_len"] for r in runner.dummy_runs} == {1}
+
+
+@pytest.mark.parametrize("max_rows, max_query_len, max_tokens, shapes", [
+    (1, 9, 2048, [(1, 1), (1, 2), (1, 4), (1, 8)]),
+    (3, 9, 2048, [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8)]),
+    (256, 2, 2048, [(1, 1), (1, 2), (2, 2), (4, 2), (8, 2), (16, 2), (32, 2)]),
+    (256, 9, 16, [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8)]),
+])
+def test_calibration_shapes_stay_within_the_engine(max_rows, max_query_len, max_tokens, shapes):
+    from specplugin.adaptive.cost import calibration_shapes
+
+    assert calibration_shapes(max_rows, max_query_len, max_tokens) == shapes
+
+
+def test_one_timed_point_prices_verification_flat_not_as_plain_steps():
+    from specplugin.adaptive.cost import StepCostModel
+
+    model = StepCostModel(max_tokens=64)
+    model.calibrate(np.array([1]), np.array([0.02]))
+    assert model.step_one(9) == pytest.approx(model.step_one(1))
 
 
 # ---------------------------------------------------------------- one real engine

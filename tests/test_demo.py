@@ -3,8 +3,8 @@
 import pytest
 
 from specplugin import cli
-from specplugin.demo import (COPY_SEPARATOR, SIGNATURE, batch_sizes, demo_prompts, restart_of,
-                             signature_window)
+from specplugin.bench.instruct import InstructSource, material_from_stdlib
+from specplugin.demo import batch_sizes, demo_chats, union_settings
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -28,32 +28,19 @@ def test_batch_sizes_parse():
     assert batch_sizes(" 4 ") == [4]
 
 
-def test_more_prompts_than_held_out_files_is_refused_before_any_engine(zoo_root, capsys):
-    assert cli.main(["demo", "--zoo", str(zoo_root), "--num-prompts", "1000"]) == 2
-    assert "--num-prompts must be at most" in capsys.readouterr().out
+def test_the_chats_take_the_three_kinds_in_turn_and_never_repeat_material():
+    material = material_from_stdlib()
+    chats = demo_chats(InstructSource(material, render=None), 7)
+    assert [kind for kind, _ in chats] == ["code-edit", "explain", "chat"] * 2 + ["code-edit"]
+    contents = [chat[-1]["content"] for _, chat in chats]
+    assert len(set(contents)) == 7
+    assert contents[2] in material.questions  # an open question, as asked
+    assert "```python" in contents[0]  # an edit quotes the function it changes
 
 
-def test_a_window_ends_on_a_signature_line_without_its_newline():
-    text = "def f(a):\n    return a\n" + "y = 2\n" * 20 + "class C:\n    pass\n" + "z\n" * 40
-    window = signature_window(text, max_chars=60)
-    assert window.endswith("y = 2\nclass C:")  # the first signature past the first third
-    assert len(window) <= 60 and window.startswith("y = 2")  # whole lines
-    assert signature_window("x = 1\n" * 40, 60) is None
-
-
-def test_prompts_alternate_edits_and_continuations_ending_where_the_model_writes_code(zoo_root):
-    prompts = demo_prompts(zoo_root, 4)
-    assert [p.kind for p in prompts] == ["edit", "continuation", "edit", "continuation"]
-    assert len({p.file for p in prompts}) == 4
-    for p in prompts:
-        if p.kind == "continuation":
-            last = p.text.splitlines()[-1]
-            assert SIGNATURE.fullmatch(last), last
-        else:
-            window, restart = p.text.split(COPY_SEPARATOR)
-            assert window.startswith(restart) and restart == restart_of(window)
-
-
-def test_an_edit_restarts_on_whole_lines():
-    assert restart_of("import os\nimport sys\n" + "x" * 100) == "import os\nimport sys"
-    assert restart_of("y" * 100 + "\nz") == "y" * 100  # at least the first line
+def test_the_union_uses_the_draft_model_only_when_the_pair_has_one(tmp_path):
+    assert union_settings(tmp_path) == {"proposers": ["ngram", "suffix"]}
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "draft" / "config.json").write_text("{}")
+    assert union_settings(tmp_path) == {"proposers": ["draft", "ngram", "suffix"],
+                                        "draft_model": str(tmp_path / "draft")}

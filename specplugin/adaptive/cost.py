@@ -80,6 +80,29 @@ def default_knots(max_tokens: int) -> np.ndarray:  # [num_knots] int
     return np.array(knots)
 
 
+def calibration_shapes(max_rows: int, max_query_len: int, max_tokens: int,
+                       limit: int = 64) -> list[tuple[int, int]]:
+    """``(rows, query_len)`` to time at start-up for the knots ``n = 1, 2, 4, ... <= limit``:
+    the shape a speculative step of ``n`` query tokens runs, one row's query filled first
+    (up to the longest power of two within ``max_query_len = 1 + K``), then more rows.
+
+    Why query first: a batch-1 job (``max_num_seqs=1``) runs every step as one row, and
+    timed as rows of one token it would get a single knot, priced ``n`` verified tokens at
+    ``n`` plain steps (``T(n) = n * T(1)``) and never drafted, where a memory-bound model
+    verifies 8 tokens for 1.25x a plain step. Knots no step of this engine can run
+    (more rows than ``max_rows``, more tokens than ``max_tokens``) are left out."""
+    query = 1
+    while query * 2 <= max_query_len:
+        query *= 2
+    shapes, n = [], 1
+    while n <= min(limit, max_tokens, max_rows * max_query_len):
+        q = min(n, query)
+        if n // q <= max_rows:
+            shapes.append((n // q, q))
+        n *= 2
+    return shapes
+
+
 class StepCostModel:
     def __init__(self, max_tokens: int = 512, smoothing: float = 0.05, warmup: int = 8):
         self.knots = default_knots(max_tokens)
@@ -154,12 +177,15 @@ class StepCostModel:
     def calibrate(self, num_tokens: np.ndarray, seconds: np.ndarray) -> None:
         """Timed forwards (start-up): ``seconds[i]`` for ``num_tokens[i]`` query tokens.
         Knots between measured points are interpolated, beyond them extrapolated
-        linearly from the last two."""
+        linearly from the last two. A single point says nothing of the slope: F is taken
+        flat (verification as cheap as a plain step, as on a memory-bound model) and the
+        steps observed while serving raise it where it is not; the other guess, a line
+        through 0, prices every draft token as a whole plain step and never drafts."""
         n, s = np.asarray(num_tokens, float), np.asarray(seconds, float)
         order = np.argsort(n)
         n, s = n[order], s[order]
-        if n.size == 1:
-            self._set_forward(s[0] * self.knots / n[0])
+        if n.size == 1:  # flat: the observed steps then teach the slope (see docstring)
+            self._set_forward(np.full(self.knots.shape, s[0]))
         else:
             slope = max(0.0, (s[-1] - s[-2]) / (n[-1] - n[-2]))
             inside = np.interp(self.knots, n, s)

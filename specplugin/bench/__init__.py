@@ -9,6 +9,10 @@ Modules:
 - ``methods``: the table of compared configurations (``none``, ``vllm-*``, ``plugin-*``)
   and the built-ins' recorded settings.
 - ``workloads``: edit / complete / mixed / adversarial prompts as token ids (no vLLM).
+- ``instruct`` (with ``chat_questions``): code-edit / explain / chat / chat-mix requests
+  for a real instruct model, through its chat template, stopping at EOS (no vLLM).
+- ``families``: which of the two a pair runs (a chat template makes an instruct pair),
+  its default cells and its dtype.
 - ``runner``: the project's one way to start vLLM (the bench, the search, the lossless
   check, the demo, ``zoo report`` and the end-to-end tests all use it): engine defaults,
   child environment, the plugin's switch, compiled or ``--eager``; starts children one at

@@ -6,6 +6,12 @@
     specplugin bench --fresh-engine       # an engine per cell, as a user's offline job starts one
     specplugin bench --headline --cells complete/b1/t1   # one cell of those, more rounds
     specplugin bench --search-builtins    # re-derive BUILTIN_SETTINGS (methods.py)
+    specplugin bench --zoo smollm2        # a real instruct model: chats, stopping at EOS
+
+The pair decides the workloads (``families.py``): the pairs trained here run token windows
+of code, every cell by default, in float32; an instruct pair (a target with a chat
+template, such as smollm2) runs chats through its template, its headline cells by
+default, in vLLM's own dtype.
 
 Exit status 0 when every engine ran, 1 when any failed (the rest is still reported).
 """
@@ -21,24 +27,28 @@ DEFAULT_OUT_DIR = "bench-out"  # ignored by .gitignore
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options only: importing this module must stay cheap (no vLLM, no torch)."""
+    from specplugin.bench.families import add_dtype_argument, workloads_help
     from specplugin.bench.methods import METHODS, listed_names
     from specplugin.bench.runner import add_eager_argument
-    from specplugin.bench.workloads import WORKLOADS
     from specplugin.zoo import PAIR_HELP
 
     parser.add_argument("--zoo", help=PAIR_HELP)
-    parser.add_argument("--methods", default=",".join(listed_names()),
+    parser.add_argument("--methods", default=None,
                         help=f"comma-separated subset of: {', '.join(METHODS)} "
-                             f"(default: {', '.join(listed_names())})")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS),
-                        help=f"comma-separated subset of: {', '.join(WORKLOADS)}")
+                             f"(default: {', '.join(listed_names())}; those needing a draft "
+                             "model are left out for a pair without one)")
+    parser.add_argument("--workloads", default=None,
+                        help=f"comma-separated workloads, all cells of each ({workloads_help()}; "
+                             "default: every cell of the token windows, the instruct headline)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="rounds over all methods; tok/s is the median (default 3, --quick 1)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: 1 round, 3 cells, short outputs (< 5 min with --eager)")
     parser.add_argument("--headline", action="store_true",
-                        help="the six headline cells (edit b1, complete b1, complete b8, "
-                             "server b8, complete b1 t1, adversarial b16), full sizes")
+                        help="the headline cells, full sizes (token windows: edit b1, complete "
+                             "b1, complete b8, server b8, complete b1 t1, adversarial b16; "
+                             "instruct: code-edit b1, explain b1, chat b1 t0 and t1, code-edit "
+                             "b8, chat-mix b8 and b32)")
     parser.add_argument("--cells", metavar="KEYS",
                         help="comma-separated cell keys (workload/bN/tT, e.g. complete/b1/t1) "
                              "to keep of those chosen: one cell measured over more rounds")
@@ -57,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sweep K (and n-gram lookup sizes, draft sampling) of the built-ins "
                              "among --methods and print the best settings")
     add_eager_argument(parser)
+    add_dtype_argument(parser)
 
 
 def _csv(value: str) -> list[str]:
@@ -76,18 +87,20 @@ def zoo_models(zoo: str | None):
 
 def build_cells(zoo_root: Path, workloads: list[str], quick: bool, seed: int,
                 headline: bool = False, keys: list[str] | None = None):
-    """The run's cells with their prompts: every method gets exactly these. ``keys``:
+    """The run's cells with their prompts: every method gets exactly these. ``workloads``:
+    every cell of these (empty: the pair's default cells, :mod:`families`); ``keys``:
     keep only the cells with these keys (an unknown one is an error naming the others)."""
-    from specplugin.bench.workloads import (FULL_SIZES, HEADLINE_CELLS, QUICK_CELLS, QUICK_SIZES,
-                                            WORKLOADS, cell_prompts, full_grid, source_from_zoo)
+    from specplugin.bench.families import family_for
 
-    unknown = [w for w in workloads if w not in WORKLOADS]
-    if unknown:
-        raise ValueError(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}.")
+    family = family_for(zoo_root)
+    family.check_workloads(workloads)
     if quick and headline:
         raise ValueError("--quick and --headline choose different cells; give one of them.")
-    chosen = QUICK_CELLS if quick else HEADLINE_CELLS if headline else full_grid(workloads)
-    cells = [c for c in chosen if c.workload in workloads]
+    if quick or headline or (not workloads and family.default_is_headline):
+        chosen = family.quick if quick else family.headline
+        cells = [c for c in chosen if not workloads or c.workload in workloads]
+    else:
+        cells = family.grid(workloads or list(family.workloads))
     if keys:
         available = [c.key for c in cells]
         unknown = [k for k in keys if k not in available]
@@ -96,21 +109,46 @@ def build_cells(zoo_root: Path, workloads: list[str], quick: bool, seed: int,
                              f"({', '.join(available)}); pick keys from these, or choose "
                              "other cells with --headline, --quick or --workloads.")
         cells = [c for c in cells if c.key in keys]
-    sizes = QUICK_SIZES if quick else FULL_SIZES
-    source = source_from_zoo(zoo_root)
-    return [cell_prompts(source, sizes, c, seed) for c in cells], sizes
+    sizes = family.quick_sizes if quick else family.sizes
+    source = family.load_source(zoo_root)
+    return [family.build(source, sizes, c, seed) for c in cells], sizes
+
+
+def method_names(methods: str | None, models, console, default: str | None = None) -> list[str]:
+    """``--methods`` as given, else the ``default`` ones (comma-separated; None: the
+    listed methods) the pair can run: a pair without a draft model leaves out those
+    needing one, and says so."""
+    from specplugin.bench.methods import listed_names, runnable
+
+    if methods:
+        return _csv(methods)
+    names, dropped = runnable(_csv(default) if default else listed_names(), models)
+    if dropped:
+        console.print(f"no draft model beside {models.target}: leaving out "
+                      f"{', '.join(dropped)}")
+    return names
+
+
+def length_note(cells) -> str:
+    """How long the cells' requests are, for a title: one fixed length, or EOS and caps."""
+    if all(cp.ignore_eos for cp in cells) and len({cp.max_tokens for cp in cells}) == 1:
+        return f"{cells[0].max_tokens} tokens per request"
+    caps = dict.fromkeys(f"{cp.cell.workload} {cp.max_tokens}" for cp in cells)
+    return f"stop at EOS, max_tokens {', '.join(caps)}"
 
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from specplugin.bench.families import family_for
     from specplugin.bench.methods import resolve
 
     console = Console(stderr=True)  # progress and messages; the table goes to stdout
     try:
-        specs = resolve(_csv(args.methods))
         zoo_root, models = zoo_models(args.zoo)
-        cells, sizes = build_cells(zoo_root, _csv(args.workloads), args.quick, args.seed,
+        specs = resolve(method_names(args.methods, models, console))
+        args.dtype = args.dtype or family_for(zoo_root).dtype
+        cells, sizes = build_cells(zoo_root, _csv(args.workloads or ""), args.quick, args.seed,
                                    args.headline, _csv(args.cells or ""))
         for spec in specs:
             spec.engine_kwargs(models)  # fails now, not after an hour, if a draft is missing
@@ -134,15 +172,16 @@ def _bench(specs, models, cells, sizes, rounds, out_dir, args, console) -> int:
 
     entries = [Entry(s.name, s, s.settings) for s in specs]
     result = run_suite(entries, models, cells, rounds, out_dir / "logs", console,
-                       eager=args.eager, fresh_engine=args.fresh_engine)
+                       eager=args.eager, fresh_engine=args.fresh_engine, dtype=args.dtype)
     rows = report.with_speedups([
         report.make_row(e.label, cp.cell, result.cell_runs(e.label, cp.cell.key), e.settings)
         for cp in cells for e in entries if result.cell_runs(e.label, cp.cell.key)
     ])
     report.print_table(rows, title=f"specplugin bench ({rounds} round(s), "
-                                   f"{sizes.max_tokens} tokens per request, "
-                                   f"{'eager' if args.eager else 'compiled'}, "
+                                   f"{length_note(cells)}, "
+                                   f"{'eager' if args.eager else 'compiled'}, {args.dtype}, "
                                    f"{'fresh engine per cell' if args.fresh_engine else 'one engine per method and round'})")
+    report.print_endings(rows, [cp.cell.key for cp in cells if not cp.ignore_eos])
     report.print_attribution(rows)
     plot_path = report.plot(rows, Path(args.plot or out_dir / "throughput.png")) if rows else None
     meta = _meta(models, cells, sizes, rounds, args, result, entries)
@@ -169,9 +208,14 @@ def _meta(models, cells, sizes, rounds, args, result, entries) -> dict:
     return {
         **run_environment(),
         "models": asdict(models), "rounds": rounds, "quick": args.quick, "eager": args.eager,
-        "fresh_engine": args.fresh_engine,
-        "engine_defaults": engine_kwargs({}, args.eager),
+        "fresh_engine": args.fresh_engine, "dtype": args.dtype,
+        "engine_defaults": engine_kwargs({"dtype": args.dtype}, args.eager),
+        # by cell key: the engines' max_num_seqs (runner.max_num_seqs)
+        "max_num_seqs": result.max_num_seqs,
         "sizes": asdict(sizes), "cells": [cp.cell.key for cp in cells],
+        "cell_sizes": {cp.cell.key: {"num_requests": len(cp.prompts),
+                                     "max_tokens": cp.max_tokens, "ignore_eos": cp.ignore_eos}
+                       for cp in cells},
         "settings": {e.label: dict(e.settings) for e in entries},
         "startup_s": result.startup_s, "failures": result.failures,
         "warnings": sorted(result.warnings),

@@ -9,11 +9,13 @@ are prompts (token ids or strings) with sampling settings; cells of a
 ``forward_times`` job are forward shapes the plugin's worker times (no requests run).
 
 Timing is fair across methods by construction: the engine is warmed up before the
-first timed call, every request has ``ignore_eos`` and the same ``max_tokens`` (so
-every method generates the same number of tokens), and vLLM's detokenization is off
-for all (texts, when a job asks for them, are decoded after the timed calls). vLLM's
-spec-decode counters are read before and after each cell; their difference is that
-cell's drafts and acceptances.
+first timed call, tok/s counts the tokens each method generated, and vLLM's
+detokenization is off for all (texts, when a job asks for them, are decoded after the
+timed calls). A cell's requests either all make exactly ``max_tokens`` tokens
+(``ignore_eos``: the token-window workloads, every method the same count) or stop at
+EOS as users' requests do, ``max_tokens`` a cap (the instruct workloads; a cell reports
+how many ended at EOS, ``num_stopped``). vLLM's spec-decode counters are read before and
+after each cell; their difference is that cell's drafts and acceptances.
 """
 
 from __future__ import annotations
@@ -57,17 +59,25 @@ def counter_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, An
     return delta
 
 
-def _sampling(cell: dict[str, Any], max_tokens: int | None = None):
+def sampling_kwargs(cell: dict[str, Any], max_tokens: int | None = None,
+                    ignore_eos: bool | None = None) -> dict[str, Any]:
+    """``SamplingParams`` arguments of the cell's requests (``max_tokens``, ``ignore_eos``:
+    overrides of the cell's; a cell without ``ignore_eos`` ignores EOS)."""
+    return {
+        "n": cell.get("n", 1),
+        "temperature": cell["temperature"],
+        "max_tokens": max_tokens or cell["max_tokens"],
+        "ignore_eos": cell.get("ignore_eos", True) if ignore_eos is None else ignore_eos,
+        "detokenize": False,
+        "extra_args": cell.get("extra_args"),  # per-request options (specplugin_max_k, ...)
+    }
+
+
+def _sampling(cell: dict[str, Any], max_tokens: int | None = None,
+              ignore_eos: bool | None = None):
     from vllm import SamplingParams
 
-    return SamplingParams(
-        n=cell.get("n", 1),
-        temperature=cell["temperature"],
-        max_tokens=max_tokens or cell["max_tokens"],
-        ignore_eos=True,
-        detokenize=False,
-        extra_args=cell.get("extra_args"),  # per-request options (specplugin_max_k, ...)
-    )
+    return SamplingParams(**sampling_kwargs(cell, max_tokens, ignore_eos))
 
 
 def _generate(llm, prompts: list[list[int]], params) -> tuple[list, float]:
@@ -83,17 +93,20 @@ def warm_up(llm, cells: list[dict[str, Any]], plugin: bool = False) -> None:
     """Pay one-off costs (first kernels, allocations, the spec path) before timing.
 
     The warm-up prompt is the reverse of a real one, so a proposer that caches
-    earlier requests learns nothing it could replay in the timed cells. ``plugin``: the
-    engine runs specplugin, whose union then forgets what the warm-up's verification
-    taught it (reversed text: its proposers look useless), so that the first cell starts
-    as a user's fresh engine does (``specplugin_forget_learned``).
+    earlier requests learns nothing it could replay in the timed cells; it makes 16
+    tokens whatever the cells' EOS rule (a reversed chat might end at once, and leave
+    the spec path cold). ``plugin``: the engine runs specplugin, whose union then
+    forgets what the warm-up's verification taught it (reversed text: its proposers look
+    useless), so that the first cell starts as a user's fresh engine does
+    (``specplugin_forget_learned``).
     """
     first = cells[0]
     prompt = list(reversed(first["prompts"][0]))
     batch = min(max(c["batch_size"] for c in cells), 8)
     for temperature in sorted({t for c in cells for t in c.get("temperatures", [])}
                               | {c["temperature"] for c in cells}):
-        params = _sampling({**first, "temperature": temperature, "n": 1}, max_tokens=16)
+        params = _sampling({**first, "temperature": temperature, "n": 1}, max_tokens=16,
+                           ignore_eos=True)
         _generate(llm, [prompt] * batch, params)
     if plugin:
         llm.collective_rpc("specplugin_forget_learned")
@@ -166,16 +179,19 @@ def run_cell(llm, cell: dict[str, Any], return_token_ids: bool,
     probe_ms = memory_probe(llm)
     before = spec_counters(llm)
     attributed, others = plugin_counters(plugin_stats(llm)) if plugin else (None, None)
-    seconds, num_tokens, token_ids = 0.0, 0, []
+    seconds, num_tokens, num_stopped, token_ids = 0.0, 0, 0, []
     for batch, params in _batches(cell):
         outputs, elapsed = _generate(llm, batch, params)
         seconds += elapsed
-        completions = [list(c.token_ids) for o in outputs for c in o.outputs]
-        num_tokens += sum(len(c) for c in completions)
+        completions = [c for o in outputs for c in o.outputs]
+        num_tokens += sum(len(c.token_ids) for c in completions)
+        num_stopped += sum(c.finish_reason == "stop" for c in completions)
         if return_token_ids:
-            token_ids.extend(completions)
+            token_ids.extend(list(c.token_ids) for c in completions)
+    # num_stopped: requests that ended at EOS (the rest reached max_tokens)
     result = {"key": cell["key"], "seconds": seconds, "num_output_tokens": num_tokens,
-              "num_requests": len(prompts), **counter_delta(spec_counters(llm), before)}
+              "num_requests": len(prompts), "num_stopped": num_stopped,
+              **counter_delta(spec_counters(llm), before)}
     if probe_ms is not None:
         result["memory_probe_ms"] = probe_ms
     if plugin:
@@ -189,6 +205,8 @@ def run_cell(llm, cell: dict[str, Any], return_token_ids: bool,
         if stats is not None:  # failures caught so far in this engine (each cost a step its drafts)
             result["proposer_failures"] = {name: n for name, n in
                                            stats["proposer_failures"].items() if n}
+            # the start-up timing of verification shapes ("rowsxquery": ms) the cost model runs on
+            result["calibration"] = stats.get("calibration")
         attributed_after, others_after = plugin_counters(stats)
         result["attribution"] = attribution_delta(attributed_after, attributed)
         if others_after is not None:

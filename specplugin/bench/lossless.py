@@ -3,9 +3,11 @@
 Two checks, each comparing a speculative configuration against the same engine
 without speculation:
 
-1. **Greedy**: on the zoo target and the workloads' prompts, every output token
-   equals the non-speculative one. A difference is reported with its cell, request
-   index, first differing position and both tokens.
+1. **Greedy**: on the pair's target and its workloads' prompts (``families.py``: token
+   windows for the pairs trained here, chats stopping at EOS for an instruct pair),
+   every output token equals the non-speculative one, in float32 unless ``--dtype``. A
+   difference is reported with its cell, request index, first differing position and
+   both tokens.
 2. **Sampling** (temperature 1): on a tiny-vocabulary model (``tinymodel.py``) with
    repetitive prompts, so drafts are proposed and verified at every step, thousands
    of draws per prompt are made with and without speculation, and at each of the
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_ALPHA = 1e-3
+GREEDY_DTYPE = "float32"
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ QUICK_SAMPLING = SamplingPlan(num_prompts=2, prompt_len=24, draws_per_prompt=200
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options only: importing this module must stay cheap (no vLLM, no torch)."""
+    from specplugin.bench.families import DTYPES
     from specplugin.bench.methods import METHODS, PLUGIN, names_in
     from specplugin.bench.runner import add_eager_argument
     from specplugin.zoo import PAIR_HELP
@@ -70,6 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run a positive control (temperature 0.9) the test must tell apart "
                              "(default: on unless --quick)")
     parser.add_argument("--out-dir", default="bench-out/lossless", help="engine logs")
+    parser.add_argument("--dtype", choices=DTYPES, default=GREEDY_DTYPE,
+                        help="vLLM's dtype of the greedy check, for every pair (default "
+                             f"{GREEDY_DTYPE}: in bf16 a verification pass over several tokens "
+                             "rounds differently from one-token steps, and near-ties flip "
+                             "without any fault of speculation; the sampled check's tiny model "
+                             "always runs in float32)")
     add_eager_argument(parser)
 
 
@@ -144,12 +154,13 @@ class Engines:
     def run(self, spec, models, payload: Sequence[Mapping[str, Any]], label: str,
             seed: int = 0, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
         from specplugin.bench.methods import PLUGIN
-        from specplugin.bench.runner import EngineJob, run_job
+        from specplugin.bench.runner import EngineJob, max_num_seqs, run_job
 
         settings = dict(spec.settings)
         if spec.family == PLUGIN:  # speculate every step: the check needs drafts to verify
             settings["step_arbiter"] = False
-        kwargs = {**spec.engine_kwargs(models, settings), "seed": seed, **(extra or {})}
+        kwargs = {**spec.engine_kwargs(models, settings), "seed": seed,
+                  "max_num_seqs": max_num_seqs(payload), **(extra or {})}
         job = EngineJob(label=label, model=models.target, engine_kwargs=kwargs,
                         cells=tuple(payload), eager=self.eager, return_token_ids=True)
         with self.console.status(f"{label}: running one engine"):
@@ -197,46 +208,65 @@ def greedy_mismatches(reference: Mapping[str, Any], candidate: Mapping[str, Any]
     return out
 
 
+# The greedy check's workloads by the pair's family (families.py): full and --quick, each
+# at batch 8, temperature 0, 16 requests; and what --quick changes of the family's sizes.
+GREEDY_PLAN = {
+    "code windows": (("edit", "complete", "mixed"), ("mixed",), {"max_tokens": 64}),
+    "instruct": (("code-edit", "explain", "chat"), ("chat-mix",), {}),
+}
+
+
 def _greedy_cells(zoo_root: Path, quick: bool):
-    from specplugin.bench.workloads import (FULL_SIZES, QUICK_SIZES, Cell, cell_prompts,
-                                            source_from_zoo)
+    from specplugin.bench.families import family_for
+    from specplugin.bench.workloads import Cell
 
-    source = source_from_zoo(zoo_root)
-    if quick:
-        sizes = replace(QUICK_SIZES, max_tokens=64, min_requests=16)
-        cells = [Cell("mixed", 8, 0.0)]
-    else:
-        sizes = replace(FULL_SIZES, min_requests=16)
-        cells = [Cell(w, 8, 0.0) for w in ("edit", "complete", "mixed")]
-    return [cell_prompts(source, sizes, c, base_seed=7) for c in cells]
+    family = family_for(zoo_root)
+    full, short, quick_changes = GREEDY_PLAN[family.name]
+    sizes = replace(family.quick_sizes if quick else family.sizes, min_requests=16,
+                    **(quick_changes if quick else {}))
+    source = family.load_source(zoo_root)
+    return [family.build(source, sizes, Cell(w, 8, 0.0), 7) for w in (short if quick else full)]
 
 
-def check_greedy(specs, zoo: str | None, quick: bool, engines: Engines) -> bool:
-    """Token-for-token equality with the non-speculative run, on the zoo target."""
+def check_greedy(specs, zoo: str | None, quick: bool, engines: Engines,
+                 dtype: str = GREEDY_DTYPE, defaults: bool = False) -> bool:
+    """Token-for-token equality with the non-speculative run, on the pair's target
+    (``defaults``: the methods are the default list, and those needing a draft model the
+    pair lacks are skipped, said so, rather than failed)."""
     from specplugin.bench.cli import zoo_models
-    from specplugin.bench.methods import METHODS
+    from specplugin.bench.methods import METHODS, runnable
     from specplugin.bench.runner import EngineFailure, cells_payload
 
     zoo_root, models = zoo_models(zoo)
     payload = cells_payload(_greedy_cells(zoo_root, quick))
     num_requests = sum(len(c["prompts"]) for c in payload)
-    engines.console.rule(f"greedy: {num_requests} requests x {payload[0]['max_tokens']} tokens, "
+    length = (f"{payload[0]['max_tokens']} tokens" if payload[0]["ignore_eos"]
+              else f"up to {payload[0]['max_tokens']} tokens (stop at EOS)")
+    engines.console.rule(f"greedy: {num_requests} requests x {length}, {dtype}, "
                          f"cells {', '.join(c['key'] for c in payload)}")
+    if defaults:
+        names, dropped = runnable([s.name for s in specs], models)
+        if dropped:
+            engines.console.print(f"skipped (no draft model beside {models.target}): "
+                                  f"{', '.join(dropped)}")
+        specs = [s for s in specs if s.name in names]
+    extra = {"dtype": dtype}
     try:
-        reference = engines.run(METHODS["none"], models, payload, "greedy-none")
+        reference = engines.run(METHODS["none"], models, payload, "greedy-none", extra=extra)
     except EngineFailure as failure:
         return engines.fail("reference run", failure)
     ok = True
     for spec in specs:
-        ok &= _greedy_one(spec, models, payload, reference, engines)
+        ok &= _greedy_one(spec, models, payload, reference, engines, extra)
     return ok
 
 
-def _greedy_one(spec, models, payload, reference, engines: Engines) -> bool:
+def _greedy_one(spec, models, payload, reference, engines: Engines,
+                extra: Mapping[str, Any] | None = None) -> bool:
     from specplugin.bench.runner import EngineFailure
 
     try:
-        cells = engines.run(spec, models, payload, f"greedy-{spec.name}")
+        cells = engines.run(spec, models, payload, f"greedy-{spec.name}", extra=extra)
     except (EngineFailure, ValueError) as failure:
         return engines.fail(spec.name, failure)
     bad = greedy_mismatches(reference, cells)
@@ -467,7 +497,8 @@ def run(args: argparse.Namespace) -> int:
     ok = True
     if not args.skip_greedy:
         try:
-            ok &= check_greedy(specs, args.zoo, args.quick, engines)
+            ok &= check_greedy(specs, args.zoo, args.quick, engines, args.dtype,
+                               defaults=not args.methods)
         except FileNotFoundError as err:  # no zoo: say how to get one
             console.print(f"[red]check-lossless: {err}[/red]")
             return 2

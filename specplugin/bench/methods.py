@@ -14,8 +14,9 @@ beat) and ``plugin`` (``specplugin.Speculator`` switched on through vLLM's
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from specplugin.bench.runner import plugin_engine_kwargs
@@ -114,8 +115,11 @@ class MethodSpec:
         """This method's keyword arguments for ``vllm.LLM``, on top of the runner's defaults."""
         settings = self.settings if settings is None else settings
         if self.needs_draft and not models.draft:
-            raise ValueError(f"method {self.name!r} needs a draft model; the zoo has none. "
-                             "Build one with `specplugin zoo build` or drop the method.")
+            draft = Path(models.target).parent / "draft"
+            raise ValueError(f"method {self.name!r} needs a draft model, and this pair has "
+                             f"none: no {draft}/config.json beside its target. Leave the "
+                             "method out of --methods, or give the pair a draft (`specplugin "
+                             "zoo build` trains the project's own pairs).")
         # vLLM rejects additional_config=None; an empty dict means "no plugin settings"
         return {"speculative_config": None, "additional_config": {},
                 **self.build(models, settings)}
@@ -212,3 +216,10 @@ def names_in(family: str, listed_only: bool = True) -> list[str]:
 def listed_names() -> list[str]:
     """The methods a run compares unless told otherwise."""
     return [name for name, spec in METHODS.items() if spec.listed]
+
+
+def runnable(names: Sequence[str], models: Models) -> tuple[list[str], list[str]]:
+    """``names`` split into those the pair can run and those needing the draft model it
+    lacks (a default list of methods drops these; a list the user gave fails on them)."""
+    dropped = [n for n in names if METHODS[n].needs_draft and not models.draft]
+    return [n for n in names if n not in dropped], dropped

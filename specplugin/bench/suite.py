@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from specplugin.bench.methods import MethodSpec, Models
-from specplugin.bench.runner import EngineFailure, EngineJob, cells_payload, run_job
+from specplugin.bench.runner import (EngineFailure, EngineJob, cells_payload, max_num_seqs,
+                                    run_job)
 from specplugin.bench.workloads import CellPrompts
 
 
@@ -47,6 +48,8 @@ class SuiteResult:
     failures: list[str] = field(default_factory=list)
     failed_labels: set[str] = field(default_factory=set)
     warnings: set[str] = field(default_factory=set)
+    # by cell key: vLLM's max_num_seqs of the engines that ran it (runner.max_num_seqs)
+    max_num_seqs: dict[str, int] = field(default_factory=dict)
 
     def cell_runs(self, label: str, key: str) -> list[dict[str, Any]]:
         return self.runs.get((label, key), [])
@@ -59,9 +62,12 @@ def rotated(entries: Sequence[Entry], round_index: int) -> list[Entry]:
 
 def run_suite(entries: Sequence[Entry], models: Models, cells: Sequence[CellPrompts],
               rounds: int, workdir: Path, console=None, eager: bool = False,
-              fresh_engine: bool = False) -> SuiteResult:
+              fresh_engine: bool = False, dtype: str | None = None) -> SuiteResult:
     """Every entry runs every cell once per round, one engine at a time (``eager``: see
-    ``runner.engine_kwargs``; ``fresh_engine``: an engine per cell, see the module doc)."""
+    ``runner.engine_kwargs``; ``fresh_engine``: an engine per cell, see the module doc;
+    ``dtype``: vLLM's, default the runner's). Each engine's ``max_num_seqs`` is the
+    largest batch size among its cells (``runner.max_num_seqs``): with ``fresh_engine``
+    the cell's own."""
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeElapsedColumn)
 
@@ -75,6 +81,7 @@ def run_suite(entries: Sequence[Entry], models: Models, cells: Sequence[CellProm
             # fresh engines: per cell, every entry in turn (rotated), cell after cell
             groups = [[c] for c in payload] if fresh_engine else [payload]
             for group in groups:
+                result.max_num_seqs.update({c["key"]: max_num_seqs(group) for c in group})
                 for entry in rotated(entries, r):
                     if entry.label in result.failed_labels:  # failures so far were not flukes
                         progress.update(task, advance=len(group))
@@ -84,12 +91,20 @@ def run_suite(entries: Sequence[Entry], models: Models, cells: Sequence[CellProm
                     where = f"round {r + 1}/{rounds} · {entry.label}"
                     progress.update(task, description=f"{where} · starting engine")
                     job = EngineJob(label=name, model=models.target,
-                                    engine_kwargs={"seed": r, **entry.spec.engine_kwargs(
-                                        models, entry.settings)},
+                                    engine_kwargs=_engine_kwargs(entry, models, group, r, dtype),
                                     cells=tuple(group), eager=eager)
                     _run_entry(entry, job, workdir, result,
                                lambda e: _on_event(progress, task, where, e))
     return result
+
+
+def _engine_kwargs(entry: Entry, models: Models, group: Sequence[Mapping[str, Any]],
+                   round_index: int, dtype: str | None) -> dict[str, Any]:
+    """One engine's vLLM arguments over the runner's defaults: the round's seed, the
+    largest batch of its cells as ``max_num_seqs``, the dtype, then the method's own."""
+    return {"seed": round_index, "max_num_seqs": max_num_seqs(group),
+            **({"dtype": dtype} if dtype else {}),
+            **entry.spec.engine_kwargs(models, entry.settings)}
 
 
 def _on_event(progress, task, where: str, event: Mapping[str, Any]) -> None:

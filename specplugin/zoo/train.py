@@ -160,7 +160,9 @@ def heldout_loss(model, windows: torch.Tensor) -> float:
     return float(torch.stack(losses).mean())
 
 
-def _train_loop(model, loss_fn, recipe: Recipe, steps: int, stream, deadline, desc: str):
+def _train_loop(model, loss_fn, recipe: Recipe, steps: int, next_batch, deadline, desc: str):
+    """AdamW under ``_lr_at``'s schedule; ``next_batch(generator)`` draws each step's batch,
+    ``loss_fn(batch)`` scores it. Returns the number of steps done before ``deadline``."""
     from tqdm import tqdm
 
     gen = torch.Generator().manual_seed(recipe.seed + len(desc))
@@ -173,7 +175,7 @@ def _train_loop(model, loss_fn, recipe: Recipe, steps: int, stream, deadline, de
             break
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, recipe, steps)
-        batch = _sample_windows(stream, recipe.batch_size, recipe.seq_len, gen)
+        batch = next_batch(gen)
         loss = loss_fn(batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -229,7 +231,10 @@ def build(out_dir: Path, recipe: Recipe, time_budget_s: float | None = None) -> 
     def ce_loss(batch):
         return target(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
 
-    target_done = _train_loop(target, ce_loss, recipe, recipe.target_steps, train_stream,
+    def windows(gen: torch.Generator) -> torch.Tensor:
+        return _sample_windows(train_stream, recipe.batch_size, recipe.seq_len, gen)
+
+    target_done = _train_loop(target, ce_loss, recipe, recipe.target_steps, windows,
                               target_budget, "target")
     target.eval()
 
@@ -244,7 +249,7 @@ def build(out_dir: Path, recipe: Recipe, time_budget_s: float | None = None) -> 
         return F.kl_div(draft_logprobs.flatten(0, 1), target_logprobs.flatten(0, 1),
                         log_target=True, reduction="batchmean")
 
-    draft_done = _train_loop(draft, kl_loss, recipe, recipe.draft_steps, train_stream,
+    draft_done = _train_loop(draft, kl_loss, recipe, recipe.draft_steps, windows,
                              deadline, "draft (distilled)")
 
     report = {

@@ -1,0 +1,84 @@
+"""Which workloads a model pair is measured on, and in which dtype it runs.
+
+- **code windows** (``workloads.py``): token-id windows of held-out stdlib code, every
+  request of one fixed length (``ignore_eos``). For the pairs trained here (``zoo``,
+  ``validation``): no chat template, run in float32 (the runner's ``ENGINE_DEFAULTS``).
+- **instruct** (``instruct.py``): chats rendered through the target's chat template,
+  stopping at EOS. For real pretrained instruct models (``smollm2``): run in vLLM's
+  default dtype, ``auto`` (bf16 on CPU), as their users run them.
+
+A pair's family is read from its target folder: a tokenizer with a chat template makes
+an instruct pair (:func:`family_for`). ``bench``, ``profile`` and ``check-lossless`` ask
+the family for the pair's workloads, default cells, sizes and dtype; nothing else
+branches on which pair runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specplugin.bench import instruct, workloads
+from specplugin.bench.workloads import Cell, CellPrompts
+
+
+@dataclass(frozen=True)
+class Family:
+    """A set of workloads, the cells a run picks from them, and the pairs' dtype."""
+
+    name: str
+    workloads: Mapping[str, Any]  # name -> workload (its batch_sizes and temperatures)
+    headline: tuple[Cell, ...]
+    quick: tuple[Cell, ...]
+    # the cells of a run given no --workloads, --headline or --quick: the headline's
+    # (True) or every cell of every workload (False)
+    default_is_headline: bool
+    sizes: Any  # workloads.Sizes or instruct.InstructSizes
+    quick_sizes: Any
+    dtype: str  # vLLM's dtype for the family's pairs unless --dtype says otherwise
+    load_source: Callable[[Path], Any]  # pair folder -> what build reads prompts from
+    build: Callable[[Any, Any, Cell, int], CellPrompts]  # (source, sizes, cell, seed)
+
+    def grid(self, names: Sequence[str]) -> list[Cell]:
+        """Every cell of the workloads ``names``: their batch sizes times temperatures."""
+        return [Cell(w, b, t) for w in names for b in self.workloads[w].batch_sizes
+                for t in self.workloads[w].temperatures]
+
+    def check_workloads(self, names: Sequence[str]) -> None:
+        unknown = [w for w in names if w not in self.workloads]
+        if unknown:
+            raise ValueError(f"unknown workload(s) {unknown} for this pair, whose workloads "
+                             f"are {self.name}: {', '.join(self.workloads)}.")
+
+
+CODE_WINDOWS = Family(
+    "code windows", workloads.WORKLOADS, workloads.HEADLINE_CELLS, workloads.QUICK_CELLS,
+    default_is_headline=False, sizes=workloads.FULL_SIZES, quick_sizes=workloads.QUICK_SIZES,
+    dtype="float32", load_source=workloads.source_from_zoo, build=workloads.cell_prompts)
+INSTRUCT = Family(
+    "instruct", instruct.INSTRUCT_WORKLOADS, instruct.INSTRUCT_HEADLINE, instruct.INSTRUCT_QUICK,
+    default_is_headline=True, sizes=instruct.INSTRUCT_SIZES,
+    quick_sizes=instruct.INSTRUCT_QUICK_SIZES, dtype="auto",
+    load_source=lambda root: instruct.source_from_folder(Path(root) / "target"),
+    build=instruct.cell_prompts)
+FAMILIES = (CODE_WINDOWS, INSTRUCT)
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype's choices (vLLM's names)
+
+
+def family_for(pair_root: Path) -> Family:
+    """``INSTRUCT`` when the pair's target tokenizer has a chat template, else ``CODE_WINDOWS``."""
+    return INSTRUCT if instruct.has_chat_template(Path(pair_root) / "target") else CODE_WINDOWS
+
+
+def workloads_help() -> str:
+    return "; ".join(f"{f.name} pairs: {', '.join(f.workloads)}" for f in FAMILIES)
+
+
+def add_dtype_argument(parser, what: str = "") -> None:
+    """``--dtype`` with one help text for every command that takes it."""
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="vLLM's dtype (default: float32 for the pairs trained here, "
+                             "auto, vLLM's own default, bf16 on CPU, for instruct pairs such "
+                             f"as smollm2){what}")

@@ -1,0 +1,403 @@
+"""Instruct workloads: chat requests as a real instruct model's users send them.
+
+Each request is one user turn rendered through the target's chat template (with the
+generation prompt) into token ids here, in the parent process, so every method gets
+exactly the same ids. Kinds of request:
+
+- **code-edit**: a Python function and an instruction to rewrite it with one change
+  (rename one parameter or local variable; add type hints; add a docstring) and to reply
+  with the whole function in a code block: the answer copies long spans of the prompt.
+- **explain**: a function, or a passage of documentation (a docstring), to explain or
+  summarise: some copying.
+- **chat**: an open question (:mod:`~specplugin.bench.chat_questions`): nothing to copy.
+
+Workloads ``code-edit``, ``explain`` and ``chat`` ask one kind each; ``chat-mix`` is a
+server's batch: request i asks ``MIX_KINDS[i % 3]``, and half the requests are greedy,
+half at the cell's temperature (``workloads.half_greedy``, as the ``server`` workload).
+
+Every request stops at EOS (the template's end of turn; vLLM reads it from the model's
+config), capped at its workload's ``max_tokens``: outputs differ in length, and tok/s
+counts the tokens generated. The engine reports how many requests ended at EOS.
+
+**Material.** Functions (8-40 lines, at most :data:`MAX_FUNCTION_CHARS` characters) and
+docstrings (module, class and function; at least :data:`MIN_TEXT_CHARS`, cut at a paragraph
+end to at most :data:`MAX_TEXT_CHARS`) of the standard-library modules
+:data:`STDLIB_MODULES`, read with ``ast`` from this interpreter's stdlib
+(``sysconfig.get_paths()["stdlib"]``): a fixed list, so prompts change only with the Python
+version. The phrasings vary per request (several templates per kind, drawn by seed).
+
+**Dealing.** Functions, docstrings and questions are three decks, each shuffled by the
+run's seed. Cells take consecutive hands of each deck in a fixed order of cells (the
+headline first, then the rest of the grid, then any other cell), so the headline cells
+never share a function, a docstring or a question: a proposer that learns across requests
+(vLLM's ``suffix``) cannot replay an earlier cell's answer. A deck that runs out wraps
+(the full grid asks for more questions than there are). Within a cell, its own seed
+(``Cell.seed``) draws the edits and the phrasings.
+
+Nothing here imports vLLM; transformers is imported only to load a real tokenizer.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import textwrap
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+import numpy as np
+
+from specplugin.bench.chat_questions import QUESTIONS
+from specplugin.bench.workloads import Cell, CellPrompts, half_greedy, same_temperature
+
+# The modules the functions and docstrings come from (paths under the stdlib root; one
+# missing in some Python version is skipped). Text processing, numbers, data formats,
+# paths, dates, configuration: code a user might paste.
+STDLIB_MODULES: tuple[str, ...] = (
+    "textwrap.py", "shlex.py", "fractions.py", "difflib.py", "calendar.py",
+    "statistics.py", "heapq.py", "colorsys.py", "configparser.py", "glob.py",
+    "posixpath.py", "json/encoder.py", "email/utils.py", "urllib/parse.py", "base64.py",
+    "pprint.py",
+)
+MIN_FUNCTION_LINES, MAX_FUNCTION_LINES = 8, 40
+MAX_FUNCTION_CHARS = 1000  # <= ~300 tokens: an edited copy ends within code-edit's max_tokens
+MIN_TEXT_CHARS, MAX_TEXT_CHARS = 300, 1200
+
+Messages = list[dict[str, str]]  # one chat: [{"role": "user", "content": ...}]
+
+
+@dataclass(frozen=True)
+class Function:
+    """A function of the stdlib, dedented, with what an edit instruction may name."""
+
+    module: str  # dotted, e.g. "urllib.parse"
+    name: str
+    code: str
+    params: tuple[str, ...]  # parameters an edit may rename (not self, cls)
+    local_names: tuple[str, ...]  # names the body assigns
+    has_docstring: bool
+    annotated: bool  # any parameter or return annotation already
+
+
+@dataclass(frozen=True)
+class Material:
+    """What prompts are made of: the three decks, each in a fixed order."""
+
+    functions: tuple[Function, ...]
+    texts: tuple[tuple[str, str], ...]  # (module, passage)
+    questions: tuple[str, ...]
+
+    def __post_init__(self):
+        empty = [n for n in ("functions", "texts", "questions") if not getattr(self, n)]
+        if empty:
+            raise ValueError(f"no {' or '.join(empty)} for the instruct workloads; the "
+                             f"stdlib modules {', '.join(STDLIB_MODULES)} were not found "
+                             "under the stdlib root")
+
+
+def _module_name(rel_path: str) -> str:
+    return rel_path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+
+def _function(node: ast.FunctionDef, lines: Sequence[str], module: str) -> Function | None:
+    num_lines = node.end_lineno - node.lineno + 1
+    if not MIN_FUNCTION_LINES <= num_lines <= MAX_FUNCTION_LINES or node.decorator_list:
+        return None
+    code = textwrap.dedent("".join(lines[node.lineno - 1: node.end_lineno]))
+    if len(code) > MAX_FUNCTION_CHARS:
+        return None
+    args = node.args
+    every_arg = [*args.posonlyargs, *args.args, *args.kwonlyargs,
+                 *(a for a in (args.vararg, args.kwarg) if a)]
+    params = tuple(a.arg for a in every_arg if a.arg not in ("self", "cls"))
+    local_names = tuple(dict.fromkeys(
+        n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+        and n.id not in params))
+    annotated = node.returns is not None or any(a.annotation for a in every_arg)
+    return Function(module, node.name, code.rstrip() + "\n", params, local_names,
+                    ast.get_docstring(node) is not None, annotated)
+
+
+def _passage(docstring: str | None) -> str | None:
+    """The docstring's leading paragraphs up to MAX_TEXT_CHARS; None if too short."""
+    if not docstring:
+        return None
+    text = ""
+    for paragraph in docstring.strip().split("\n\n"):
+        if text and len(text) + 2 + len(paragraph) > MAX_TEXT_CHARS:
+            break
+        text = f"{text}\n\n{paragraph}" if text else paragraph
+    return text if MIN_TEXT_CHARS <= len(text) <= MAX_TEXT_CHARS else None
+
+
+def material_from_stdlib(root: Path | None = None,
+                         modules: Sequence[str] = STDLIB_MODULES) -> Material:
+    """Functions and passages of ``modules`` under ``root`` (default: this Python's stdlib)."""
+    import sysconfig
+
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    functions, texts = [], []
+    for rel_path in modules:
+        path = root / rel_path
+        if not path.is_file():
+            continue
+        source = path.read_text(encoding="utf-8", errors="replace")
+        tree, module = ast.parse(source), _module_name(rel_path)
+        lines = source.splitlines(keepends=True)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)):
+                passage = _passage(ast.get_docstring(node))
+                if passage:
+                    texts.append((module, passage))
+            if isinstance(node, ast.FunctionDef):
+                function = _function(node, lines, module)
+                if function:
+                    functions.append(function)
+    return Material(tuple(functions), tuple(texts), QUESTIONS)
+
+
+# ---------------------------------------------------------------- requests
+
+NEW_NAMES = ("value", "item", "result", "text", "count", "index", "data", "entry", "current",
+             "items", "total", "parts", "source", "target", "output", "chunk", "line",
+             "position", "element", "record")
+REPLY_WHOLE = (
+    "Reply with the whole updated function in a Python code block.",
+    "Show the complete function after the change, in a ```python code block.",
+    "Give me the full rewritten function in one code block.",
+)
+EDIT_LAYOUTS = (
+    "{instruction} {reply}\n\n```python\n{code}```",
+    "```python\n{code}```\n\n{instruction} {reply}",
+    "Here is a function from Python's `{module}` module:\n\n```python\n{code}```\n\n"
+    "{instruction} {reply}",
+)
+EXPLAIN_CODE = (
+    "Explain what this code does.",
+    "What does the following Python function do? Explain it step by step.",
+    "Walk me through this function: what are its inputs, what does it return, and are "
+    "there edge cases?",
+    "I found this function in Python's `{module}` module. How does it work?",
+)
+EXPLAIN_TEXT = (
+    "Explain this passage in plain words.",
+    "Summarize the following documentation in a few sentences.",
+    "What is this text about? Explain it to someone new to Python.",
+)
+EXPLAIN_LAYOUTS = ("{instruction}\n\n{body}", "{body}\n\n{instruction}")
+
+
+def _pick(options: Sequence[str], rng: np.random.Generator) -> str:
+    return options[int(rng.integers(len(options)))]
+
+
+def _edit_instruction(function: Function, rng: np.random.Generator) -> str:
+    """One change the function allows: a rename, type hints, or a docstring."""
+    edits = ["rename"] * bool(function.params or function.local_names)
+    edits += ["type-hints"] * (not function.annotated)
+    edits += ["docstring"] * (not function.has_docstring)
+    edit = _pick(edits or ["rename-function"], rng)
+    if edit == "type-hints":
+        return "Add type hints to its parameters and its return value."
+    if edit == "docstring":
+        return "Add a docstring that says what it does and what it returns."
+    if edit == "rename-function":
+        return f"Rename the function `{function.name}` to `{function.name}_v2`."
+    old = _pick(function.params or function.local_names, rng)
+    what = "parameter" if old in function.params else "local variable"
+    words = set(re.findall(r"\w+", function.code))
+    new = next(n for n in [*rng.permutation(NEW_NAMES), f"{old}_new"] if n not in words)
+    return f"Rename the {what} `{old}` to `{new}` everywhere in the function."
+
+
+def code_edit_request(function: Function, rng: np.random.Generator) -> str:
+    return _pick(EDIT_LAYOUTS, rng).format(
+        instruction=_edit_instruction(function, rng), reply=_pick(REPLY_WHOLE, rng),
+        code=function.code, module=function.module)
+
+
+def explain_code_request(function: Function, rng: np.random.Generator) -> str:
+    instruction = _pick(EXPLAIN_CODE, rng).format(module=function.module)
+    body = f"```python\n{function.code}```"
+    return _pick(EXPLAIN_LAYOUTS, rng).format(instruction=instruction, body=body)
+
+
+def explain_text_request(text: tuple[str, str], rng: np.random.Generator) -> str:
+    module, passage = text
+    body = f"From the documentation of Python's `{module}` module:\n\n{passage}"
+    return _pick(EXPLAIN_LAYOUTS, rng).format(instruction=_pick(EXPLAIN_TEXT, rng), body=body)
+
+
+# ---------------------------------------------------------------- workloads and cells
+
+CODE_EDIT, EXPLAIN, CHAT = "code-edit", "explain", "chat"
+MIX_KINDS = (CODE_EDIT, EXPLAIN, CHAT)
+
+
+@dataclass(frozen=True)
+class InstructWorkload:
+    name: str
+    kinds: tuple[str, ...]  # request i asks kinds[i % len(kinds)]
+    max_tokens: int  # a cap: requests stop at EOS
+    batch_sizes: tuple[int, ...]
+    temperatures: tuple[float, ...]
+    # per-request temperatures from the cell's: (count, temperature) -> [count]
+    request_temperatures: Callable[[int, float], list[float]] = same_temperature
+
+
+# max_tokens: long enough for a whole edited function (<= ~300 tokens) and a sentence, or
+# an answer of a few paragraphs; chat-mix takes the largest of its kinds'. Measured on
+# SmolLM2-135M-Instruct (bf16, no speculation, 2026-12-07): 39 of the headline's 72
+# requests ended at EOS; most of the others were greedy repetition loops, which a larger
+# cap would only lengthen (the bench prints each cell's count).
+INSTRUCT_WORKLOADS: dict[str, InstructWorkload] = {
+    w.name: w
+    for w in (
+        InstructWorkload(CODE_EDIT, (CODE_EDIT,), 384, (1, 8, 32), (0.0, 1.0)),
+        InstructWorkload(EXPLAIN, (EXPLAIN,), 256, (1, 8, 32), (0.0, 1.0)),
+        InstructWorkload(CHAT, (CHAT,), 256, (1, 8, 32), (0.0, 1.0)),
+        InstructWorkload("chat-mix", MIX_KINDS, 384, (8, 32), (1.0,), half_greedy),
+    )
+}
+
+# The real model's headline: each kind greedy at batch 1, chat sampled at batch 1, copying
+# batched, and a server's mixed batch at 8 and 32.
+INSTRUCT_HEADLINE = (Cell(CODE_EDIT, 1, 0.0), Cell(EXPLAIN, 1, 0.0), Cell(CHAT, 1, 0.0),
+                     Cell(CHAT, 1, 1.0), Cell(CODE_EDIT, 8, 0.0), Cell("chat-mix", 8, 1.0),
+                     Cell("chat-mix", 32, 1.0))
+INSTRUCT_QUICK = (Cell(CODE_EDIT, 1, 0.0), Cell("chat-mix", 8, 1.0))
+
+
+@dataclass(frozen=True)
+class InstructSizes:
+    """Requests per cell, and (``--quick``) a cap on every workload's max_tokens."""
+
+    min_requests: int  # per cell; batch 1 runs this many requests one after the other
+    max_tokens_cap: int | None = None
+
+    def num_batches(self, batch_size: int) -> int:
+        return max(1, -(-self.min_requests // batch_size))
+
+    def max_tokens(self, workload: str) -> int:
+        cap = INSTRUCT_WORKLOADS[workload].max_tokens
+        return cap if self.max_tokens_cap is None else min(cap, self.max_tokens_cap)
+
+
+INSTRUCT_SIZES = InstructSizes(min_requests=6)
+INSTRUCT_QUICK_SIZES = InstructSizes(min_requests=2, max_tokens_cap=96)
+
+
+def instruct_grid(workloads: Sequence[str] = tuple(INSTRUCT_WORKLOADS)) -> list[Cell]:
+    return [Cell(w, b, t) for w in workloads for b in INSTRUCT_WORKLOADS[w].batch_sizes
+            for t in INSTRUCT_WORKLOADS[w].temperatures]
+
+
+# The order in which cells take their hands of the decks (see the module doc).
+DEAL_ORDER = INSTRUCT_HEADLINE + tuple(c for c in instruct_grid() if c not in INSTRUCT_HEADLINE)
+
+
+def request_kinds(cell: Cell, sizes: InstructSizes) -> list[str]:
+    kinds = INSTRUCT_WORKLOADS[cell.workload].kinds
+    count = sizes.num_batches(cell.batch_size) * cell.batch_size
+    return [kinds[i % len(kinds)] for i in range(count)]
+
+
+def _demand(kinds: Sequence[str]) -> Counter:
+    """Cards each deck deals for these requests (explain alternates code and text)."""
+    num_explain = kinds.count(EXPLAIN)
+    return Counter({"functions": kinds.count(CODE_EDIT) + (num_explain + 1) // 2,
+                    "texts": num_explain // 2, "questions": kinds.count(CHAT)})
+
+
+def _offsets(cell: Cell, sizes: InstructSizes) -> Counter:
+    """Cards dealt to the cells before ``cell`` in :data:`DEAL_ORDER` (all of them, for a
+    cell not in it)."""
+    before = DEAL_ORDER[: DEAL_ORDER.index(cell)] if cell in DEAL_ORDER else DEAL_ORDER
+    total: Counter = Counter()
+    for other in before:
+        total.update(_demand(request_kinds(other, sizes)))
+    return total
+
+
+def cell_messages(material: Material, sizes: InstructSizes, cell: Cell,
+                  base_seed: int = 0) -> list[Messages]:
+    """The cell's chats, one user turn each, in request order."""
+    kinds = request_kinds(cell, sizes)
+    offsets = _offsets(cell, sizes)
+    decks = {name: np.random.default_rng(base_seed).permutation(len(getattr(material, name)))
+             for name in ("functions", "texts", "questions")}
+    dealt: Counter = Counter()
+
+    def deal(name: str):
+        deck = decks[name]
+        index = deck[(offsets[name] + dealt[name]) % len(deck)]
+        dealt[name] += 1
+        return getattr(material, name)[index]
+
+    rng = np.random.default_rng(cell.seed(base_seed))
+    chats, num_explain = [], 0
+    for kind in kinds:
+        if kind == CODE_EDIT:
+            content = code_edit_request(deal("functions"), rng)
+        elif kind == EXPLAIN:
+            content = (explain_code_request(deal("functions"), rng) if num_explain % 2 == 0
+                       else explain_text_request(deal("texts"), rng))
+            num_explain += 1
+        else:
+            content = deal("questions")
+        chats.append([{"role": "user", "content": content}])
+    return chats
+
+
+@dataclass(frozen=True)
+class InstructSource:
+    """The material and the target's chat template, as a function of a chat to token ids."""
+
+    material: Material
+    render: Callable[[Messages], list[int]]
+
+
+def cell_prompts(source: InstructSource, sizes: InstructSizes, cell: Cell,
+                 base_seed: int = 0) -> CellPrompts:
+    workload = INSTRUCT_WORKLOADS[cell.workload]
+    prompts = [source.render(m) for m in cell_messages(source.material, sizes, cell, base_seed)]
+    temperatures = tuple(workload.request_temperatures(len(prompts), cell.temperature))
+    return CellPrompts(cell, tuple(tuple(int(t) for t in p) for p in prompts),
+                       sizes.max_tokens(cell.workload),
+                       None if set(temperatures) == {cell.temperature} else temperatures,
+                       ignore_eos=False)
+
+
+# ---------------------------------------------------------------- the target's template
+
+
+def chat_renderer(tokenizer) -> Callable[[Messages], list[int]]:
+    """A chat through ``tokenizer``'s chat template, with the assistant's generation
+    prompt, as token ids (transformers' ``apply_chat_template``)."""
+    def render(messages: Messages) -> list[int]:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        return [int(i) for i in ids]
+
+    return render
+
+
+def has_chat_template(folder: Path) -> bool:
+    """Whether the tokenizer saved in ``folder`` has a chat template (in
+    ``tokenizer_config.json`` or a ``chat_template.jinja`` / ``.json`` file)."""
+    folder = Path(folder)
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    config = folder / "tokenizer_config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
+
+
+def source_from_folder(target: Path, stdlib_root: Path | None = None) -> InstructSource:
+    """The stdlib material and the chat template of the tokenizer in ``target``."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    return InstructSource(material_from_stdlib(stdlib_root), chat_renderer(tokenizer))
+

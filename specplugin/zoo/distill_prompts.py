@@ -1,0 +1,319 @@
+"""Training and held-out prompts for distilling a draft of an instruct target.
+
+The draft learns from the target's own answers to chats of the three kinds the project
+benchmarks (``specplugin/bench/instruct.py``), built here from different material so that
+no benchmark prompt is ever trained on:
+
+- **edit**: a Python function and an instruction to rewrite it with one change (rename a
+  parameter, a local variable or the function, add type hints or a docstring, ...) and
+  reply with the whole function: the answer copies long spans of the prompt.
+- **explain**: a function, or a docstring passage, to explain or summarise.
+- **chat**: an open question from templates over topics (science, technology, skills,
+  writing, comparisons, history, Python): nothing to copy.
+
+Functions and docstrings come from standard-library modules whose names start with a-m
+and that the benchmark does not use (the two lists below; a test checks them against the
+benchmark's). Held-out prompts, on which the draft is measured, come from modules and
+chat topics that training never sees. Every phrasing here is this file's own.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import re
+import sysconfig
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+TRAIN_MODULES: tuple[str, ...] = (
+    "abc.py", "aifc.py", "argparse.py", "ast.py", "asyncio/base_events.py",
+    "asyncio/streams.py", "asyncio/tasks.py", "bdb.py", "bisect.py", "cgi.py", "chunk.py",
+    "codecs.py", "collections/__init__.py", "contextlib.py", "copy.py", "copyreg.py",
+    "csv.py", "dataclasses.py", "datetime.py", "dis.py", "doctest.py", "enum.py",
+    "fileinput.py", "fnmatch.py", "ftplib.py", "functools.py", "gzip.py", "hashlib.py",
+    "hmac.py", "html/parser.py", "http/client.py", "http/cookies.py", "http/server.py",
+    "imaplib.py", "imghdr.py", "importlib/metadata/__init__.py", "inspect.py",
+    "linecache.py", "locale.py", "logging/__init__.py", "logging/handlers.py",
+    "mailbox.py", "mailcap.py", "modulefinder.py", "multiprocessing/connection.py",
+    "multiprocessing/pool.py",
+)
+HELDOUT_MODULES: tuple[str, ...] = (
+    "cmd.py", "code.py", "codeop.py", "filecmp.py", "getopt.py", "gettext.py",
+    "graphlib.py", "ipaddress.py", "lzma.py", "mimetypes.py",
+)
+MIN_LINES, MAX_LINES = 5, 40
+MAX_FUNCTION_CHARS = 1100  # about 300 tokens: an edited copy mostly ends within 256 tokens
+MIN_PASSAGE_CHARS, MAX_PASSAGE_CHARS = 250, 1100
+KINDS = ("edit", "explain", "chat")
+HELDOUT_TOPIC_EVERY = 6  # one chat topic in 6 is held out
+
+
+@dataclass(frozen=True)
+class Function:
+    module: str  # dotted, e.g. "http.client"
+    name: str
+    code: str  # dedented, ends with a newline
+    params: tuple[str, ...]  # renamable: not self or cls
+    local_names: tuple[str, ...]
+    has_docstring: bool
+    annotated: bool
+
+
+@dataclass(frozen=True)
+class Chat:
+    kind: str  # one of KINDS
+    content: str  # the user's turn
+
+    def messages(self) -> list[dict[str, str]]:
+        return [{"role": "user", "content": self.content}]
+
+
+def _module(rel_path: str) -> str:
+    return rel_path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+
+def _function(node: ast.FunctionDef, lines: list[str], module: str) -> Function | None:
+    if not MIN_LINES <= node.end_lineno - node.lineno + 1 <= MAX_LINES or node.decorator_list:
+        return None
+    code = textwrap.dedent("".join(lines[node.lineno - 1: node.end_lineno])).rstrip() + "\n"
+    if len(code) > MAX_FUNCTION_CHARS:
+        return None
+    args = node.args
+    every = [*args.posonlyargs, *args.args, *args.kwonlyargs,
+             *(a for a in (args.vararg, args.kwarg) if a)]
+    params = tuple(a.arg for a in every if a.arg not in ("self", "cls"))
+    stores = (n.id for n in ast.walk(node)
+              if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) and n.id not in params)
+    annotated = node.returns is not None or any(a.annotation for a in every)
+    return Function(module, node.name, code, params, tuple(dict.fromkeys(stores)),
+                    ast.get_docstring(node) is not None, annotated)
+
+
+def _passage(docstring: str | None) -> str | None:
+    """A docstring's leading paragraphs up to MAX_PASSAGE_CHARS, or None if too short."""
+    text = ""
+    for paragraph in (docstring or "").strip().split("\n\n"):
+        if text and len(text) + 2 + len(paragraph) > MAX_PASSAGE_CHARS:
+            break
+        text = f"{text}\n\n{paragraph}" if text else paragraph
+    return text if MIN_PASSAGE_CHARS <= len(text) <= MAX_PASSAGE_CHARS else None
+
+
+def read_material(modules: tuple[str, ...], root: Path | None = None
+                  ) -> tuple[list[Function], list[tuple[str, str]]]:
+    """Functions and (module, docstring passage) pairs of ``modules``, in file order."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    missing = [m for m in modules if not (root / m).is_file()]
+    if missing:
+        raise FileNotFoundError(f"stdlib modules {', '.join(missing)} not found under {root}; "
+                                "drop them from the recipe's module lists")
+    functions, passages = [], []
+    for rel_path in modules:
+        source = (root / rel_path).read_text(encoding="utf-8", errors="replace")
+        lines, module = source.splitlines(keepends=True), _module(rel_path)
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)):
+                passage = _passage(ast.get_docstring(node))
+                if passage:
+                    passages.append((module, passage))
+            if isinstance(node, ast.FunctionDef) and (function := _function(node, lines, module)):
+                functions.append(function)
+    return functions, passages
+
+
+# ---------------------------------------------------------------- edit and explain
+
+NEW_NAMES = ("val", "obj", "res", "buf", "key_name", "arg", "tmp", "acc", "node", "piece",
+             "elem", "cur", "out", "src", "dst", "name_", "number", "size_", "flag", "info")
+REPLY = (
+    "Return the full function.",
+    "Output the complete modified code.",
+    "Please show the entire function with the change applied.",
+    "Print the whole function again, changed, in a code block.",
+)
+EDIT_LAYOUTS = (
+    "{instruction} {reply}\n\n```python\n{code}```",
+    "```python\n{code}```\n{instruction} {reply}",
+    "I have this function from `{module}`:\n\n```python\n{code}```\n\nCan you {lower} {reply}",
+    "Modify the code below. {instruction}\n\n```python\n{code}```",
+)
+EXPLAIN_CODE = (
+    "Can you explain this function?",
+    "What is the purpose of this code?",
+    "Describe, step by step, what `{name}` does.",
+    "Summarize what this function returns and when it raises an error.",
+    "This comes from Python's `{module}` module. What does it do and why might it be useful?",
+    "Explain this code to a beginner.",
+)
+EXPLAIN_TEXT = (
+    "Rewrite this documentation in simpler terms.",
+    "What does this documentation describe?",
+    "Give a one-paragraph summary of this text.",
+    "Explain the key points of this passage.",
+)
+EXPLAIN_LAYOUTS = ("{instruction}\n\n{body}", "{body}\n\n{instruction}")
+
+
+def _pick(options, rng: np.random.Generator):
+    return options[int(rng.integers(len(options)))]
+
+
+def edit_instruction(function: Function, rng: np.random.Generator) -> str:
+    """One change the function allows, phrased in one of a few ways."""
+    changes = ["param"] * bool(function.params) + ["local"] * bool(function.local_names)
+    changes += ["hints"] * (not function.annotated) + ["docstring"] * (not function.has_docstring)
+    changes += ["function", "comments"]
+    change = _pick(changes, rng)
+    words = set(re.findall(r"\w+", function.code))
+    new = next((n for n in rng.permutation(NEW_NAMES) if n not in words), "renamed")
+    if change in ("param", "local"):
+        old = _pick(function.params if change == "param" else function.local_names, rng)
+        what = "parameter" if change == "param" else "variable"
+        return _pick((f"Change the name of the {what} `{old}` to `{new}`.",
+                      f"Rename `{old}` to `{new}` throughout.",
+                      f"Use `{new}` instead of `{old}` as the {what} name."), rng)
+    return _pick({
+        "hints": ("Add type annotations to the parameters and the return type.",
+                  "Annotate this function with type hints."),
+        "docstring": ("Write a docstring for it.",
+                      "Document the function with a short docstring."),
+        "function": (f"Rename the function to `{function.name}_impl`.",
+                     f"Call the function `new_{function.name.lstrip('_')}` instead."),
+        "comments": ("Add a brief comment explaining the trickiest line.",
+                     "Add comments that explain the main steps."),
+    }[change], rng)
+
+
+def edit_chat(function: Function, rng: np.random.Generator) -> Chat:
+    instruction = edit_instruction(function, rng)
+    lower = instruction[0].lower() + instruction[1:]
+    return Chat("edit", _pick(EDIT_LAYOUTS, rng).format(
+        instruction=instruction, lower=lower, reply=_pick(REPLY, rng), code=function.code,
+        module=function.module))
+
+
+def explain_chat(function: Function, rng: np.random.Generator) -> Chat:
+    instruction = _pick(EXPLAIN_CODE, rng).format(name=function.name, module=function.module)
+    body = f"```python\n{function.code}```"
+    return Chat("explain", _pick(EXPLAIN_LAYOUTS, rng).format(instruction=instruction, body=body))
+
+
+def explain_passage_chat(passage: tuple[str, str], rng: np.random.Generator) -> Chat:
+    module, text = passage
+    body = f"This is from the documentation of `{module}`:\n\n{text}"
+    return Chat("explain", _pick(EXPLAIN_LAYOUTS, rng).format(
+        instruction=_pick(EXPLAIN_TEXT, rng), body=body))
+
+
+# ---------------------------------------------------------------- chat
+
+# (templates, topics) per category: every template fits every topic of its category.
+CHAT_CATEGORIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "science": (
+        ("What is {}?", "Explain {} in simple terms.", "How does {} work?",
+         "Why is {} important?", "Explain {} to a ten-year-old."),
+        ("photosynthesis", "gravity", "a black hole", "plate tectonics", "DNA", "electricity",
+         "magnetism", "the water cycle", "a volcano", "an earthquake", "ocean tides",
+         "the greenhouse effect", "nuclear fusion", "natural selection", "the periodic table",
+         "sound", "friction", "an atom", "the phases of the Moon", "ocean currents",
+         "the human heart", "a solar eclipse", "erosion", "static electricity"),
+    ),
+    "technology": (
+        ("What is {}?", "How does {} work?", "Explain {} like I am new to computers.",
+         "What are the main uses of {}?"),
+        ("cloud computing", "encryption", "a compiler", "a database", "GPS", "machine learning",
+         "an operating system", "version control", "unit testing", "a CPU", "Wi-Fi",
+         "a web browser", "open source software", "a search engine", "a password manager",
+         "a spreadsheet", "Bluetooth", "a QR code"),
+    ),
+    "skills": (
+        ("Give me some tips for {}.", "I want to get started with {}. Where do I begin?",
+         "What are common mistakes people make when {}?", "How can I get better at {}?"),
+        ("learning to play the guitar", "baking bread", "writing a resume", "public speaking",
+         "growing herbs indoors", "meditation", "learning to swim", "studying for exams",
+         "traveling on a budget", "taking photos with a phone", "keeping a journal",
+         "hiking in the mountains", "managing stress", "drawing portraits", "knitting",
+         "negotiating a salary", "making new friends in a new city", "cooking for one"),
+    ),
+    "writing": (
+        ("Write a short poem about {}.", "Write a short story about {}.",
+         "Describe {} in a few vivid sentences.", "Write a limerick about {}."),
+        ("a lost umbrella", "a city at dawn", "an old library", "a snowy mountain",
+         "a garden in spring", "a long train journey", "a paper boat", "a clockmaker",
+         "a desert storm", "a talking tree", "a small bakery", "the first day of school",
+         "a lighthouse in fog", "a forgotten key", "a kite on a windy day", "a quiet harbour"),
+    ),
+    "comparison": (
+        ("Compare {} and {}.", "What are the main differences between {} and {}?",
+         "Which would you recommend, {} or {}, and why?"),
+        (("tea", "coffee"), ("trains", "planes"), ("Python", "JavaScript"),
+         ("renting", "buying a home"), ("summer", "winter"), ("books", "films"),
+         ("running", "cycling"), ("email", "phone calls"), ("laptops", "desktop computers"),
+         ("printed maps", "GPS apps"), ("working alone", "working in a team"),
+         ("SQL", "NoSQL databases")),
+    ),
+    "history": (
+        ("Tell me about {}.", "Why was {} significant?", "Summarize the story of {}."),
+        ("the printing press", "the Roman Empire", "the Industrial Revolution",
+         "the invention of the telephone", "ancient Egypt", "the Renaissance",
+         "the first Moon landing", "the Great Wall of China", "the Olympic Games",
+         "the invention of paper", "the age of sail", "the first computers"),
+    ),
+    "python": (
+        ("In Python, what does {} do?", "How do I use {} in Python? Give an example.",
+         "When should I use {} in Python?"),
+        ("a list comprehension", "a decorator", "a generator", "the with statement",
+         "*args and **kwargs", "a lambda function", "an f-string", "a virtual environment",
+         "a dictionary", "try and except", "a class", "the enumerate function",
+         "the zip function", "a set", "slicing"),
+    ),
+}
+
+
+def _topic_heldout(category: str, topic) -> bool:
+    digest = hashlib.sha1(f"{category}:{topic}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") % HELDOUT_TOPIC_EVERY == 0
+
+
+def chat_questions(heldout: bool) -> list[str]:
+    """Every template over every training (or held-out) topic, in a fixed order."""
+    questions = []
+    for category, (templates, topics) in CHAT_CATEGORIES.items():
+        for topic in topics:
+            if _topic_heldout(category, topic) != heldout:
+                continue
+            args = topic if isinstance(topic, tuple) else (topic,)
+            questions.extend(t.format(*args) for t in templates)
+    return questions
+
+
+# ---------------------------------------------------------------- decks
+
+
+def build_chats(modules: tuple[str, ...], counts: dict[str, int], heldout: bool, seed: int,
+                root: Path | None = None) -> list[Chat]:
+    """``counts[kind]`` chats of each kind, drawn without repeats while material lasts
+    (then wrapping, with other phrasings), ordered edit, explain, chat."""
+    rng = np.random.default_rng(seed)
+    functions, passages = read_material(modules, root)
+    questions = chat_questions(heldout)
+    if not functions or not questions:
+        raise ValueError(f"no functions in {', '.join(modules)} or no chat topics; "
+                         "choose modules with functions of 5-40 lines")
+    order_f, order_p = rng.permutation(len(functions)), rng.permutation(max(1, len(passages)))
+    chats = [edit_chat(functions[order_f[i % len(functions)]], rng)
+             for i in range(counts.get("edit", 0))]
+    for i in range(counts.get("explain", 0)):  # one in three explains a docstring
+        if passages and i % 3 == 2:
+            chats.append(explain_passage_chat(passages[order_p[(i // 3) % len(passages)]], rng))
+        else:  # the explain deck starts where the edit deck stopped
+            chats.append(explain_chat(functions[order_f[(counts.get("edit", 0) + i)
+                                                        % len(functions)]], rng))
+    order_q = rng.permutation(len(questions))
+    chats.extend(Chat("chat", questions[order_q[i % len(questions)]])
+                 for i in range(counts.get("chat", 0)))
+    return chats
