@@ -109,3 +109,12 @@ def test_check_lossless_refuses_bad_alpha_and_draws_by_name():
         proc = subprocess.run([sys.executable, "-m", "specplugin.cli", "check-lossless", *args],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and fragment in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_greedy_check_runs_at_the_batch_asked(zoo_root):
+    from specplugin.bench.lossless import _greedy_cells
+
+    for batch_size in (1, 8):
+        cells = _greedy_cells(zoo_root, quick=True, batch_size=batch_size)
+        assert [cp.cell.batch_size for cp in cells] == [batch_size] * len(cells)
+        assert all(len(cp.prompts) == 16 for cp in cells)

@@ -69,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draws", type=_draws, default=None,
                         help="draws per prompt (sampling), at least 100")
     parser.add_argument("--skip-greedy", action="store_true")
+    parser.add_argument("--batch-size", type=int, choices=(1, 8), default=8,
+                        help="the greedy check's batch (default 8; 1: requests one after the "
+                             "other, each engine's max_num_seqs 1, where bf16 differs most)")
     parser.add_argument("--skip-sampling", action="store_true")
     parser.add_argument("--power-check", action=argparse.BooleanOptionalAction, default=None,
                         help="also run a positive control (temperature 0.9) the test must tell apart "
@@ -216,7 +219,7 @@ GREEDY_PLAN = {
 }
 
 
-def _greedy_cells(zoo_root: Path, quick: bool):
+def _greedy_cells(zoo_root: Path, quick: bool, batch_size: int = 8):
     from specplugin.bench.families import family_for
     from specplugin.bench.workloads import Cell
 
@@ -225,11 +228,12 @@ def _greedy_cells(zoo_root: Path, quick: bool):
     sizes = replace(family.quick_sizes if quick else family.sizes, min_requests=16,
                     **(quick_changes if quick else {}))
     source = family.load_source(zoo_root)
-    return [family.build(source, sizes, Cell(w, 8, 0.0), 7) for w in (short if quick else full)]
+    return [family.build(source, sizes, Cell(w, batch_size, 0.0), 7)
+            for w in (short if quick else full)]
 
 
 def check_greedy(specs, zoo: str | None, quick: bool, engines: Engines,
-                 dtype: str = GREEDY_DTYPE, defaults: bool = False) -> bool:
+                 dtype: str = GREEDY_DTYPE, defaults: bool = False, batch_size: int = 8) -> bool:
     """Token-for-token equality with the non-speculative run, on the pair's target
     (``defaults``: the methods are the default list, and those needing a draft model the
     pair lacks are skipped, said so, rather than failed)."""
@@ -238,7 +242,7 @@ def check_greedy(specs, zoo: str | None, quick: bool, engines: Engines,
     from specplugin.bench.runner import EngineFailure, cells_payload
 
     zoo_root, models = zoo_models(zoo)
-    payload = cells_payload(_greedy_cells(zoo_root, quick))
+    payload = cells_payload(_greedy_cells(zoo_root, quick, batch_size))
     num_requests = sum(len(c["prompts"]) for c in payload)
     length = (f"{payload[0]['max_tokens']} tokens" if payload[0]["ignore_eos"]
               else f"up to {payload[0]['max_tokens']} tokens (stop at EOS)")
@@ -498,7 +502,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.skip_greedy:
         try:
             ok &= check_greedy(specs, args.zoo, args.quick, engines, args.dtype,
-                               defaults=not args.methods)
+                               defaults=not args.methods, batch_size=args.batch_size)
         except FileNotFoundError as err:  # no zoo: say how to get one
             console.print(f"[red]check-lossless: {err}[/red]")
             return 2
