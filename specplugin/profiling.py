@@ -199,7 +199,7 @@ def plain_steps_ms(ledger: Ledger, batch_size: int, skipped: bool = False,
     plugin has them where it decided not to speculate. ``skipped``: only those in which
     no drafting ran either (the plugin's plain steps that skip drafting; every plain
     step of an engine without speculation). Their medians, side by side, say what a
-    plain step costs with the plugin on (issue 19: within 3% of none's).
+    plain step costs with the plugin on (the bound: within 3% of none's).
 
     ``planned``: only those in which drafting ran (the plugin planned the next step: it
     asked its proposers, estimated and planned, whatever the plan then drafted). The
@@ -226,7 +226,7 @@ def summarize(ledger: Ledger, num_output_tokens: int, seconds: float,
     took (tok/s is the user's figure; ``busy_share`` says how much of that wall time the
     engine core spent inside steps). ``phases_ms`` sums to ``step_ms`` (``rest``
     included); ``own_ms`` is the plugin's own work per step without the draft model's
-    forwards (issue 19's budget: under 10% of the step).
+    forwards (the budget: under 10% of the step).
     """
     steps = max(ledger.num_steps, 1)
     step_ms = ledger.wall_s * 1e3 / steps

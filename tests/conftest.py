@@ -30,7 +30,7 @@ def zoo_root():
 
 @pytest.fixture(scope="session")
 def quick_zoo(tmp_path_factory):
-    """A tiny zoo pair built in seconds (``specplugin zoo build --quick``), shared by the session."""
+    """A tiny zoo pair built in seconds (``specplugin zoo build --quick``), shared by the test run."""
     from specplugin import zoo
 
     root = tmp_path_factory.mktemp("quick-zoo")

@@ -5,7 +5,7 @@ which rows each proposer was asked about, read the scheduler's block pool. Such 
 writes a short Python program (the probe) that builds ``vllm.LLM`` in-process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with its wrappers installed, and prints one line
 ``RESULT <json>``. It runs in a Python process of its own, so that its patches and its
-engine never leak into the test session. The probe gets its job as JSON in ``argv[1]``.
+engine never leak into the test run. The probe gets its job as JSON in ``argv[1]``.
 """
 
 from __future__ import annotations

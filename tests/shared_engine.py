@@ -2,7 +2,7 @@
 
 Each vLLM engine costs this machine 30-40 s to start; the end-to-end modules used to
 start their own reference engine (no speculation) and one engine per proposer subset.
-Now they register cells here at import; the session starts one engine with every
+Now they register cells here at import; the test run starts one engine with every
 proposer (draft model, n-gram, suffix) and runs every registered cell in it, in
 registration order. Within that engine a cell picks what it runs with the plugin's
 per-request options: ``specplugin_max_k: 0`` for the reference (the step decodes
@@ -32,7 +32,7 @@ REFERENCE = {"specplugin_max_k": 0}  # a request decoded without drafts
 # of their own (the suite's other engines run the engine core in-process: tests/conftest.py)
 MULTIPROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 
-# key -> cell builder (called with the zoo folder once the session starts the engine)
+# key -> cell builder (called with the zoo folder once the test run starts the engine)
 _CELLS: dict[str, Callable[[Path], dict[str, Any]]] = {}
 
 

@@ -175,7 +175,7 @@ def test_calibration_times_what_a_speculative_step_runs_through_the_same_timing(
 
 def test_a_batch_1_engine_calibrates_up_to_its_verified_tokens_not_one_knot():
     """max_num_seqs=1 once gave the single knot {1: T}, and the cost model priced
-    verifying n tokens at n plain steps: the controller never drafted (issue 86)."""
+    verifying n tokens at n plain steps: the controller never drafted."""
     runner = _fake_runner()
     runner.scheduler_config = SimpleNamespace(max_num_seqs=1)
     calibrated = []

@@ -38,7 +38,7 @@ def _cells(zoo_root):
             for t in (0.0, 1.0)]
 
 
-# the reference: the greedy cell decoded without drafts, in the session's shared engine
+# the reference: the greedy cell decoded without drafts, in the suite's shared engine
 REFERENCE_CELL = add_cell("draft_e2e/reference", options=REFERENCE,
                           build=lambda zoo_root: _cells(zoo_root)[0])
 

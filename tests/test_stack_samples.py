@@ -1,5 +1,5 @@
 """specplugin.stack_samples: py-spy's stacks charged to the step's rows, on hand-built
-stacks in py-spy's raw format, and on a real engine's: a cell of the session's shared
+stacks in py-spy's raw format, and on a real engine's: a cell of the suite's shared
 engine (tests/shared_engine.py) runs the draft model while py-spy samples its worker, as
 ``specplugin profile --timers sampled`` does."""
 

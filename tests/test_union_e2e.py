@@ -1,6 +1,6 @@
 """The union of proposers and the K controller inside real vLLM (one drafting path).
 
-Three cells of the session's shared engine (tests/shared_engine.py: the full union
+Three cells of the suite's shared engine (tests/shared_engine.py: the full union
 ``["draft", "ngram", "suffix"]``): the reference, with drafts off per request
 (``specplugin_max_k: 0``); the token-level union, per request
 (``specplugin_proposers: "ngram,suffix"``); and the full union, where draft-model rows
@@ -28,7 +28,7 @@ PROMPTS = [CODE + "\n\n# The same function again:\n" + CODE[:60],
            "class Stack:\n    def __init__(self):\n"]
 
 
-# in the session's shared engine (full union, alternating blocks), one request at a time
+# in the suite's shared engine (full union, alternating blocks), one request at a time
 # so that the repeated opening comes after its first run finished: the prompts without
 # drafts, with the token-level proposers only, and with every proposer
 CELLS = {name: add_cell(f"union_e2e/{name}", PROMPTS, max_tokens=64, batch_size=1,
@@ -95,7 +95,7 @@ def test_the_shared_engine_caught_no_failure(shared_runs):
     module's prompts and options; no fault injected but the alternating blocks) cost a
     step its drafts through a failure the plugin caught: such a failure never costs a
     request, so only a count can show it (a planning bug that raised IndexError for a row
-    without candidates beside one the draft ran for hid that way for sessions; these cells
+    without candidates beside one the draft ran for hid that way for a long time; these cells
     do not reach it, its own test does; seen red with a learning job that raises)."""
     failures = {key: run.proposer_failures for key, run in shared_runs.items()}
     assert all(f == {} for f in failures.values()), failures

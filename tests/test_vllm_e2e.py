@@ -1,7 +1,7 @@
 """The plugin inside real vLLM: greedy output identical, drafts accepted, bad settings stopped.
 
 Engines are few and shared: the reference (drafts off per request) and the n-gram
-proposer alone (per request) run in the session's shared full-union engine
+proposer alone (per request) run in the suite's shared full-union engine
 (tests/shared_engine.py); one engine runs vLLM's own draft_model method on the zoo pair
 (which also proves both zoo models load in vLLM).
 """
@@ -39,7 +39,7 @@ def target(zoo_root):
     return zoo_path("target", zoo_root)
 
 
-# in the session's shared engine: the prompts without drafts, then with n-gram drafts only
+# in the suite's shared engine: the prompts without drafts, then with n-gram drafts only
 REFERENCE_CELL = add_cell("vllm_e2e/reference", PROMPTS, max_tokens=GREEDY["max_tokens"],
                           options=REFERENCE)
 NGRAM_CELL = add_cell("vllm_e2e/ngram", PROMPTS, max_tokens=GREEDY["max_tokens"],

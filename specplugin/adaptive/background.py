@@ -12,14 +12,14 @@ the caller's idle moment, :meth:`run_pending`: the plugin's worker calls it righ
 its reply to each of the engine core's calls is on its way
 (:mod:`specplugin.vllm_layer.worker_wait`).
 
-Why not a helper thread (the twenty-third session's first design): handing a job to a
+Why not a helper thread (an earlier design): handing a job to a
 sleeping thread wakes it, and on a machine of two cores, both busy with the target's
 threads, the wake-up competes with the step for a core and the GIL. Seen under ``py-spy``
 (which itself took some of the two cores; validation pair, complete, batch 1, greedy, 40 s
 an engine): the drafting call sat at the hand-over (``queue.SimpleQueue.put``) in 86 of
 its 366 samples, against 8 for running the same jobs inline. Without the sampler the
 profile's own-work figures of the thread and of this design stayed within the engines'
-spread (2026-12-02, docs/benchmarks.md): what this design removes is the thread, its
+spread (measured 2026-12-02): what this design removes is the thread, its
 timing and that risk, at no measured cost.
 
 The order of events is the same in both modes, so both leave the same state behind: a

@@ -82,7 +82,7 @@ MAX_GATE_GAP = 8
 # at least every MAX_HOLD_GAP_GREEDY steps. What a held step saves is the looks' price:
 # measured in an engine at batch 1, temperature 1 (validation pair, fine timers), asking
 # n-gram and suffix 0.11 ms and the union's planning 0.25 ms, in a ~12 ms step of which
-# the plugin's own work was 1.9 ms; held, 0.05 and 0.10 ms (thirty-eighth session).
+# the plugin's own work was 1.9 ms; held, 0.05 and 0.10 ms.
 MAX_HOLD_GAP = 8
 MAX_HOLD_GAP_GREEDY = 2
 HOLD_PATIENCE = 3

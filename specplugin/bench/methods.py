@@ -47,7 +47,7 @@ PLUGIN_SETTINGS: dict[str, dict[str, Any]] = {
     },
     # the draft's own rule starts at k=4 and may go on to 8 while the draft stays confident
     "plugin-draft": {"num_speculative_tokens": 8, "proposers": ["draft"]},
-    # the draft path at vllm-draft's searched K: issue 19's "plugin-draft alone at vLLM's
+    # the draft path at vllm-draft's searched K: the goal "plugin-draft alone at vLLM's
     # searched K at least 1.0x vllm-draft at that K" (the same draft lengths at most)
     "plugin-draft-vllm-k": {
         "num_speculative_tokens": BUILTIN_SETTINGS["vllm-draft"]["num_speculative_tokens"],

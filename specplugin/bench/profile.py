@@ -415,7 +415,7 @@ def step_ab_summary(records: Sequence[Sequence] | None) -> dict[str, Any] | None
     worker's part of the step against the worker's part. ``excess_ms``, the mean of the
     pairs' differences with its interval, is what the plugin adds to the whole step (the
     engine core's side is the same code in both arms); the table sets it against the
-    profiled run's plain step, where issue 19's bound is 3%. None without a pair. If any
+    profiled run's plain step, where the project's bound is 3%. None without a pair. If any
     step ran the other arm's code (the swap is broken), no pairs: only their count,
     ``wrong_arm``."""
     records = records or []
@@ -633,7 +633,7 @@ def _plain(result: Mapping[str, Any], results: Mapping[str, Mapping[str, Any]],
            kind: str = "plain") -> str:
     """A method's plain decode step (the whole batch, no draft; ``kind`` "skipped": and
     no drafting either; "planned": drafting ran), and its ratio to the engine without
-    speculation's plain step when that ran too (issue 19's bound: a skipped step within
+    speculation's plain step when that ran too (the project's bound: a skipped step within
     3% of it)."""
     ms = result.get(f"{kind}_step_ms")
     if ms is None:

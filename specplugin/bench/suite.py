@@ -15,7 +15,7 @@ the same random draws and so the same text (measured: the same acceptance counts
 token), so the rounds averaged the machine's timing noise but not the text's, which at
 temperature 1 moves a cell's tokens per step more. On the validation pair, complete batch
 1 temperature 1, vLLM's ``draft_model`` at K = 2 emitted 2.17-2.32 tokens a step over
-five prompt seeds, the plugin's draft 2.19-2.27: the 0.1-0.2 gap earlier sessions saw
+five prompt seeds, the plugin's draft 2.19-2.27: a 0.1-0.2 gap seen
 between the two, one seed each, is within that spread.
 """
 

@@ -186,7 +186,7 @@ def full_grid(workloads: Sequence[str] = tuple(WORKLOADS)) -> list[Cell]:
 QUICK_CELLS = (Cell("edit", 1, 0.0), Cell("mixed", 8, 1.0), Cell("adversarial", 16, 1.0))
 
 
-# --headline: the six cells issue 19's goals are measured on (full sizes): copying and
+# --headline: the six cells the small pairs' goals are measured on (full sizes): copying and
 # fresh code at batch 1, fresh code batched, a server's mixed batch, sampling alone, noise.
 HEADLINE_CELLS = (Cell("edit", 1, 0.0), Cell("complete", 1, 0.0), Cell("complete", 8, 0.0),
                   Cell("server", 8, 1.0), Cell("complete", 1, 1.0), Cell("adversarial", 16, 1.0))

@@ -18,7 +18,7 @@ token to the left (at most ``max_n`` tokens), and writes the draft and its signa
 over a few thousand tokens costs a few microseconds compiled, less than the per-request
 index of ``min_n``-gram ends in Python dicts it replaced, whose upkeep and look-ups were a
 dozen calls per row on caches the target's forward had just swept (measured in an engine:
-see ``docs/benchmarks.md``, twenty-eighth session). The scorer's alternatives (every end of
+see ``docs/benchmarks.md``). The scorer's alternatives (every end of
 the longest match) come from the vectorised search, :func:`suffix_match_ends`: ``max_n``
 passes of one element-wise comparison over the context. Both find the same match, the one
 :func:`longest_suffix_match` defines.
