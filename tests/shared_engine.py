@@ -70,8 +70,11 @@ def state_dir(workdir: Path) -> Path:
 
 
 def run_shared(zoo_root: Path, workdir: Path) -> dict[str, EngineRun]:
-    """Every registered cell in one engine: key -> its run."""
-    cells = tuple(_with_sampler(make(zoo_root), workdir) for make in _CELLS.values())
+    """Every registered cell in one engine: key -> its run. Cells that py-spy samples run
+    last: it stops the worker 250 times a second, and the union would learn from those
+    slowed steps what a step costs, and carry it into the cells after them."""
+    cells = [_with_sampler(make(zoo_root), workdir) for make in _CELLS.values()]
+    cells = tuple(sorted(cells, key=lambda cell: "sampler" in cell))
     options = {**engine_options(zoo_root), "state_dir": str(state_dir(workdir))}
     job = EngineJob(label="shared-union", model=str(zoo_path("target", zoo_root)),
                     engine_kwargs=plugin_engine_kwargs(K, options),
