@@ -17,8 +17,7 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # ``specplugin.Speculator`` is what users put in speculative_config["model"].
-    # Importing it lazily keeps ``import specplugin`` free of vLLM.
+    # ``specplugin.Speculator`` (speculative_config["model"]), lazily: import stays vLLM-free
     if name == "Speculator":
         from specplugin.vllm_layer.speculator import Speculator
 

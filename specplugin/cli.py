@@ -1,10 +1,8 @@
 """The ``specplugin`` command: ``zoo``, ``demo``, ``bench``, ``check-lossless``,
 ``profile``, ``cost-curve``, ``load``.
 
-Each subcommand is a module with ``add_arguments(parser)`` and ``run(args)``. Only the
-module of the subcommand being run is imported (its name is read from the command line
-before parsing), so a broken module breaks its own command and no other, and
-``specplugin --help`` lists every subcommand from :data:`SUBCOMMANDS` without importing any.
+Each subcommand is a module with ``add_arguments(parser)`` and ``run(args)``; only the
+one being run is imported, so a broken module breaks only its own command.
 """
 
 from __future__ import annotations
@@ -31,8 +29,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 def requested(argv: Sequence[str]) -> str | None:
-    """The subcommand named in ``argv``: its first argument that is not an option (the
-    top-level parser has no option that takes a value)."""
+    """The subcommand in ``argv``: its first non-option argument."""
     return next((a for a in argv if not a.startswith("-")), None)
 
 

@@ -8,10 +8,8 @@ Users switch the plugin on with vLLM's own arguments only::
     # or a draft model that shares the target's vocabulary:
     additional_config={"specplugin": {"proposers": ["draft"], "draft_model": "/path/to/draft"}}
 
-Every bad value raises :class:`SpecPluginConfigError` naming the key, the value and
-the fix. The vLLM layer calls :func:`parse` in the front-end process while vLLM
-builds its ``VllmConfig``, so the message reaches the user before any engine
-process starts.
+Every bad value raises :class:`SpecPluginConfigError` naming the key, the value and the
+fix; :func:`parse` runs in the front-end process, before any engine process starts.
 """
 
 from __future__ import annotations
@@ -26,10 +24,8 @@ SPECULATOR_CLASS = "specplugin.Speculator"
 MAX_NUM_SPECULATIVE_TOKENS = 32
 # most candidates verified per request per step (the batch-expanding scorer)
 MAX_CANDIDATES = 4
-# The proposers a configuration may name. Token-level ones are built by
-# specplugin.proposers.build_proposer; model proposers run a model on vLLM's paged KV cache
-# and are built by the plugin's worker layer (specplugin.vllm_layer.worker). Named here, so
-# that checking a configuration imports no proposer (and no proposer imports this back).
+# Proposer names, listed here so checking a config imports no proposer. Token-level ones:
+# proposers.build_proposer; model ones: vllm_layer.worker (on vLLM's paged KV cache).
 TOKEN_PROPOSERS = ("ngram", "suffix")
 MODEL_PROPOSERS = ("draft",)
 PROPOSERS = (*TOKEN_PROPOSERS, *MODEL_PROPOSERS)
@@ -66,13 +62,10 @@ class NgramSettings:
 
 @dataclass(frozen=True)
 class DraftSettings:
-    """The draft proposer's stopping rule (``specplugin.adaptive.draft_rule``): each request
-    drafts while the estimated chance that all its draft tokens so far get accepted
-    stays >= ``min_acceptance`` (the draft's confidence, calibrated online), up to
-    ``num_speculative_tokens``; ``k`` tokens until the calibration has evidence.
-    ``min_acceptance`` defaults to the measured cost of a draft forward relative to
-    the engine's time per emitted token; a number fixes it (0: always draft
-    ``num_speculative_tokens``)."""
+    """Draft stopping rule (``specplugin.adaptive.draft_rule``): draft while the calibrated
+    chance that all drafts so far are accepted stays >= ``min_acceptance`` (default: the
+    measured draft-forward cost per emitted token; 0: always draft K); ``k`` tokens until
+    calibrated."""
 
     k: int = 4
     min_acceptance: float | None = None
@@ -95,22 +88,16 @@ class DraftSettings:
 @dataclass(frozen=True)
 class FaultSettings:
     """Test-only fault injection (:mod:`specplugin.proposers.faults`): ``proposers`` maps a
-    configured proposer to N (it raises at every N-th call); ``draft_forward`` is N for
-    the draft model's forward (every N-th forward raises). Each fault must cost its
-    step's drafts, never a request; the failures show in the metrics."""
+    proposer to N, ``draft_forward`` is N (every N-th call / forward raises)."""
 
     proposers: dict = field(default_factory=dict)
     draft_forward: int | None = None
-    # the scheduler is sent a decoy (the chosen draft with its tokens changed) and the
-    # real draft is verified as an extra candidate, so that the batch-expanding scorer's
+    # send the scheduler a decoy draft and verify the real one as an extra candidate, so
     # non-primary winners carry the output (needs max_candidates >= 2)
     decoy_primary: bool = False
-    # the step arbiter alternates speculative and plain blocks whatever it measures, so
-    # that plain steps (drafting skipped altogether) and speculative ones interleave
+    # the step arbiter alternates speculative and plain blocks regardless of measurements
     alternate_blocks: bool = False
-    # the union runs the draft model in every speculative step where a row could use it,
-    # on its optimistic trial estimate (Union.plan_draft), whatever it has measured, so
-    # that a short run is sure to see draft forwards (the profile's tests)
+    # run the draft model in every speculative step where a row could use it
     draft_always: bool = False
 
     def __post_init__(self):
@@ -144,16 +131,13 @@ class SpecPluginConfig:
     draft_model: str | None = None
     ngram: NgramSettings = field(default_factory=NgramSettings)
     draft: DraftSettings = field(default_factory=DraftSettings)
-    # False: every step speculates (the step arbiter, specplugin.adaptive.arbiter, never
-    # switches to plain decoding); for measuring acceptance, as check-lossless does
+    # False: every step speculates (never switch to plain decoding), e.g. for check-lossless
     step_arbiter: bool = True
-    # test-only: proposers and draft forwards that fail on purpose (specplugin.proposers.faults)
+    # test-only (specplugin.proposers.faults)
     fault_injection: FaultSettings = field(default_factory=FaultSettings)
-    # the batch-expanding scorer: most candidates verified per request per step (1: one
-    # chain, the scorer off); from different proposers, or one proposer's alternatives
+    # most candidates verified per request per step (1: the batch-expanding scorer off)
     max_candidates: int = 1
-    # a directory where the union keeps what it learned across engine restarts, one file
-    # per target, draft, proposers, K and machine (specplugin.adaptive.memory); None: off
+    # where the union keeps what it learned across restarts (specplugin.adaptive.memory)
     state_dir: str | None = None
 
     def __post_init__(self):
@@ -214,8 +198,7 @@ class SpecPluginConfig:
                 "candidate).")
 
     def _check_state_dir(self, path: str) -> None:
-        """The directory must be (or become) one this process can write: the engine
-        writes it from its worker, long after start, where an error would be lost."""
+        """Checked now: the worker writes it long after start, where an error would be lost."""
         folder = Path(path).expanduser()
         if folder.exists() and not folder.is_dir():
             raise SpecPluginConfigError(
@@ -254,9 +237,7 @@ class SpecPluginConfig:
 
 
 def _check_model_config(folder: Path, path: str) -> None:
-    """``config.json`` must be a model config transformers can read (it needs a
-    ``model_type``); otherwise vLLM fails deep inside transformers without naming
-    the setting."""
+    """``config.json`` must be readable by transformers; else vLLM fails deep inside it."""
     from transformers import AutoConfig
 
     try:
@@ -329,11 +310,8 @@ def parse(options: Any, num_speculative_tokens: int) -> SpecPluginConfig:
 
 def check_shared_vocabulary(target_tokenizer: str, draft_model: str,
                             target_vocab_size: int, draft_vocab_size: int) -> None:
-    """Draft and target must number tokens the same way, or the drafts mean nothing.
-
-    Compares the models' vocabulary sizes, then (when both are local folders with a
-    tokenizer) the two tokenizers' token-to-id maps.
-    """
+    """Draft and target must number tokens the same way: compares vocabulary sizes, then
+    (when both are local folders with a tokenizer) the token-to-id maps."""
     where = _where("draft_model")
     if target_vocab_size != draft_vocab_size:
         raise SpecPluginConfigError(

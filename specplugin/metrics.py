@@ -1,20 +1,11 @@
 """Counters the plugin keeps about itself (vLLM-free).
 
-:class:`ProposerStats`: what each proposer drafted and got accepted (per draft
-position too), and what the controller chose (K per request and step, steps with no
-speculation). vLLM's own ``vllm:spec_decode_*`` counters see drafts only; these say
-which proposer earns its keep. The vLLM layer publishes :meth:`ProposerStats.as_dict`
-(with the failures and the step arbiter's counts) to ``/metrics`` and
-``LLM.get_metrics()`` as ``vllm:specplugin_*`` (:mod:`specplugin.vllm_layer.metrics_export`).
-
-:class:`FailureCounter`: a proposer that raises must cost speed, never a request: the vLLM layer catches the
-exception and that step decodes without drafts. Caught silently, though, a proposer
-that fails every step would turn the plugin into a slow no-op nobody notices, so
-every failure is counted here and reported: the first one with its traceback, then
-a one-line summary at most every ``log_every_s`` seconds while failures go on.
-
-The counts are exposed through :meth:`FailureCounter.snapshot` (and the owners'
-``stats()``), the place the metrics exporters read.
+- :class:`ProposerStats`: per proposer, what it drafted and got accepted (per position
+  too) and what the controller chose; says which proposer earns its keep. Published as
+  ``vllm:specplugin_*`` by :mod:`specplugin.vllm_layer.metrics_export`.
+- :class:`FailureCounter`: a failing proposer costs speed, never a request; counted and
+  logged (first with traceback, then a summary every ``log_every_s``) so a plugin that
+  fails every step does not become a silent slow no-op.
 """
 
 from __future__ import annotations
@@ -27,10 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-# The plugin's whole-engine step counters (keys of a drafter's ``stats()``), each with the
-# help text of its Prometheus counter ``vllm:specplugin_<name>_total``: one table for the
-# exporter (:mod:`specplugin.vllm_layer.metrics_export`) and the benchmarks, so that a new
-# counter is published and measured everywhere once it is added here.
+# Step counters (keys of a drafter's ``stats()``) -> help text of
+# ``vllm:specplugin_<name>_total``; the one table the exporter and the benchmarks read.
 STEP_COUNTERS: dict[str, str] = {
     "steps": "Engine steps the plugin drafted for (or chose not to).",
     "steps_without_drafts": "Steps in which no request verified a draft.",
@@ -60,18 +49,15 @@ STEP_COUNTERS: dict[str, str] = {
 @dataclass
 class ProposerStats:
     """Counters for metrics: per proposer, per draft position, and the controller's choices.
-
-    A *draft* is one request's candidate verified in one step; its tokens are *draft
-    tokens*, the accepted ones *accepted tokens* (vLLM's terms)."""
+    A *draft* is one request's candidate verified in one step (vLLM's terms)."""
 
     chosen: Counter = field(default_factory=Counter)  # proposer -> requests drafted by it
     draft_tokens: Counter = field(default_factory=Counter)  # proposer -> tokens verified
     accepted_tokens: Counter = field(default_factory=Counter)  # proposer -> tokens accepted
     verified_candidates: Counter = field(default_factory=Counter)  # proposer -> drafts judged
     won_candidates: Counter = field(default_factory=Counter)  # proposer -> extra candidates won
-    # (proposer, n) -> drafts of n tokens verified / with n tokens accepted (the
-    # per-position counts follow from these, see draft_tokens_per_pos: two counts a draft
-    # instead of two a token, on every speculative step)
+    # (proposer, n) -> drafts of n tokens verified / with n accepted (per-position counts
+    # derive from these: cheaper than counting per token)
     verified_lengths: Counter = field(default_factory=Counter)
     accepted_lengths: Counter = field(default_factory=Counter)
     k_histogram: Counter = field(default_factory=Counter)  # k -> requests (0: no drafts)
@@ -80,14 +66,12 @@ class ProposerStats:
     steps_skipped: int = 0  # of those, steps whose drafting was skipped altogether
     steps_peeked: int = 0  # plain steps the peek turned speculative (Union.plain_step)
     offers_judged_unsent: int = 0  # offers not sent, judged (Union._learn_unchosen)
-    # steps decided before vLLM prepared the draft model's inputs, in which it then ran for
-    # no row: none of the draft model's machinery ran (a draft model configured)
+    # steps where none of the draft model's machinery ran (its drafts were not needed)
     steps_without_draft_model: int = 0
     extra_candidates: int = 0  # candidates sent to the batch-expanding scorer beside the chosen
 
     def verified(self, proposer: str, num_draft_tokens: int, num_accepted: int) -> None:
-        """One draft of ``proposer`` was verified: its first ``num_accepted`` of
-        ``num_draft_tokens`` tokens were accepted."""
+        """One draft of ``proposer`` verified: ``num_accepted`` of ``num_draft_tokens`` kept."""
         self.verified_candidates[proposer] += 1
         self.draft_tokens[proposer] += num_draft_tokens
         self.accepted_tokens[proposer] += num_accepted
@@ -95,10 +79,8 @@ class ProposerStats:
         self.accepted_lengths[proposer, min(num_accepted, num_draft_tokens)] += 1
 
     def won(self, proposer: str, num_accepted: int) -> None:
-        """An extra candidate of ``proposer`` beat the request's draft (the batch-expanding
-        scorer): its ``num_accepted`` tokens were emitted. They count as this proposer's
-        accepted tokens (at their positions); the draft tokens verified stay the draft's
-        proposer's, as in vLLM's own counters."""
+        """An extra candidate of ``proposer`` beat the request's draft: its accepted tokens
+        count as this proposer's; draft tokens stay the draft's proposer's, as in vLLM."""
         self.won_candidates[proposer] += 1
         self.accepted_tokens[proposer] += num_accepted
         self.accepted_lengths[proposer, num_accepted] += 1
@@ -137,8 +119,7 @@ class ProposerStats:
 
 
 def _per_position(lengths: Counter) -> Counter:
-    """(proposer, position) -> how many of the counted lengths reach past that position,
-    from (proposer, length) -> count."""
+    """(proposer, length) -> count, to (proposer, position) -> lengths reaching past it."""
     out: Counter = Counter()
     for (proposer, length), count in lengths.items():
         for position in range(length):
@@ -147,9 +128,8 @@ def _per_position(lengths: Counter) -> Counter:
 
 
 class FailureCounter:
-    """Failures of one proposer (or of one of the plugin's shortcuts, ``fallback``
-    naming what takes over): counted, logged once in full, then periodically, never
-    once per step."""
+    """Failures of one proposer (or a plugin shortcut, ``fallback`` naming what takes
+    over): counted, logged once in full, then periodically."""
 
     def __init__(self, name: str, logger: logging.Logger, log_every_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic, fallback: str | None = None):

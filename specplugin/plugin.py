@@ -1,14 +1,9 @@
 """The ``vllm.general_plugins`` entry point.
 
-vLLM calls :func:`register` in every process it starts (front end, engine core,
-workers), possibly more than once. It must be cheap and idempotent: it checks the
-vLLM version and installs, through the patch registry, the config check, the
-per-request option check, the scorer's scratch-block reservation, the draft handoff
-(the step's drafts ride back on its output), the workers' learning in their wait for
-the next call, on CPU a kernel fix, and in
-``specplugin profile``'s engines only the profiler's RPC; nothing else. Token-level proposers are
-built by vLLM's ``custom_class`` hook from ``speculative_config.model``; the draft
-proposer by the plugin's worker, which the config check selects.
+vLLM calls :func:`register` in every process it starts, possibly more than once, so it
+must be cheap and idempotent: it checks the vLLM version and installs the plugin's hooks
+through the patch registry. Proposers are built later (vLLM's ``custom_class`` hook, or
+the plugin's worker for the draft model).
 """
 
 from __future__ import annotations
@@ -31,8 +26,7 @@ def check_vllm_version(version: str) -> None:
 
 
 def _log_through_vllm() -> None:
-    """The plugin's vLLM-free core logs to "specplugin"; inside vLLM those lines go out
-    through vLLM's own handlers, format and level (VLLM_LOGGING_LEVEL)."""
+    """Route the "specplugin" logger through vLLM's handlers, format and level."""
     import logging
 
     ours, theirs = logging.getLogger("specplugin"), logging.getLogger("vllm")
@@ -84,8 +78,7 @@ def register() -> None:
     from specplugin.vllm_layer import verification
 
     verification.install()
-    # `specplugin profile`'s engines only: its timers are reached through collective_rpc
-    # (and `specplugin bench`'s: their workers' memory probe)
+    # profile's timers / bench's memory probe, reached through collective_rpc
     from specplugin.vllm_layer import profiling
 
     if profiling.requested() or profiling.probe_requested():

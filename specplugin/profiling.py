@@ -1,19 +1,12 @@
 """Where an engine step's time goes: a phase clock and its ledger (vLLM-free).
 
-``specplugin profile`` (:mod:`specplugin.bench.profile`) wraps vLLM's and the
-plugin's per-step methods in timers (:mod:`specplugin.vllm_layer.profiling`, only in
-that command's engine process); this module is what the timers report to and how
-the reports add up.
+The timers of ``specplugin profile`` (:mod:`specplugin.vllm_layer.profiling`) report here.
 
-Time is **exclusive**: a phase is charged the time spent inside it minus the time of
-the phases nested in it, so every second of a step lands in exactly one phase and
-the phases sum to the step's wall time by construction. The step itself is the
-outermost phase, :data:`REST`: what no inner timer claims (vLLM's glue between the
-timed methods, the executor's call, putting outputs on the queue) is its own,
-visible column, never hidden.
+Time is **exclusive**: a phase is charged its time minus its nested phases', so the
+phases sum to the step's wall time by construction. The outermost phase, :data:`REST`,
+holds what no inner timer claims (vLLM's glue), as a visible column.
 
-Counters (draft forwards, verified query tokens, host syncs) are added to the step
-being timed; outside a step (engine start, requests arriving) nothing is recorded.
+Counters (draft forwards, query tokens, host syncs) count only inside a timed step.
 """
 
 from __future__ import annotations
@@ -34,24 +27,18 @@ DRAFT_TOKENS = "draft_tokens"  # draft tokens the scheduler sent for verificatio
 DRAFTED = "drafted"  # the step handed drafts (maybe empty) to the scheduler: drafting ran
 SYNC_PREFIX = "syncs:"  # + phase: .cpu()/.item()/.tolist() calls made inside that phase
 BACKGROUND = "background_s"  # seconds the held learning ran in a worker's wait
-# of the step's own work, seconds that learning ran on a step (Union.settle came first)
-BACKGROUND_WAIT = "background_wait_s"
-TIMER_CALLS = "timer_calls"  # phases closed (the timers' own cost is this times one pair's)
-# plain steps this many steps or more after the last one that verified or handed back
-# drafts are steady plain decoding (those right after carry the speculative block's
-# aftermath: learning from its verification, caches the draft model took)
+BACKGROUND_WAIT = "background_wait_s"  # seconds that learning ran on a step instead
+TIMER_CALLS = "timer_calls"  # phases closed (to estimate the timers' own cost)
+# plain steps this many steps after the last drafting one count as steady plain decoding
 SETTLED = 4
-# "1" in specplugin bench's engine children (specplugin.bench.runner): each worker answers
-# the memory probe (specplugin.vllm_layer.profiling.memory_probe_ms) before every cell
+# "1": each worker answers the memory probe before every bench cell
 PROBE_ENV = "SPECPLUGIN_MEMORY_PROBE"
 
 
 class PhaseClock:
     """A stack of open phases; each closed phase adds its exclusive time to the step.
 
-    ``sync`` (optional) runs before every reading: on CUDA ``torch.cuda.synchronize``,
-    so that a phase is charged for the device work it launched; on CPU every phase is
-    synchronous and nothing is needed.
+    ``sync`` runs before every reading (on CUDA ``torch.cuda.synchronize``; None on CPU).
     """
 
     def __init__(self, sync: Callable[[], None] | None = None):
@@ -59,8 +46,7 @@ class PhaseClock:
         self.enabled = False  # steps are timed only while enabled (profile's window)
         # open phases, innermost last: [phase, start, seconds of closed nested phases]
         self._stack: list[list[Any]] = []
-        # the thread that runs the steps: another thread (the union's background learning,
-        # specplugin.adaptive.background) sees no open step, and its calls go untimed
+        # the thread that runs the steps: other threads see no open step (untimed)
         self._owner: int | None = None
         self._phases: dict[str, float] = {}  # this step's exclusive seconds per phase
         self._counts: dict[str, int] = {}
@@ -69,8 +55,7 @@ class PhaseClock:
         self.ledger = Ledger()
 
     def begin_step(self, phase: str = REST, step: bool = True) -> None:
-        """Open a root phase. ``step``: it is one engine step (a worker's other calls of
-        the same step, e.g. sampling after the forward, are roots with ``step=False``)."""
+        """Open a root phase. ``step=False``: another root of the same engine step."""
         self._phases, self._counts, self._num_exits, self._is_step = {}, {}, 0, step
         self._owner = threading.get_ident()
         self.enter(phase)
@@ -86,8 +71,7 @@ class PhaseClock:
 
     @property
     def stack(self) -> list[list[Any]] | tuple:
-        """The open phases, as the thread that runs the steps sees them (empty for any
-        other thread: what it runs is not the step's)."""
+        """The open phases (empty for any thread but the one running the steps)."""
         return self._stack if threading.get_ident() == self._owner else ()
 
     def enter(self, phase: str) -> None:
@@ -133,8 +117,7 @@ class Ledger:
     wall_s: float = 0.0
     phases_s: dict[str, float] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
-    # per engine step (the engine core's only): (wall seconds, query tokens, draft tokens,
-    # drafted: 1 if drafting ran and handed drafts to the scheduler)
+    # per engine-core step: (wall seconds, query tokens, draft tokens, drafted 0/1)
     steps: list[tuple] = field(default_factory=list)
 
     def add(self, wall_s: float, phases_s: Mapping[str, float], counts: Mapping[str, int],
@@ -166,14 +149,9 @@ IPC = "executor (IPC)"  # that wait minus the workers' own timed work
 
 
 def combine(engine: Ledger, worker: Ledger | None) -> Ledger:
-    """One ledger of the engine's steps from the engine-core process's and a worker's.
-
-    On CPU (and with several GPUs) vLLM runs its workers in processes of their own: the
-    engine core times its steps and how long it waited on the workers (:data:`WORKER`),
-    the worker times its phases. The wait is replaced by the worker's phases plus
-    :data:`IPC`, the part of the wait the worker did not spend in its timed calls
-    (messages, the executor, the worker's own glue): the sum stays the engine core's
-    step wall time. With tensor parallelism, ``worker`` is one rank's (rank 0's).
+    """One ledger from the engine core's (which times its :data:`WORKER` wait) and a
+    worker process's (rank 0's): the wait becomes the worker's phases plus :data:`IPC`,
+    the untimed rest, so the sum stays the engine core's step wall time.
     """
     out = Ledger(engine.num_steps, engine.wall_s, dict(engine.phases_s), dict(engine.counts),
                  list(engine.steps))
@@ -187,26 +165,16 @@ def combine(engine: Ledger, worker: Ledger | None) -> Ledger:
 
 
 def is_plugin_phase(phase: str) -> bool:
-    """Phases of the plugin's own work (everything its drafters and scorer run,
-    the draft model's forwards included)."""
+    """Phases of the plugin's own work (draft model's forwards included)."""
     return phase.split(":", 1)[0] in ("plugin", "propose", "draft", "scorer")
 
 
 def plain_steps_ms(ledger: Ledger, batch_size: int, skipped: bool = False,
                    planned: bool = False) -> list[float]:
-    """Wall ms of the steps that decoded the whole batch plainly: ``batch_size`` query
-    tokens and no draft. An engine without speculation has only such decode steps; the
-    plugin has them where it decided not to speculate. ``skipped``: only those in which
-    no drafting ran either (the plugin's plain steps that skip drafting; every plain
-    step of an engine without speculation). Their medians, side by side, say what a
-    plain step costs with the plugin on (the bound: within 3% of none's).
-
-    ``planned``: only those in which drafting ran (the plugin planned the next step: it
-    asked its proposers, estimated and planned, whatever the plan then drafted). The
-    median of all plain steps hides them where they are fewer than the skipped ones
-    (measured on the validation pair, server/b8/t1: 8 of 40 plain steps, ~5.2 ms against
-    ~3.8 ms for a skipped one), yet a speculative block whose plans draft nothing is made
-    of them."""
+    """Wall ms of the steps that decoded the whole batch plainly (``batch_size`` query
+    tokens, no draft). ``skipped``: only those where no drafting ran either (bound:
+    within 3% of an engine without speculation). ``planned``: only those where drafting
+    ran but verified nothing (they cost more, and the overall median hides them)."""
     if skipped and planned:
         raise ValueError("a plain step is either skipped or planned, not both")
     out = []
@@ -220,14 +188,9 @@ def plain_steps_ms(ledger: Ledger, batch_size: int, skipped: bool = False,
 
 def summarize(ledger: Ledger, num_output_tokens: int, seconds: float,
               batch_size: int | None = None) -> dict[str, Any]:
-    """Per-step figures of one method's timed window.
-
-    ``num_output_tokens`` and ``seconds``: what the front end generated and how long it
-    took (tok/s is the user's figure; ``busy_share`` says how much of that wall time the
-    engine core spent inside steps). ``phases_ms`` sums to ``step_ms`` (``rest``
-    included); ``own_ms`` is the plugin's own work per step without the draft model's
-    forwards (the budget: under 10% of the step).
-    """
+    """Per-step figures of one method's timed window. ``num_output_tokens`` / ``seconds``:
+    the front end's totals. ``phases_ms`` sums to ``step_ms``; ``own_ms``: the plugin's
+    work without draft forwards (budget: under 10% of the step)."""
     steps = max(ledger.num_steps, 1)
     step_ms = ledger.wall_s * 1e3 / steps
     phases_ms = {name: s * 1e3 / steps for name, s in ledger.phases_s.items()}
@@ -252,8 +215,7 @@ def summarize(ledger: Ledger, num_output_tokens: int, seconds: float,
         "own_ms": plugin_ms - forward_ms,
         "busy_share": ledger.wall_s / seconds if seconds > 0 else 0.0,
         "timer_calls_per_step": ledger.counts.get(TIMER_CALLS, 0) / steps,
-        # the union's learning that ran in the worker's wait for its next step, off the
-        # step (specplugin.adaptive.background): not in step_ms, not in own_ms
+        # learning run in the worker's wait, off the step: not in step_ms or own_ms
         "background_ms": ledger.counts.get(BACKGROUND, 0.0) * 1e3 / steps,
         "background_wait_ms": ledger.counts.get(BACKGROUND_WAIT, 0.0) * 1e3 / steps,
         **_plain_summary(ledger, batch_size),

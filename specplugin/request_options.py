@@ -1,21 +1,15 @@
 """Per-request control of speculation, bounded by the server's settings (vLLM-free).
 
-A client chooses, per request, through ``SamplingParams.extra_args`` (offline) or
-``vllm_xargs`` (OpenAI API; flat keys, landing in the same ``extra_args``):
+Set through ``SamplingParams.extra_args`` (offline) or ``vllm_xargs`` (OpenAI API):
 
-- ``specplugin_max_k`` (int, 0 to the server's ``num_speculative_tokens``): the
-  longest draft this request may verify in one step; 0 switches speculation off for
-  it (its steps decode plainly; the rest of the batch still speculates);
-- ``specplugin_proposers`` (a comma-separated string such as ``"ngram,suffix"``, or a
-  list of names): the subset of the server's proposers that may draft for it.
+- ``specplugin_max_k`` (int, 0 to the server's K): longest draft per step; 0 switches
+  speculation off for this request only;
+- ``specplugin_proposers`` (``"ngram,suffix"`` or a list): the subset of the server's
+  proposers that may draft for it.
 
-The server's settings bound both: a request can never raise K above the server's or
-enable a proposer the server did not load. Such a request, a value of the wrong
-type, or an unknown key with the ``specplugin_`` prefix (a typo would otherwise be
-ignored silently) is refused with :class:`RequestOptionError` naming the key, before
-the request is scheduled (the vLLM layer checks in the front end; the server answers
-HTTP 400, ``LLM.generate`` raises). Other keys of ``extra_args`` are not ours and
-are left alone.
+A request can only lower the server's settings. Out-of-bounds values, wrong types and
+unknown ``specplugin_*`` keys (typos) raise :class:`RequestOptionError` in the front end
+(HTTP 400). Other ``extra_args`` keys are left alone.
 """
 
 from __future__ import annotations
@@ -112,12 +106,8 @@ def _proposers(value: Any, server_proposers: Sequence[str]) -> frozenset[str]:
 
 
 class RequestOptionsCache:
-    """Options per live request, parsed once (at its first step) and dropped when it ends.
-
-    The front end has already refused bad values; should one reach a worker anyway
-    (an engine driven without vLLM's front end), the request simply does not
-    speculate: never an error mid-run.
-    """
+    """Options per live request, parsed once at its first step. A bad value that got past
+    the front end makes the request not speculate: never an error mid-run."""
 
     def __init__(self, server_k: int, server_proposers: Sequence[str]):
         self.server_k = server_k

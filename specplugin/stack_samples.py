@@ -1,38 +1,25 @@
 """Where a worker's step goes, by sampling: py-spy's stacks charged to rows (vLLM-free).
 
-``specplugin profile --timers sampled`` installs no timer at all: py-spy samples the
-engine's worker (rank 0) while the timed cell runs, in its collapsed ("raw") format,
-one line per distinct stack: ``frame;frame;...;frame COUNT`` with the root first and
-each frame ``function (file:line)``. This module charges every sample to one row.
+``specplugin profile --timers sampled`` installs no timer: py-spy samples the rank-0
+worker in its collapsed format (``frame;...;frame COUNT``, root first, each frame
+``function (file:line)``), so no instrument sits inside the rows it measures. (Samplers
+that do not stop the worker under-count fast Python rows: see
+:class:`specplugin.bench.profile.SampledWindow`.)
 
-Timers cost time inside the very rows they measure (their wrappers, and the counters on
-host syncs, run in the plugin's entry points); a sampler that stops the worker for each
-read costs it pauses, in which no sample is taken, so no row is charged for them. The
-sampled share of the plugin's own work is the figure with no instrument inside its rows,
-against the timed ledger's finer split. (Reads that do not stop the worker fail where the
-stack changes under them, most in fast-moving Python code, and such rows come out low:
-see :class:`specplugin.bench.profile.SampledWindow`.)
+A sample is in the step when a ``vllm/v1/worker/`` frame named ``execute_model`` or
+``sample_tokens`` is on its stack (others are counted apart). In the step, the first
+rule that holds charges it:
 
-A sample is in the step when a frame of vLLM's worker (``vllm/v1/worker/``) named
-``execute_model`` or ``sample_tokens`` is on its stack; samples outside (the worker's
-wait for its next step, the union's held learning in that wait) are counted apart.
-In the step, the first rule that holds charges the sample:
+- ``draft forward``: a frame in :attr:`StackRoles.draft_forwards`, or a model frame
+  under ``vllm/v1/spec_decode/``;
+- ``forward``: the target's compute (``_model_forward`` or a model frame);
+- ``plugin``: a plugin frame that is not passing through (an override calling its
+  namesake via ``super()``, or a patch wrapper calling vLLM's original); vLLM code the
+  plugin calls is the plugin's;
+- ``vllm``: the rest.
 
-- ``draft forward``: the draft model's compute, the plugin's (a frame in
-  :attr:`StackRoles.draft_forwards`) or a built-in's (a model frame under vLLM's
-  ``vllm/v1/spec_decode/``);
-- ``forward``: the target's compute (vLLM's runner's ``_model_forward``, or a model
-  frame, ``vllm/model_executor/models/``: the forward and its ``compute_logits``);
-- ``plugin``: a frame of the plugin (``specplugin/``) that is not passing through: a
-  plugin frame passes through when the frame it calls is not the plugin's and has its
-  name (an override calling ``super()``), or when it is one of the patch registry's
-  wrappers calling vLLM's original. What vLLM's code does when the plugin calls it is the
-  plugin's (as the timed ledger charges it);
-- ``vllm``: the rest of the step (vLLM's runner, sampler, bookkeeping).
-
-The plugin's own work is ``plugin`` over the step's samples: a share of the worker's
-step (``execute_model`` and ``sample_tokens``), which is shorter than the engine's step
-the timed ledger divides by, so this share is the larger of the two for the same work.
+The plugin's share is of the worker's step, shorter than the engine step the timed
+ledger divides by, so it reads larger for the same work.
 """
 
 from __future__ import annotations
@@ -94,19 +81,15 @@ def parse_raw(lines: Iterable[str]) -> list[tuple[list[Frame], int]]:
 
 @dataclass(frozen=True)
 class StackRoles:
-    """The plugin's frames that are model compute: its draft model's forward and LM
-    head (qualified names, ``PluginDraftProposer._run_model``; the vLLM layer builds
-    these from the functions themselves, so a rename cannot silently empty a row)."""
+    """Qualified names of the plugin's frames that are model compute (draft forward, LM
+    head), built from the functions themselves so a rename cannot silently empty a row."""
 
     draft_forwards: frozenset[str]
 
 
 def passes_through(frames: Sequence[Frame], i: int) -> bool:
-    """Whether plugin frame ``i`` only hands its call on to vLLM (see the module). The
-    frames of a decorator between them (``torch.inference_mode``'s, around vLLM's
-    ``execute_model`` and ``sample_tokens``) do not count, and a sample inside such a
-    decorator's own code, on the way in or out of the function it wraps, is that
-    function's: vLLM's, where the plugin's overrides call their namesakes through it."""
+    """Whether plugin frame ``i`` only hands its call on to vLLM (see the module).
+    Decorator frames in between are skipped; a sample inside one counts as its callee's."""
     if i + 1 >= len(frames):
         return False  # its own line is running
     callee = next((f for f in frames[i + 1:] if not any(d in f.file for d in DECORATORS)),
@@ -157,9 +140,8 @@ class SampledLedger:
         return sum(self.rows[row] for row in ROWS)
 
     def summary(self, top: int = 12) -> dict:
-        """Each row's share of the step's samples; the plugin's own share with the half
-        width of its 95% interval (binomial, normal approximation: the samples' own
-        noise, not the engine's from run to run); its top functions."""
+        """Each row's share of the step's samples; the plugin's share with its 95% half
+        width (binomial sampling noise only); its top functions."""
         n = self.step_samples
         shares = {row: self.rows[row] / n if n else 0.0 for row in ROWS}
         own = shares[PLUGIN]

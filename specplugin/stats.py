@@ -1,17 +1,9 @@
 """Chi-square tests with torch and math only (no scipy), for checking samplers statistically.
 
-The acceptance code must leave the output distribution exactly the target's; the only
-way to check a sampler end to end is to draw many tokens and test their counts. Two
-tests cover that: goodness of fit (counts vs known probabilities) and homogeneity (two
-sets of counts from the same, unknown distribution?).
-
-Categories whose expected count is below ``min_expected`` (5 by default, the usual rule
-for the chi-square approximation) are pooled into one bin; if the pool is still below
-it, the pool absorbs the smallest remaining category, and so on.
-
-The p-value is the chi-square survival function,
-``sf(x, dof) = Q(dof / 2, x / 2)`` with ``Q`` the regularised upper incomplete gamma
-function (``torch.special.gammaincc``), evaluated in float64.
+Goodness of fit (counts vs known probabilities) and homogeneity (two sets of counts,
+same unknown distribution?). Categories expected below ``min_expected`` (5, the usual
+rule) are pooled, the pool absorbing the smallest others until it is large enough.
+p-value: ``Q(dof / 2, x / 2)`` via ``torch.special.gammaincc``, in float64.
 """
 
 from __future__ import annotations
@@ -43,9 +35,7 @@ def chi2_sf(statistic: float, dof: int) -> float:
 
 
 def merge_small_bins(scores: torch.Tensor, min_expected: float) -> torch.Tensor:  # [num_categories]
-    """Bin id per category so that every bin's total score reaches ``min_expected``
-    (or there is one bin). Categories already large enough keep a bin of their own.
-    """
+    """Bin id per category so that every bin reaches ``min_expected`` (or one bin is left)."""
     scores = scores.double()  # [num_categories]
     bins = torch.arange(scores.shape[0])
     small = scores < min_expected

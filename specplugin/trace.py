@@ -1,55 +1,24 @@
 """The union's decision trace: one JSON line per step, block and plan, for ``specplugin
 profile --trace`` (vLLM-free; off unless the environment asks for it).
 
-Why: the profile's ledger says where a step's time goes on average; it cannot say why
-the union decoded plainly for a hundred steps, or what its speculative steps cost next to
-its plain ones. A fresh engine's first minutes are decided by a handful of measured blocks
-and estimated prices, and the one way to see them is to write them down as they happen.
+Shows why the union chose what it did (e.g. decoded plainly for a hundred steps), which
+the profile's averages cannot. With ``SPECPLUGIN_TRACE`` set to a directory, each process
+running a union appends to ``<dir>/trace-<pid>.jsonl`` (line-buffered: a killed worker
+loses at most one line). Record kinds (``kind``):
 
-With ``SPECPLUGIN_TRACE`` set to a directory, each process that runs a union appends to
-``<dir>/trace-<pid>.jsonl`` (line-buffered: a worker that is killed at shutdown loses at
-most one line). The records (``kind``):
+- ``step``: a step the union observed (``ms`` None: prompts or the first step);
+  ``unrated``: excluded from the step arbiter's rate;
+- ``block``: a block the step arbiter closed (``choice`` ``spec``/``plain``, measured
+  ``rate`` and ``predicted`` tok/s; ``counted`` False: not measured);
+- ``peek``: a plain step's peek as the step arbiter judged it;
+- ``draft_plan``: the union's call on the draft model (``forwards`` 0: not run);
+- ``first_pass`` / ``decode_pass``: a draft run's passes, timed whole;
+- ``plan``: ``sources`` [num_reqs], the proposer each row verifies (None: none);
+- ``recheck_empty``: a re-check of speculation ended by a step that planned nothing;
+- ``warmup_choice``: whether a bucket's unmeasured plain warm-up blocks run;
+- ``forget``: the union forgot what it learned (after bench/profile warm-up).
 
-- ``step``: a step the union observed: ``ms`` its wall time (None: it read prompts, or the
-  engine's first), ``query_tokens``, ``emitted``, ``speculative`` (it verified drafts),
-  ``draft_ms`` (the draft model's run inside it), ``unrated`` (its time is not in the
-  step arbiter's rate: one of the draft's optimistic trials, or the draft's catch-up
-  right after plain steps);
-- ``block``: a block the step arbiter closed: ``choice`` (``spec`` or ``plain``),
-  ``num_reqs``, ``sampled``, ``steps``, ``rate`` (tok/s measured), ``predicted`` (mean
-  tok/s the union predicted for its steps, None for plain blocks), ``counted`` (False: an
-  engine's first speculative blocks, not measured), ``tokens`` and ``ms`` (a counted
-  step's, mean), ``predicted_tokens`` and ``predicted_ms`` (a planned step's, mean; None
-  for plain blocks);
-- ``peek``: a plain step's peek as the step arbiter judged it: ``predicted`` (tok/s),
-  ``correction``, ``plain`` (the measured plain rate), ``pays``;
-- ``draft_plan``: the union's call on the draft model for a step: ``forwards`` (0: it
-  does not run), ``rate`` and ``rate_without`` (predicted tok/s with and without it),
-  ``trial``, ``catch_up`` (the run catches up right after plain steps), and the prices in
-  ms (``forward_ms``, ``run_ms``, ``overhead_ms``);
-- ``first_pass``: a draft run's first pass, timed whole: ``ms``, ``catch_up`` (tokens its
-  rows read beyond their newest), ``since`` (engine steps since the draft last ran: 1,
-  the step before), ``warm`` (the draft ran in the step before: priced and
-  timed as warm);
-- ``decode_pass``: one of a draft run's later passes, timed whole: ``ms``, ``cold`` (the
-  first one of a cold run, whose excess is priced with the run's first pass, not as a
-  forward);
-- ``plan``: a speculative step's plan, as the controller chose it: ``sources`` [num_reqs]
-  the proposer whose candidate each row verifies (None: none);
-- ``recheck_empty``: a re-check of speculation ended at its step that planned nothing
-  (:meth:`StepArbiter.nothing_to_verify
-  <specplugin.adaptive.arbiter.StepArbiter.nothing_to_verify>`): ``num_reqs``, ``steps``
-  (of the block so far);
-- ``warmup_choice``: a bucket's warm-up, with its plain blocks not yet measured, decides
-  whether they run: ``num_reqs``, ``spec`` (the measured speculative rate), ``plain``
-  (the measured plain rate so far, None before its first block), ``modelled`` (the cost
-  model's plain rate, which the speculative rate must beat ``MODEL_MARGIN`` times to skip
-  them), ``plain_blocks``;
-- ``forget``: the union forgot what it learned (``specplugin bench`` and ``profile`` do so
-  after their warm-up; what follows is what a fresh engine decides).
-
-Nothing here runs unless ``SPECPLUGIN_TRACE`` is set: the call sites test one module
-attribute (:data:`TRACE`, None otherwise).
+Call sites test one module attribute, :data:`TRACE` (None when off).
 """
 
 from __future__ import annotations
@@ -89,8 +58,8 @@ TRACE: Trace | None = _from_environment()
 
 
 def read(directory: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of one engine's trace in ``directory`` (with tensor parallelism each
-    rank writes its own file, every rank deciding alike: the largest is read)."""
+    """The records of one engine's trace in ``directory`` (the largest file: with tensor
+    parallelism every rank writes the same decisions)."""
     files = sorted(Path(directory).glob("trace-*.jsonl"), key=lambda p: p.stat().st_size)
     if not files:
         return []
@@ -132,10 +101,8 @@ STEADY_WINDOW = 8
 
 
 def step_choices(records: Sequence[Mapping[str, Any]]) -> list[str]:
-    """[steps] what the union chose for each step it observed: the proposer whose
-    candidates most of the step's drafting rows verified (ties to the earlier name), or
-    ``"plain"`` for a step that verified no draft. A step's plan record precedes it (its
-    own record is written when its time is learned, at the next step)."""
+    """[steps] per observed step: the proposer most of its rows verified (ties to the
+    earlier name), or ``"plain"``. A step's plan record precedes its step record."""
     choices: list[str] = []
     chosen = "plain"
     for record in records:
@@ -149,11 +116,9 @@ def step_choices(records: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def steps_to_steady(choices: Sequence[str],
                     window: int = STEADY_WINDOW) -> tuple[str | None, int]:
-    """(the steady choice, the steps the run took to reach it). The steady choice is the
-    most frequent of the run's second half (ties to the earlier name); it is reached at
-    the first step from which every window of ``window`` steps holds it at least half of
-    the time (a run's last partial window is not judged). A run that never settles took
-    all its steps; an empty one has no choice."""
+    """(steady choice, steps to reach it). Steady: the most frequent choice of the second
+    half; reached at the first step from which every ``window``-step window holds it at
+    least half the time (never settling: all steps)."""
     if not choices:
         return None, 0
     steady = _most_common(choices[len(choices) // 2:])
@@ -170,13 +135,8 @@ def steps_to_steady(choices: Sequence[str],
 
 def summarize(records: Sequence[Mapping[str, Any]],
               max_steps: int | None = None) -> dict[str, Any]:
-    """What a trace says about one run: its steps by kind (median ms; for speculative
-    steps also the draft model's run inside them and the rest; plain steps are those
-    that neither verified drafts nor ran the draft), the steps in which the draft model
-    ran, its blocks in order, and the draft plans. ``records``: one run's (see
-    :func:`after_last_forget`); ``max_steps``: only the first that many steps, and the
-    blocks and plans among them (a profile's timed cell, before the checks that follow
-    it)."""
+    """One run's summary: median step times by kind, draft runs, blocks in order and
+    draft plans. ``max_steps``: only the first that many steps (and records among them)."""
     kept: list[Mapping[str, Any]] = []
     steps = 0
     for record in records:

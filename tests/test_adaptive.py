@@ -10,7 +10,8 @@ from specplugin.adaptive.arbiter import PLAIN_BLOCK_FACTOR, SPECULATE, StepArbit
 from specplugin.adaptive.controller import (NO_CANDIDATE, Choice, Extra, divergence, expand, plan,
                                            planned)
 from specplugin.adaptive.cost import StepCostModel, StepSums
-from specplugin.adaptive.estimator import AcceptanceEstimator, TokenCells, history_bucket
+from specplugin.adaptive.estimator import (POSITION_EDGES, AcceptanceEstimator, history_bucket,
+                                           position_groups)
 from specplugin.proposers.base import Candidate, StepBatch
 from specplugin.adaptive.union import DRAFT_TRIAL_ROWS, DRAFT_TRIALS, Union, Verified
 
@@ -150,33 +151,60 @@ def test_extra_candidates_are_cut_to_the_chosen_length_and_bounded():
 # ------------------------------------------------------------------ estimator
 
 
-def _cells(n, proposer=0, sampled=False, signal=0.9, history=3):
-    return TokenCells(np.full(n, proposer), np.full(n, sampled), np.arange(n) % 4,
-                      np.full(n, signal), np.full(n, history))
+def _cells(est, n, proposer=0, sampled=False, signal=0.9, history=3):
+    """The cells of one candidate of ``n`` tokens (positions 0 .. n - 1)."""
+    return est.cells(proposer, sampled, history, np.full(n, signal))
+
+
+def _reference_cells(est, proposer, sampled, position, signal, history):
+    """Flat cells from per-token arrays, as the estimator's axes define them (numpy's
+    ravel, independent of :meth:`AcceptanceEstimator.cells`' arithmetic)."""
+    buckets = est.num_signal_buckets
+    axes = (np.asarray(proposer), np.asarray(sampled, dtype=int),
+            np.searchsorted(POSITION_EDGES, position, side="right"),
+            np.clip((np.nan_to_num(np.asarray(signal, dtype=float)) * buckets).astype(int), 0,
+                    buckets - 1), np.asarray(history))
+    return np.ravel_multi_index(np.broadcast_arrays(*axes), est.shape)
+
+
+def _reference_means(est, cells, pooled=False):
+    """Posterior means from the counts (:attr:`judged`, :attr:`accepted`), by the formula
+    of the estimator's docstring; ``pooled``: each cell's signal-pooled cell instead."""
+    n, s = est.judged, est.accepted  # [proposer, mode, position, signal, history]
+    parent = ((s.sum(axis=(3, 4)) + est.m0 * est.prior_mean)
+              / (n.sum(axis=(3, 4)) + est.m0))  # [proposer, mode, position]
+    out = []
+    for c in cells:
+        i, j, g, b, h = np.unravel_index(c, est.shape)
+        nc, sc = (n[i, j, g, :, h].sum(), s[i, j, g, :, h].sum()) if pooled else (
+            n[i, j, g, b, h], s[i, j, g, b, h])
+        out.append((sc + est.m * parent[i, j, g]) / (nc + est.m))
+    return out
 
 
 def test_estimator_cold_start_is_the_prior_and_learns_per_mode():
     est = AcceptanceEstimator(("ngram",))
-    assert est.estimate(_cells(3)) == pytest.approx(0.5)
+    assert est.values(_cells(est, 3)) == pytest.approx([0.5] * 3)
     for _ in range(200):
-        est.update(_cells(4), np.array([True, True, True, False]))
-        est.update(_cells(4, sampled=True), np.array([False, False, False, False]))
-    greedy, sampled = est.estimate(_cells(4)), est.estimate(_cells(4, sampled=True))
+        est.update_cells(_cells(est, 4), [True, True, True, False])
+        est.update_cells(_cells(est, 4, sampled=True), [False] * 4)
+    greedy, sampled = est.values(_cells(est, 4)), est.values(_cells(est, 4, sampled=True))
     assert greedy[0] > 0.95 and greedy[3] < 0.05
-    assert sampled.max() < 0.05
+    assert max(sampled) < 0.05
 
 
 def test_estimator_tells_signal_buckets_apart_and_forgets_slowly():
     est = AcceptanceEstimator(("suffix",), memory=50)
+    high, low_cells = _cells(est, 1, signal=0.95), _cells(est, 1, signal=0.15)
     for _ in range(300):
-        est.update(_cells(1, signal=0.95), np.array([True]))
-        est.update(_cells(1, signal=0.15), np.array([False]))
-    assert est.estimate(_cells(1, signal=0.95))[0] > 0.8
-    assert est.estimate(_cells(1, signal=0.15))[0] < 0.2
-    low = est.estimate(_cells(1, signal=0.15))[0]
+        est.update_cells(high, [True])
+        est.update_cells(low_cells, [False])
+    assert est.values(high)[0] > 0.8
+    low = est.values(low_cells)[0]
+    assert low < 0.2
     for _ in range(500):  # no new evidence: back toward the prior, so it gets tried again
         est.step()
-    assert est.estimate(_cells(1, signal=0.15))[0] > low + 0.2
+    assert est.values(low_cells)[0] > low + 0.2
 
 
 def test_history_buckets():
@@ -191,12 +219,12 @@ def test_cost_model_calibrates_then_tracks_observed_steps():
     cost = StepCostModel(max_tokens=64)
     cost.calibrate(np.array([1, 4, 16]), np.array([0.005, 0.008, 0.020]))
     assert cost.forward_seconds(4) == pytest.approx(0.008)
-    assert cost.marginal_seconds(4, 12) == pytest.approx(0.012)
+    assert cost.forward_seconds(16) - cost.forward_seconds(4) == pytest.approx(0.012)
     assert cost.forward_seconds(64) == pytest.approx(0.020 + 48 * 0.001)  # extrapolated
     for _ in range(400):  # the engine adds 3 ms of its own per step
         cost.observe(4, 0.011)
     assert cost.step_seconds(4) == pytest.approx(0.011, rel=0.05)
-    assert cost.marginal_seconds(4, 12) == pytest.approx(0.012, rel=0.3)
+    assert cost.step_seconds(16) - cost.step_seconds(4) == pytest.approx(0.012, rel=0.3)
 
 
 def test_the_cost_models_table_of_t_follows_every_observation():
@@ -555,10 +583,9 @@ def test_two_phase_begin_ask_then_choose_matches_one_step():
 def _teach(union, proposer, rate, num_tokens=400, sampled=False):
     """Evidence that ``proposer``'s tokens (at every position, signal 0.9) are accepted
     at ``rate``."""
-    position = np.arange(num_tokens) % 8
-    cells = TokenCells(np.full(num_tokens, proposer), np.full(num_tokens, sampled), position,
-                       np.full(num_tokens, 0.9), np.full(num_tokens, history_bucket(None)))
-    union.estimator.update(cells, np.random.default_rng(0).random(num_tokens) < rate)
+    cells = union.estimator.cells(proposer, sampled, history_bucket(None),
+                                  np.full(8, 0.9)) * (num_tokens // 8)
+    union.estimator.update_cells(cells, np.random.default_rng(0).random(len(cells)) < rate)
 
 
 def test_the_draft_plans_beside_a_row_with_no_candidate_at_all():
@@ -838,7 +865,7 @@ def test_the_choice_weighs_the_gates_estimates_of_token_level_candidates():
         chosen = plans[-1].acceptance()
         for r in range(2):
             assert chosen[r][0].tolist() == gate[r]  # the gate's, draw or mean
-            mean = union.estimator.estimate_cells(
+            mean = union.estimator.values(
                 union.estimator.cells(1, False, union._histories(batch)[r], [0.5, 0.5]))
             assert chosen[r][1].tolist() == mean  # the draft's: its mean, explorer or not
         means = union._estimate(offers, batch, union._histories(batch), explorer=-1)
@@ -1591,12 +1618,12 @@ def test_alternatives_that_lose_do_not_teach_the_estimator():
                   max_candidates=2)
     plan = union.step(_batch(["r"]), None)
     [draft], [[alternative]] = plan.drafts, plan.alternates
-    before = union.estimator.estimate(_cells(3, signal=0.99)).copy()
+    before = np.array(union.estimator.values(_cells(union.estimator, 3, signal=0.99)))
     lost = Scored(own_accepted=len(draft), extra_accepted=(0,), extra_lengths=(len(alternative),),
                   winner=None)
     union.step(_batch(["r"]), Verified(("r",), np.array([len(draft)]),
                                        np.array([len(draft) + 1]), None, 4, {"r": lost}))
-    after = union.estimator.estimate(_cells(3, signal=0.99))
+    after = np.array(union.estimator.values(_cells(union.estimator, 3, signal=0.99)))
     assert np.all(after >= before - 1e-9), (before, after)
 
 
@@ -1623,21 +1650,20 @@ def test_the_cost_models_table_of_step_times_follows_every_change():
 
 
 def test_pooled_cells_are_what_the_estimator_says_of_tokens_not_drafted_yet():
-    """The draft's gate reads pooled cells in Python: the same numbers as estimating its
-    tokens with no signal, per mode, position and history."""
+    """The draft's gate reads pooled cells in Python: the posterior mean of each position
+    group's cell summed over signal buckets, per mode and history."""
     est = AcceptanceEstimator(("ngram", "draft"))
     rng = np.random.default_rng(3)
     n = 40
-    cells = TokenCells(np.full(n, 1), rng.random(n) < 0.5, np.arange(n) % 10, rng.random(n),
-                       rng.integers(0, 4, n))
-    est.update(cells, rng.random(n) < 0.7)
-    est.estimate_cells(list(range(200)))  # cells read first: kept apart from pooled ones
+    cells = _reference_cells(est, np.full(n, 1), rng.random(n) < 0.5, np.arange(n) % 10,
+                             rng.random(n), rng.integers(0, 4, n))
+    est.update_cells(cells.tolist(), rng.random(n) < 0.7)
+    est.values(list(range(200)))  # cells read first: kept apart from pooled ones
     for sampled in (False, True):
         for history in range(4):
-            asked = TokenCells(np.full(12, 1), np.full(12, sampled), np.arange(12),
-                               np.zeros(12), np.full(12, history))
+            asked = _reference_cells(est, 1, sampled, np.arange(12), 0.0, history)
             read = est.pooled_cells(1, sampled, history, 12)
-            assert read == pytest.approx(est.estimate(asked, signal_known=False).tolist())
+            assert read == pytest.approx(_reference_means(est, asked, pooled=True))
 
 
 def test_the_estimator_learns_every_step_when_cold_then_every_learn_every_steps():
@@ -1669,9 +1695,9 @@ def test_the_estimator_learns_every_step_when_cold_then_every_learn_every_steps(
     assert batched[-1] == pytest.approx(every[-1], rel=1e-3)
 
 
-def test_per_candidate_cells_are_the_token_cells_raveled():
+def test_per_candidate_cells_are_the_axes_raveled():
     """The union's per-step index of its candidates' cells (cells, one candidate at a time)
-    is the one the TokenCells form gives: proposer, mode, position group, signal bucket,
+    is the estimator's axes raveled: proposer, mode, position group, signal bucket,
     history."""
     est = AcceptanceEstimator(("ngram", "suffix", "draft"))
     rng = np.random.default_rng(5)
@@ -1680,39 +1706,38 @@ def test_per_candidate_cells_are_the_token_cells_raveled():
     sampled = (rng.random(len(lengths)) < 0.5).tolist()
     history = rng.integers(0, 4, len(lengths)).tolist()
     signals = [np.r_[0.0, 1.0, rng.random(k)][:k] for k in lengths]  # the edges included
-    cells = TokenCells(np.repeat(proposer, lengths), np.repeat(sampled, lengths),
-                       np.concatenate([np.arange(k) for k in lengths]), np.concatenate(signals),
-                       np.repeat(history, lengths))
+    reference = _reference_cells(est, np.repeat(proposer, lengths), np.repeat(sampled, lengths),
+                                 np.concatenate([np.arange(k) for k in lengths]),
+                                 np.concatenate(signals), np.repeat(history, lengths))
     each = [est.cells(p, m, h, x) for p, m, h, x in zip(proposer, sampled, history, signals)]
-    assert sum(each, []) == est._flat(cells).tolist()
-    outside = TokenCells(np.zeros(2, int), np.zeros(2, bool), np.arange(2),
-                         np.array([2.0, -1.0]), np.zeros(2, int))
-    assert est.cells(0, False, 0, np.array([2.0, -1.0])) == est._flat(
-        outside).tolist()  # out of [0, 1]: clipped
+    assert sum(each, []) == reference.tolist()
+    assert est.cells(0, False, 0, np.array([2.0, -1.0])) == _reference_cells(
+        est, 0, False, np.arange(2), [2.0, -1.0], 0).tolist()  # out of [0, 1]: clipped
     assert est.cells(0, False, 0, [np.nan]) == est.cells(0, False, 0, [0.0])
+    assert len(position_groups(70)) == 70
 
 
 def test_the_per_step_estimates_are_the_estimators_and_its_draws_last_until_it_learns():
-    """estimate_cells (plain Python over values kept until the counts change) says what
-    estimate says; a draw is one per cell, the same for every token of the cell and
+    """values (compiled, over draws kept until the counts change) says what the counts'
+    posterior means say; a draw is one per cell, the same for every token of the cell and
     on every call until the estimator learns or decays, then drawn again."""
     est = AcceptanceEstimator(("ngram", "draft"))
     rng = np.random.default_rng(7)
     n = 60
-    cells = TokenCells(rng.integers(0, 2, n), rng.random(n) < 0.5, np.arange(n) % 10,
-                       rng.random(n), rng.integers(0, 4, n))
-    est.update(cells, rng.random(n) < 0.6)
-    flat = est._flat(cells).tolist()
-    assert est.estimate_cells(flat) == pytest.approx(est.estimate(cells).tolist())
-    drawn = est.estimate_cells(flat + flat, draw=True)
+    flat = _reference_cells(est, rng.integers(0, 2, n), rng.random(n) < 0.5,
+                            np.arange(n) % 10, rng.random(n), rng.integers(0, 4, n)).tolist()
+    est.update_cells(flat, rng.random(n) < 0.6)
+    assert est.values(flat) == pytest.approx(_reference_means(est, flat))
+    draws = [-c - 1 for c in flat]
+    drawn = est.values(draws + draws)
     assert drawn[:n] == drawn[n:]  # one draw per cell
-    assert est.estimate_cells(flat, draw=True) == drawn[:n]  # held
-    assert drawn[:n] != pytest.approx(est.estimate_cells(flat))  # draws, not means
+    assert est.values(draws) == drawn[:n]  # held
+    assert drawn[:n] != pytest.approx(est.values(flat))  # draws, not means
     est.step()
-    assert est.estimate_cells(flat, draw=True) != drawn[:n]  # the counts changed: new draws
-    means = est.estimate_cells(flat)
-    est.update(cells, np.ones(n, dtype=bool))
-    assert all(a > b for a, b in zip(est.estimate_cells(flat), means))
+    assert est.values(draws) != drawn[:n]  # the counts changed: new draws
+    means = est.values(flat)
+    est.update_cells(flat, np.ones(n, dtype=bool))
+    assert all(a > b for a, b in zip(est.values(flat), means))
 
 
 def test_the_trace_records_the_unions_steps_blocks_and_draft_plans(tmp_path, monkeypatch):

@@ -181,7 +181,7 @@ def test_calibration_learns_acceptance_per_table_and_position():
     assert cal.estimate_rows([0.05], [1], 0)[0] == pytest.approx(0.3, abs=0.01)
     # an unseen position starts from the prior: the bucket's own confidence
     assert cal.estimate_rows([0.05], [0], 3)[0] == pytest.approx(0.05)
-    assert cal.is_warm(np.array([False, True])).tolist() == [True, True]
+    assert cal.warm_tables() == [True, True]
 
 
 def test_a_forgotten_calibration_is_a_fresh_one_for_every_holder():

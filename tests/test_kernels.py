@@ -51,8 +51,7 @@ def test_the_compiled_plan_is_the_controllers(seed, num_reqs, drawn, overhead):
                 signals.append(signal)
                 rows.append(r)
     estimates = estimator.values(codes)
-    assert estimates == [estimator.estimate_cells([c], draw=code < 0)[0]
-                         for c, code in zip(cells, codes)]
+    assert estimates == [estimator.values([code])[0] for code in codes]
     acceptance = [[] for _ in range(num_reqs)]
     for o, r in enumerate(rows):
         acceptance[r].append(np.array(estimates[starts[o]:starts[o + 1]]))
@@ -109,20 +108,21 @@ def test_the_compiled_update_is_the_tables_sums():
 
 
 def test_means_and_draws_are_the_posteriors():
-    """estimate_cells: compiled means equal the Python posterior's; draws are kept per
+    """values: compiled means equal the Python posterior's; draws are kept per
     cell until the counts change, and follow the posterior (its mean, over fresh draws)."""
     estimator = _estimator(5)
     cells = list(range(0, estimator._n.size, 7))
-    assert estimator.estimate_cells(cells) == [estimator._posterior(c)[2] for c in cells]
-    drawn = estimator.estimate_cells(cells, draw=True)
-    assert drawn == estimator.estimate_cells(cells, draw=True)
+    draws = [-c - 1 for c in cells]
+    assert estimator.values(cells) == [estimator._posterior(c)[2] for c in cells]
+    drawn = estimator.values(draws)
+    assert drawn == estimator.values(draws)
     estimator.step()
-    assert drawn != estimator.estimate_cells(cells, draw=True)
+    assert drawn != estimator.values(draws)
     cell = 11
     alpha, beta, mean = estimator._posterior(cell)
     samples = []
     for _ in range(4000):
         estimator._changed()
-        samples.append(estimator.estimate_cells([cell], draw=True)[0])
+        samples.append(estimator.values([-cell - 1])[0])
     assert np.mean(samples) == pytest.approx(mean, abs=4 * np.sqrt(
         alpha * beta / ((alpha + beta) ** 2 * (alpha + beta + 1)) / 4000))

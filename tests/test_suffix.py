@@ -47,7 +47,7 @@ def test_copies_from_an_earlier_requests_output_after_it_stopped():
     # the copy ends with a's output: the store does not run on into other texts
     assert got.token_ids.tolist() == [7, 8, 9]
     assert (got.match_len, got.num_occurrences, got.source) == (2, 1, "store")
-    assert (cache.num_stored_outputs, cache.num_stored_tokens) == (1, 5)
+    assert (cache._store.num_outputs, cache._store.num_tokens) == (1, 5)
 
 
 def test_a_match_at_the_end_of_a_stored_output_is_no_place():
@@ -131,7 +131,7 @@ def test_oldest_outputs_are_evicted_first():
     by_count = _cache(finished, store_max_outputs=2)
     by_tokens = _cache(finished, store_max_tokens=9)  # 4 + 4 fit, 4 + 4 + 4 do not
     for cache in (by_count, by_tokens):
-        assert (cache.num_stored_outputs, cache.num_stored_tokens) == (2, 8)
+        assert (cache._store.num_outputs, cache._store.num_tokens) == (2, 8)
         cache.start_request("r", [1, 2])
         got = cache.propose("r", 1)
         assert got.num_occurrences == 2 and got.token_ids.tolist() == [30]
@@ -148,7 +148,7 @@ def test_a_copy_from_the_newest_output_ends_with_it_after_evictions():
 
 def test_an_output_longer_than_the_store_keeps_its_last_tokens():
     cache = _cache([([0], [1, 2, 3, 4, 5, 6])], store_max_tokens=3)
-    assert cache.num_stored_tokens == 3
+    assert cache._store.num_tokens == 3
     cache.start_request("r", [4, 5])
     assert cache.propose("r", 2).token_ids.tolist() == [6]
     cache.start_request("s", [2, 3])
@@ -157,7 +157,7 @@ def test_an_output_longer_than_the_store_keeps_its_last_tokens():
 
 def test_a_disabled_store_keeps_nothing():
     cache = _cache([([0], [1, 2, 3])], store_max_tokens=0)
-    assert cache.num_stored_outputs == 0
+    assert cache._store.num_outputs == 0
 
 
 def test_unknown_request_ids():
@@ -168,7 +168,7 @@ def test_unknown_request_ids():
         cache.add_tokens("nope", [1])
     assert cache.stop_request("nope") is False  # ignored: aborted before its first step
     cache.start_request("r", [1])
-    assert cache.has_request("r") and not cache.has_request("nope")
+    assert "r" in cache._requests and "nope" not in cache._requests
     with pytest.raises(ValueError, match="already started"):
         cache.start_request("r", [1])
     assert cache.stop_request("r") is True

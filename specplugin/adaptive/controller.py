@@ -1,34 +1,17 @@
 """The K controller: for the whole batch, which candidate and how many of its tokens to verify.
 
-Request r verifying the first k tokens of a candidate whose tokens have conditional
-acceptance estimates a_1, a_2, ... emits on average::
-
-    E_r(k) = 1 + sum_{j <= k} P_j,    P_j = a_1 * ... * a_j
-
-(the 1 is the recovered or bonus token). A step that verifies n query tokens in all
-takes T(n) seconds (:mod:`~specplugin.adaptive.cost`), so the batch emits
-``sum_r E_r / T(n)`` tokens per second. Starting from plain decoding (every
-request k = 0, n = num_reqs), adding draft token j of request r raises that rate
-exactly when::
-
-    P_j / (T(n + 1) - T(n))  >  sum_r E_r / T(n)
-
-its gain per second beats the rate already reached. Tokens are offered in
-decreasing order of P (a request's own tokens come in order, since P falls along
-a draft). A step that verifies any draft also pays the engine's speculative
-machinery once (``spec_overhead`` seconds, measured by the cost model), so the
-step verifies the prefix of offers with the highest rate::
+Request r verifying the first k tokens of a candidate with conditional acceptances
+a_1, a_2, ... emits on average ``E_r(k) = 1 + sum_{j <= k} P_j``, ``P_j = a_1 * ... * a_j``
+(the 1 is the recovered or bonus token). A step of n query tokens takes T(n) seconds
+(:mod:`~specplugin.adaptive.cost`). Draft tokens of all requests are offered in
+decreasing P and the step verifies the prefix with the highest rate::
 
     j* = argmax_j (num_reqs + P_(1) + ... + P_(j)) / (T(n0 + j) + spec_overhead * [j > 0])
 
-(with T convex or linear in n the rate rises then falls along j, so this is the
-point where the next offer stops paying). A request none of whose
-tokens pays decodes plainly (k = 0), and a large batch, whose rate is already
-high, backs off by itself.
-
-Among one request's candidates, the one chosen is the one worth most at the
-step's starting price ``theta = (T(n0 + 1) - T(n0)) * num_reqs / T(n0)``:
-``sum_j max(0, P_j - theta)``.
+A request none of whose tokens pays decodes plainly (k = 0); a large batch backs off by
+itself. Each request's candidate is the one worth most at the starting price
+``theta = (T(n0 + 1) - T(n0)) * num_reqs / T(n0)``: ``sum_j max(0, P_j - theta)``.
+(see docs/design.md)
 """
 
 from __future__ import annotations
@@ -63,27 +46,20 @@ def planned(acceptance: Sequence[Sequence[np.ndarray]],  # [num_reqs][num_candid
             num_base_tokens: int | None = None, spec_overhead: float = 0.0,
             best: Sequence[tuple[int, list[float], float]] | None = None,
             ) -> tuple[list[Choice], float, float]:
-    """``acceptance[r][c]``: conditional acceptance of each token of candidate c of request r
-    (already cut to the request's limit). ``step_seconds(n)``: T(n), vectorised; or a
-    cost model with ``step_times(first, count)``
-    (:meth:`~specplugin.adaptive.cost.StepCostModel.step_times`, a cached table).
-    ``num_base_tokens``: query tokens the step runs without drafts (default num_reqs).
-    ``best``: each request's candidate worth most at the token price
-    (:func:`best_candidates` of ``acceptance``), when the caller has it already.
+    """The batch's choices, expected emitted tokens and predicted seconds.
 
-    Returns the choices, the tokens the step is expected to emit and its predicted
-    seconds (the step's rate is their ratio).
-
-    It runs every step on a few dozen numbers: ``T`` is asked once, for every ``n`` the
-    step may reach, and the rest is plain Python floats (numpy's per-call cost on arrays
-    this small is most of the work otherwise)."""
+    ``acceptance[r][c]``: conditional acceptance per token of candidate c of request r,
+    cut to the request's limit. ``step_seconds``: vectorised T(n), or a cost model with
+    ``step_times(first, count)``. ``num_base_tokens``: query tokens without drafts
+    (default num_reqs). ``best``: :func:`best_candidates`, if the caller has it.
+    T is asked once; the rest is plain floats (numpy per-call cost dominates at this size)."""
     num_reqs = len(acceptance)
     n0 = num_reqs if num_base_tokens is None else num_base_tokens
     if num_reqs == 0:
         return [], 0.0, 0.0
     if best is None:
         most = sum(max((len(a) for a in cands), default=0) for cands in acceptance)
-    else:  # (the table need only reach the chosen candidates' tokens)
+    else:  # the table need only reach the chosen candidates' tokens
         most = sum(len(probs) for _, probs, _ in best)
     times = _step_times(step_seconds, n0, most + 2)  # T(n0) .. T(n0 + most + 1)
     t0 = times[0]
@@ -119,8 +95,7 @@ def _step_times(step_seconds, n0: int, count: int) -> list[float]:
 
 
 def token_price(step_seconds, num_reqs: int, num_base_tokens: int | None = None) -> float:
-    """The price ``theta`` at which :func:`planned` weighs a draft token: what one more
-    verified token adds to the step, in tokens the step's rows emit,
+    """Price ``theta`` of one more verified token, in emitted tokens:
     ``(T(n0 + 1) - T(n0)) * num_reqs / T(n0)``."""
     n0 = num_reqs if num_base_tokens is None else num_base_tokens
     return _price(_step_times(step_seconds, n0, 2), num_reqs)
@@ -133,11 +108,8 @@ def _price(times: Sequence[float], num_reqs: int) -> float:
 
 def best_candidates(acceptance: Sequence[Sequence[np.ndarray]],
                     theta: float) -> list[tuple[int, list[float], float]]:
-    """Each request's candidate worth most at token price ``theta``: (index or
-    NO_CANDIDATE, its cumulative P, its worth ``sum of (P_j - theta) over P_j > theta``).
-    Adding a candidate to a request's list changes its entry only if the new one is worth
-    strictly more (ties go to the earlier candidate), so the union's draft gate plans with
-    the draft's candidate without weighing the others again."""
+    """Per request, (index or NO_CANDIDATE, cumulative P, worth ``sum max(0, P_j - theta)``)
+    of its candidate worth most at price ``theta``; ties go to the earlier candidate."""
     return [_best_candidate(cands, theta) for cands in acceptance]
 
 
@@ -153,11 +125,8 @@ def cumulative(acceptance) -> list[float]:
 def with_candidates(best: Sequence[tuple[int, list[float], float]],
                     added: Sequence[tuple[int, int, Sequence[float]]],
                     theta: float) -> tuple[list[tuple[int, list[float], float]], bool]:
-    """:func:`best_candidates` after each ``(row, index, acceptance)`` of ``added`` joined
-    its row's list as its last candidate (``index``: its place there), from ``best``, the
-    entries before: a row's entry changes only if the new candidate is worth strictly more
-    (ties to the earlier, as :func:`best_candidates`). Returns the entries and whether any
-    row changed."""
+    """``best`` as if each ``(row, index, acceptance)`` of ``added`` were appended to its
+    row's candidates (it wins only if worth strictly more), and whether any row changed."""
     out, changed = list(best), False
     for r, index, acceptance in added:
         _, probs, value = _best_candidate([acceptance], theta)
@@ -187,8 +156,7 @@ MAX_EXTRA_ROWS = 8
 
 @dataclass(frozen=True)
 class Extra:
-    """An extra candidate a request verifies beside its chosen one (the batch-expanding
-    scorer): its index among the request's candidates and how many of its tokens."""
+    """A candidate a request verifies beside its chosen one (batch-expanding scorer)."""
 
     candidate: int
     num_tokens: int
@@ -203,20 +171,16 @@ def expand(choices: Sequence[Choice],
            num_base_tokens: int | None = None) -> list[list[Extra]]:
     """Which other candidates each request verifies too, as extra rows of the same pass.
 
-    ``divergence[r][c]``: the first position where candidate c differs from the chosen
-    candidate of request r. Candidate c, cut to the chosen draft's length k (vLLM rolls a
-    request back by its scheduled draft length, so no candidate may be longer), can only
-    beat the chosen one when that one is rejected exactly at c's divergence point d, and
-    then adds the tokens c gets accepted from d on::
+    Candidate c, cut to the chosen draft's length k (vLLM rolls a request back by its
+    scheduled draft length), helps only when the chosen one is rejected exactly at their
+    divergence d (``divergence[r][c]``)::
 
         gain = P_(d) * (1 - a_(d+1)) * sum_{j = d+1..k} prod_{i = d+1..j} b_i
 
-    (``P_(d)``: the chosen draft's first d tokens all accepted, ``a`` its conditional
-    acceptances, ``b`` c's). The extra row costs ``1 + k`` verified tokens. As in
-    :func:`plan`, extras are taken in decreasing gain per token while each raises the
-    step's expected tokens per second, ``(E + gain) / T(n + 1 + k) > E / T(n)``, at most
-    ``max_candidates - 1`` per request and ``max_rows`` in all. ``eligible[r]`` False:
-    request r is never expanded (its acceptance is not one the scorer reproduces)."""
+    (``a``: the chosen draft's acceptances, ``b``: c's), for ``1 + k`` verified tokens.
+    Extras are taken in decreasing gain per token while each raises the step's rate, at
+    most ``max_candidates - 1`` per request and ``max_rows`` in all; ``eligible[r]``
+    False: never expand r. (see docs/design.md)"""
     num_reqs = len(choices)
     n = (num_reqs if num_base_tokens is None else num_base_tokens) + sum(
         c.num_tokens for c in choices)

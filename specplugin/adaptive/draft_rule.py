@@ -1,45 +1,22 @@
 """The draft model's stop rule: which requests keep drafting, and what drafting costs.
 
-A small draft model runs autoregressively for the whole batch at once (the vLLM
-layer, ``specplugin/vllm_layer/draft_proposer.py``, runs it on the paged KV cache; its
-mechanics are :mod:`specplugin.proposers.draft`). This module decides, after every
-draft position, which requests keep drafting, and learns from verification how far
-the draft's confidence can be trusted: the draft's part of the decider, beside the
-union's (:mod:`specplugin.adaptive.union`), which decides whether it runs at all.
+The draft model runs for the whole batch at once (:mod:`specplugin.proposers.draft`,
+``vllm_layer/draft_proposer.py``); after every draft position this module decides which
+rows keep drafting. (Whether the draft runs at all is the union's decision.)
 
-**Signal.** ``conf`` = the largest probability of the distribution the draft drew
-its token from (its own confidence). A draft's confidence is not an acceptance
-probability: a small draft model is typically under-confident under greedy
-decoding (its argmax agrees with the target's far more often than its top
-probability says) and nearly uninformative at temperature 1 (there, acceptance
-``sum(min(p, q))`` barely moves with ``conf``). So :class:`AcceptanceCalibration`
-maps ``conf`` to an estimated acceptance probability, learned online from the
-engine's own verification results, separately for greedy and sampled requests.
+**Signal.** ``conf``: the top probability of the distribution the draft drew from. It is
+not an acceptance probability (a small draft is under-confident under greedy decoding,
+nearly uninformative at temperature 1), so :class:`AcceptanceCalibration` maps it to one,
+learned online from verification, greedy and sampled requests apart.
 
-**Rule** (:class:`StopRule`). With ``P[r, j] = prod(a[r, :j + 1])`` (``a_i`` the
-calibrated acceptance estimate of draft position i: ``P`` is the chance that every
-draft token of request r so far is accepted, which is the chance that one more could
-be used at all), request r keeps drafting position j + 1 (0-based, up to
-``k_max`` = vLLM's ``num_speculative_tokens``) while::
-
-    P[r, j] >= row_threshold
-
-and the batch runs that position's forward only while the drafting rows together
-pay for it::
-
-    sum over drafting rows r of (P[r, j] - row_threshold) >= pass_threshold
-
-Both come from :class:`CostModel`, measured on the running engine: an extra draft
-token costs the row ``v`` seconds of target verification, an extra batched draft
-forward costs ``c`` seconds, and the engine already emits one token per ``t``
-seconds; spending time on drafts raises throughput only if the tokens they bring
-arrive faster than that, so ``row_threshold = v / t`` and ``pass_threshold = c / t``.
-Until a calibration table has seen ``warmup`` verified positions, its requests draft
-exactly the default length ``k``. Drafting thus stops early where the draft is likely
-wrong, and goes on past ``k`` while it is likely right and the hardware makes that pay.
-
-Stopping never changes the output distribution: it only shortens the draft that
-rejection sampling verifies.
+**Rule** (:class:`StopRule`). With ``P[r, j] = prod(a[r, :j + 1])`` (the chance all of
+row r's drafts so far are accepted), row r drafts position j + 1 (up to ``k_max``) while
+``P[r, j] >= row_threshold``, and the batch runs that forward only while
+``sum over drafting rows of (P[r, j] - row_threshold) >= pass_threshold``. From
+:class:`CostModel`: ``row_threshold = v / t``, ``pass_threshold = c / t`` (v: target
+seconds per verified draft token, c: seconds per draft forward, t: seconds per emitted
+token). Until a calibration table is warm its rows draft exactly ``k``. Stopping never
+changes the output distribution, only the draft's length.
 """
 
 from __future__ import annotations
@@ -53,47 +30,28 @@ import torch
 from specplugin.adaptive.cost import LEARN_EVERY, StepSums
 from specplugin.adaptive.estimator import as_list, judged_outcomes
 
-# An engine's first draft forwards are not timed into the price: they pay one-time costs
-# (first calls, allocations, compiled shapes). Measured on the validation pair, compiled,
-# batch 1: the forwards of the engine's first draft run averaged 0.9-1.6 ms, later ones
-# 0.42 ms; set as the price, the first made the draft look four times dearer than it is,
-# and a union that then never ran it never corrected it (no draft-model run in a fresh
-# engine's complete batch-1 temperature-1 cell).
+# An engine's first draft forwards pay one-time costs (~2-4x a later one) and are left
+# out of the price: a draft priced too dear never runs, so is never corrected.
 WARMUP_FORWARDS = 8
-# A later timed forward counts at most this many times the running price: one stall
-# (another process, a new shape compiled) must not price the draft out of the steps that
-# would correct it.
+# A later timed forward counts at most this many times the running price (one stall
+# must not price the draft out).
 MAX_FORWARD_JUMP = 4.0
-# Weight of a new timing in the first passes' averages (CostModel.observe_first_pass):
-# a run has one first pass, so they come at most once a step.
+# Weight of a new timing in the first passes' averages (at most one a step).
 FIRST_PASS_SMOOTHING = 0.1
 
 
 class CostModel:
     """What drafting costs on this engine, as moving averages of its own timings.
 
-    Measured: ``draft_forward_s`` (c), seconds of one batched draft forward with
-    sampling, timed directly (None until :data:`WARMUP_FORWARDS` forwards were timed: the
-    caller then prices a forward from a model of its own; a plain mean over the first
-    ones, then an exponential average); and per engine step (the wall time between two
-    drafting calls) its seconds, emitted tokens, draft forwards and verified draft tokens.
-    From those: ``token_s`` (t), seconds per emitted token, and ``verify_s`` (v), the
-    target's extra seconds per verified draft token, fitted as the slope of
-    ``step seconds - c * forwards`` against verified draft tokens (exponentially
-    weighted least squares). :meth:`thresholds` gives ``(v / t, c / t)``; the
-    ``fallback`` pair until ``warmup`` steps were seen.
+    ``draft_forward_s`` (c): one batched draft forward with sampling (None until
+    :data:`WARMUP_FORWARDS` were timed). Per engine step: ``token_s`` (t), seconds per
+    emitted token, and ``verify_s`` (v), the slope of ``step seconds - c * forwards``
+    against verified draft tokens (weighted least squares). :meth:`thresholds` gives
+    ``(v / t, c / t)``, ``fallback`` until ``warmup`` steps were seen.
 
-    And the draft run's first pass, timed whole (its inputs, the forward, the first
-    draw), which costs what a forward costs only while the draft runs step after step:
-    measured on the validation pair at batch 1 (compiled), a forward with its draw
-    0.9-1.0 ms and a first pass 0.6-0.7 ms in a run of consecutive draft steps
-    (complete/b1/t1), but 2.2-2.5 ms for a first pass reading 2-37 tokens after steps
-    without the draft, 2.9-5.0 ms for a new prompt's 211-248 (edit/b1/t0, where the draft
-    runs now and then: its weights and code went cold in between). A price of "one
-    forward plus the catch-up tokens at the target's price per token" made such runs
-    look 2-3 ms cheaper than they were. So first passes are learned apart: after a step
-    in which the draft ran (``warm``), an average; otherwise a line in the catch-up
-    tokens (:meth:`first_pass_price`).
+    A run's first pass is priced apart (it costs several forwards after steps without the
+    draft, when its weights went cold): an average after a draft step (``warm``), else a
+    line in the catch-up tokens (:meth:`first_pass_price`).
     """
 
     def __init__(self, fallback: tuple[float, float] = (0.2, 0.0), smoothing: float = 0.05,
@@ -104,25 +62,21 @@ class CostModel:
         self.token_s: float | None = None
         self._step_s: float | None = None
         self._step_tokens: float | None = None
-        # weighted averages of 1, x, y, xx, xy (floats: updated every step, where numpy's
-        # per-call cost on five numbers is most of the work)
+        # weighted averages of 1, x, y, xx, xy (plain floats: updated every step)
         self._moments = [0.0] * 5
         self._num_steps = 0
         self._plain_sums = StepSums()  # plain steps not learned yet (observe_plain_step)
         self._held: list[tuple] = []  # steps observe_step holds (see there)
-        # the drafter learns the held steps itself once its step ran (flush_due, on the
-        # union's background learning): observe_step only holds them
+        # True: the drafter calls flush_due (background learning); observe_step only holds
         self.deferred_flush = False
         self._warm_first_s: float | None = None  # first passes right after a draft step
         self._warm_passes = 0
-        # weighted averages of 1, x, y, xx, xy over the other first passes: x their
-        # catch-up tokens, y their seconds
+        # weighted averages of 1, x, y, xx, xy over cold first passes (x: catch-up tokens)
         self._cold_moments = [0.0] * 5
         self._cold_passes = 0
 
     def forget(self) -> None:
-        """Back to a fresh engine's model: nothing timed (see :meth:`StepCostModel.forget
-        <specplugin.adaptive.cost.StepCostModel.forget>`)."""
+        """Back to a fresh engine's model: nothing timed."""
         deferred = self.deferred_flush
         self.__init__(self.fallback, self.smoothing, self.warmup)
         self.deferred_flush = deferred
@@ -142,21 +96,17 @@ class CostModel:
 
     def _timed_price(self, old: float | None, seconds: float, count: int,
                      smoothing: float) -> float:
-        """A running price after its ``count``-th timing ``seconds``: a plain mean over the
-        first ones, then an exponential average; a timing counts at most
+        """Running price after the ``count``-th timing: a plain mean, then an EMA; capped at
         :data:`MAX_FORWARD_JUMP` times the price so far."""
         if old is not None:
             seconds = min(seconds, MAX_FORWARD_JUMP * old)
         return self._ema(old, seconds, max(smoothing, 1.0 / count))
 
     def observe_first_pass(self, seconds: float, catch_up_tokens: int, warm: bool) -> None:
-        """One draft run's first pass, timed whole; ``catch_up_tokens``: what its rows
-        read beyond their newest tokens; ``warm``: the draft ran in the step before. A
-        plain mean over the first ones of each kind, then an exponential average; none
-        counts before :data:`WARMUP_FORWARDS` forwards were timed, and a later one at
-        most :data:`MAX_FORWARD_JUMP` times its running price."""
+        """One draft run's first pass, timed whole; ``catch_up_tokens``: what its rows read
+        beyond their newest tokens; ``warm``: the draft ran in the step before."""
         if seconds <= 0 or self._forwards_timed <= WARMUP_FORWARDS:
-            return  # the engine's first draft runs pay one-time costs (see WARMUP_FORWARDS)
+            return  # one-time costs (see WARMUP_FORWARDS)
         if warm:
             self._warm_passes += 1
             self._warm_first_s = self._timed_price(self._warm_first_s, seconds,
@@ -164,7 +114,7 @@ class CostModel:
             return
         x = float(catch_up_tokens)
         price = self.first_pass_price(False, 0.0)
-        if price is not None:  # one stall must not price the draft out (MAX_FORWARD_JUMP)
+        if price is not None:  # capped, as in _timed_price
             seconds = min(seconds, MAX_FORWARD_JUMP * (price[0] + price[1] * x))
         self._cold_passes += 1
         weight = max(FIRST_PASS_SMOOTHING, 1.0 / self._cold_passes)
@@ -172,12 +122,9 @@ class CostModel:
                               zip(self._cold_moments, (1.0, x, seconds, x * x, x * seconds))]
 
     def first_pass_price(self, warm: bool, per_token_prior: float) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per catch-up token) of a first pass, as timed: the
-        price per token is the slope of the line through the cold passes
-        (``per_token_prior`` while their catch-ups are too alike in size to give one,
-        the line then going through their mean); the fixed part is the warm passes'
-        average if ``warm``, else the line's intercept. None before a pass of that kind
-        was timed."""
+        """(fixed seconds, seconds per catch-up token) of a first pass: the slope of the
+        cold passes' line (``per_token_prior`` while their sizes are too alike); fixed part
+        the warm average if ``warm``, else the intercept. None before one was timed."""
         _, x, y, xx, xy = self._cold_moments
         slope = per_token_prior
         if self._cold_passes:
@@ -190,16 +137,10 @@ class CostModel:
 
     def observe_step(self, seconds: float, num_tokens: int, num_forwards: int,
                      num_draft_tokens: int) -> None:
-        """One engine step: ``seconds`` of wall time, ``num_tokens`` emitted by the batch,
-        ``num_forwards`` draft forwards, ``num_draft_tokens`` drafts verified; learned
-        after the plain steps :meth:`observe_plain_step` still holds. A step over 20x the
-        average time per token is an idle gap, not a step, and is ignored.
-
-        Past ``warmup`` steps, held and learned :data:`~specplugin.adaptive.cost.LEARN_EVERY`
-        at a time, in order, each with the draft forward's price of its own step (as the
-        step cost model's, :meth:`StepCostModel.observe
-        <specplugin.adaptive.cost.StepCostModel.observe>`: after the target's forward one
-        update costs several times what it costs right after another)."""
+        """One engine step: wall ``seconds``, ``num_tokens`` emitted, ``num_forwards`` draft
+        forwards, ``num_draft_tokens`` verified. A step over 20x the time per token is an
+        idle gap and is ignored. Past ``warmup`` steps, held and learned ``LEARN_EVERY`` at
+        a time, as ``StepCostModel.observe`` does."""
         held = (seconds, num_tokens, num_forwards, num_draft_tokens, self.draft_forward_s)
         if self._num_steps < self.warmup:
             self._learn_sum(self._plain_sums.flush())
@@ -210,9 +151,7 @@ class CostModel:
             self.flush()
 
     def flush_due(self) -> None:
-        """Learn the held steps if :data:`~specplugin.adaptive.cost.LEARN_EVERY` of them
-        are waiting (with :attr:`deferred_flush`, what :meth:`observe_step` leaves to the
-        drafter)."""
+        """Learn the held steps if ``LEARN_EVERY`` wait (with ``deferred_flush``)."""
         if len(self._held) >= LEARN_EVERY:
             self.flush()
 
@@ -224,10 +163,7 @@ class CostModel:
             self._observe_step(*step)
 
     def observe_plain_step(self, seconds: float, num_tokens: int) -> None:
-        """A step in which the draft model neither ran nor had drafts verified: summed
-        with the next such steps of its batch size and learned 8 at a time as their mean,
-        weighted as 8 steps (:class:`~specplugin.adaptive.cost.StepSums`), after the steps
-        :meth:`observe_step` holds."""
+        """A step without draft run or verified drafts, learned in sums of 8 (``StepSums``)."""
         if self._held:
             self.flush()
         self._learn_sum(self._plain_sums.add(num_tokens, seconds))
@@ -240,8 +176,7 @@ class CostModel:
     def _observe_step(self, seconds: float, num_tokens: int, num_forwards: int,
                       num_draft_tokens: int, forward_s: float | None,
                       count: int = 1) -> None:
-        """``seconds``: the mean of ``count`` equal such steps, learned as that many;
-        ``forward_s``: a draft forward's price when the step ran."""
+        """``seconds``: the mean of ``count`` steps; ``forward_s``: the forward's price then."""
         if num_tokens <= 0 or count < 1:
             return
         if self.token_s is not None and seconds / num_tokens > 20 * self.token_s:
@@ -273,14 +208,9 @@ class CostModel:
 
 
 class AcceptanceCalibration:
-    """P(draft token accepted | its confidence, its position, all earlier drafts accepted),
-    learned online.
-
-    Confidence is cut into ``num_buckets`` equal bins and positions into
-    ``num_position_groups`` (the last group holds every later position: a draft that
-    runs on drifts from the target). Each cell of each table (0: greedy requests, 1:
-    sampled requests) holds accepted and seen counts, starting from one
-    pseudo-observation at the bin's middle confidence.
+    """P(draft token accepted | confidence, position, all earlier drafts accepted), learned
+    online: tables [greedy/sampled, position group, confidence bin] of accepted / seen
+    counts, each cell starting from one pseudo-observation at its bin's middle.
     """
 
     def __init__(self, num_buckets: int = 10, num_position_groups: int = 5, warmup: int = 64):
@@ -289,21 +219,13 @@ class AcceptanceCalibration:
         self.forget()
 
     def forget(self) -> None:
-        """Back to a fresh engine's tables: one pseudo-observation per cell, none real.
-        In place, so that every holder of this calibration (the drafter's outcome
-        tracker, its draft runs) forgets with it. Why: ``specplugin bench`` warms an engine
-        up before it times a cell, and kept, what the warm-up's verification taught these
-        tables (on reversed text) shaped the cell's stop rule as no user's fresh engine
-        is shaped (see :meth:`Union.forget_learned
-        <specplugin.adaptive.union.Union.forget_learned>`)."""
+        """Back to a fresh engine's tables, in place (every holder forgets with it)."""
         num_buckets, num_position_groups = self.num_buckets, self.num_position_groups
         mids = (np.arange(num_buckets) + 0.5) / num_buckets
         self.accepted = np.tile(mids, (2, num_position_groups, 1))  # [2, groups, num_buckets]
         self.seen = np.ones((2, num_position_groups, num_buckets))
         self.num_observed = np.zeros(2, dtype=np.int64)  # [2] real observations per table
-        # accepted / seen, [2][groups][num_buckets], as Python lists, built once after each
-        # update: the draft loop looks up a few rows per position, where each numpy call
-        # costs several microseconds of cold caches
+        # accepted / seen [2][groups][num_buckets] as lists, rebuilt lazily after updates
         self._rates: list | None = None
 
     def estimate_rows(
@@ -325,9 +247,6 @@ class AcceptanceCalibration:
         """Whether each table has seen ``warmup`` verified positions."""
         return [n >= self.warmup for n in self.num_observed.tolist()]
 
-    def is_warm(self, sampled: np.ndarray) -> np.ndarray:  # [n] bool
-        return np.asarray(self.warm_tables())[sampled.astype(np.int64)]
-
     def update(
         self,
         confidence: Sequence[float],  # [n] of verified draft positions
@@ -335,9 +254,8 @@ class AcceptanceCalibration:
         sampled: Sequence[bool],  # [n]
         position: Sequence[int],  # [n] draft position of each
     ) -> None:
-        """Count ``n`` judged draft tokens into their cells (lists or arrays). One token
-        at a time in Python: a step judges a few, where each of a dozen numpy calls
-        (clip, add.at, bincount, ...) costs several microseconds of cold caches."""
+        """Count ``n`` judged draft tokens into their cells (plain Python: a step judges
+        few, and numpy calls are slow with cold caches)."""
         n, top, last = self.num_buckets, self.num_buckets - 1, self.num_position_groups - 1
         seen, total, observed = self.seen, self.accepted, self.num_observed
         for c, a, s, p in zip(as_list(confidence), as_list(accepted), as_list(sampled),
@@ -370,9 +288,8 @@ class StopRule:
         return cumulative >= self.row_threshold if warm else position + 1 < self.k
 
     def surplus(self, cumulative: float, warm: bool) -> float:
-        """What a drafting row brings to one more batched forward beyond its own
-        verification (a row in its default length counts as sure): the batch runs the
-        forward while the drafting rows' surpluses reach ``pass_threshold``."""
+        """A drafting row's share toward ``pass_threshold`` (a row within its default
+        length counts as sure)."""
         return (cumulative if warm else 1.0) - self.row_threshold
 
 
@@ -380,10 +297,8 @@ class StopRule:
 class DraftRun:
     """One engine step's drafting for a batch: tokens, probabilities, who is still active.
 
-    The loop in the vLLM layer calls :meth:`add` once per position with the whole
-    batch's sampled tokens; rows that already stopped still get computed (one batched
-    forward is cheaper than regrouping) but their extra tokens are cut off by
-    :meth:`lengths`.
+    :meth:`add` is called once per position with the whole batch; stopped rows are still
+    computed (cheaper than regrouping) and cut off by :meth:`lengths`.
     """
 
     rule: StopRule
@@ -393,13 +308,10 @@ class DraftRun:
     token_ids: list[torch.Tensor] = field(default_factory=list)  # positions x [num_reqs]
     draft_probs: list[torch.Tensor] = field(default_factory=list)  # positions x [num_reqs, vocab]
     confidences: list[list[float]] = field(default_factory=list)  # positions x [num_reqs]
-    # [k_max, num_reqs, vocab]: where the draws wrote each position's probabilities, in
-    # place of the list (draft_probs), when they wrote into one block for the run
+    # [k_max, num_reqs, vocab]: the probabilities when the draws wrote one block
+    # (instead of draft_probs)
     probs_block: torch.Tensor | None = None
-    # Per-row bookkeeping is Python lists: it runs after every draft forward, for a few
-    # rows, where each numpy call (let alone torch's) costs several microseconds of cold
-    # caches (measured, batch 1, caches flushed between calls: 85 us for this
-    # bookkeeping in numpy).
+    # Per-row bookkeeping in plain lists: numpy is slow here with cold caches
     _lengths: list[int] | None = None  # [num_reqs]
     _active: list[bool] | None = None  # [num_reqs]
     _cumulative: list[float] | None = None  # [num_reqs] P[:, j]
@@ -476,9 +388,8 @@ class DraftRun:
         return torch.stack(self.token_ids, dim=1)
 
     def token_lists(self, lengths: Sequence[int]) -> list[list[int]]:  # [num_reqs][length]
-        """Each row's first ``lengths[row]`` tokens as a list (the drafts vLLM's scheduler
-        takes: handed back as lists, they skip vLLM's copy of a token tensor to the host
-        and its read back, as its token-level methods' drafts do)."""
+        """Each row's first ``lengths[row]`` tokens, as the lists vLLM's scheduler takes
+        (saves vLLM's device-host round trip of a token tensor)."""
         positions = [t.tolist() for t in self.token_ids[:max(lengths, default=0)]]
         return [[p[r] for p in positions[:n]] for r, n in enumerate(lengths)]
 
@@ -494,13 +405,9 @@ class DraftRun:
 
 
 class OutcomeTracker:
-    """Remembers each request's last draft until its verification result comes back.
-
-    vLLM tells the drafter, one step later, how many draft tokens of each request were
-    rejected; rows may have moved in between (finished requests leave the batch), so
-    drafts are kept by request id. Of a draft of length n with r rejected, positions
-    ``< n - r`` were accepted, position ``n - r`` (if any) was rejected, and later
-    positions were never judged: only judged positions update the calibration.
+    """Remembers each request's last draft, by request id (rows move), until vLLM reports
+    its rejections a step later. Of n drafted with r rejected, positions ``< n - r`` were
+    accepted, ``n - r`` rejected, later ones never judged (and not learned from).
     """
 
     def __init__(self, calibration: AcceptanceCalibration):
@@ -532,17 +439,11 @@ class OutcomeTracker:
                 expected: list[list[float]] | None = None, pending: dict | None = None) -> int:
         """Learn from the step just verified; returns its number of accepted draft tokens.
 
-        ``num_scheduled[i]``: draft tokens the scheduler verified for row i in that step
-        (it may cut a draft short of what was recorded); ``num_rejected[i]``: how many of
-        those were rejected (``None``: no request had drafts). Only the scheduled
-        positions up to the first rejection are judged; a sampled request's judged tokens
-        teach their acceptance probabilities where the verifier computed them
-        (``expected[i]``, one per verified draft token of row i: the same average as the
-        verdicts, without their noise). Pending drafts are consumed either
-        way: a result can only belong to the step right after the drafts were recorded
-        (when vLLM skips drafting in between, the runner calls :meth:`forget`).
-        ``pending``: drafts :meth:`take` handed over (the drafter learns a step once the
-        next one ran, on the union's background); default the ones pending now."""
+        ``num_scheduled[i]``: draft tokens verified for row i (may be fewer than recorded);
+        ``num_rejected[i]``: of them rejected (``None``: no drafts). Sampled rows learn the
+        verifier's acceptance probabilities (``expected[i]``) where given. Pending drafts
+        are consumed either way (a result belongs only to the next step); ``pending``:
+        what :meth:`take` handed over, default the ones pending now."""
         if pending is None:
             pending = self.take()
         if num_rejected is None:

@@ -1,23 +1,12 @@
 """Compiled loops for the union's per-step decisions (numba, which vLLM requires).
 
-Why compiled: the union estimates, plans and learns right after the target's forward has
-swept the processor's caches, and there Python pays for every function and every object it
-touches (measured in the union's core, ``scripts/core_bench.py --cold --choose-only``, batch
-1: ``Union.choose`` 0.123-0.128 ms a step in plain Python over the estimator's tables; the
-same choice as one compiled call on flat arrays was 0.047-0.069 ms in an experiment that
-left out the draws and the bookkeeping, at ``7e6f63e``).
-So a step's offers are flat arrays (each token's estimator cell, each offer's first token
-and row) and the estimate and the plan are one call.
-
-The arithmetic is the Python code's it stands for, operation for operation, so that the
-same estimator tables and step times give the same choice: the posterior mean as
-:meth:`AcceptanceEstimator._posterior
-<specplugin.adaptive.estimator.AcceptanceEstimator._posterior>`, the best candidate and the
-batch's prefix as :func:`specplugin.adaptive.controller.planned` (tested against it on
-random batches in ``tests/test_kernels.py``).
-
-Every kernel is compiled for one signature when this module is imported (cached on disk
-by numba after the first time), so that no compile lands inside a timed step.
+Right after the target's forward the caches are cold and Python pays for every object it
+touches (one compiled call took ``Union.choose`` from ~0.12 to ~0.05-0.07 ms at batch 1),
+so a step's offers are flat arrays and estimate + plan are one call. The arithmetic
+matches the Python it stands for (``AcceptanceEstimator._posterior``,
+:func:`specplugin.adaptive.controller.planned`) operation for operation; tested against
+it in ``tests/test_kernels.py``. Kernels are compiled eagerly at import (cached on disk)
+so no compile lands inside a timed step.
 """
 
 from __future__ import annotations
@@ -31,9 +20,8 @@ from specplugin.host_kernels import JIT
 
 
 class EstimatorTables(NamedTuple):
-    """What the kernels read of an :class:`~specplugin.adaptive.estimator.AcceptanceEstimator`
-    (its :attr:`~specplugin.adaptive.estimator.AcceptanceEstimator.tables`): the arrays are
-    the estimator's own, changed in place; the numbers are as of its last change."""
+    """What the kernels read of an ``AcceptanceEstimator`` (its ``tables``): its own arrays,
+    changed in place; the numbers as of its last change."""
 
     n: np.ndarray  # [num_cells] judged tokens per cell (over the decay scale)
     s: np.ndarray  # [num_cells] of them accepted
@@ -61,9 +49,8 @@ class EstimatorTables(NamedTuple):
 @numba.njit("float64(int64, float64[::1], float64[::1], float64[::1], float64[::1], int64, "
             "float64, float64, float64, float64)", **JIT)
 def posterior_mean(c, n, s, pn, ps, per_parent, g, m, m0, prior_mean):
-    """Cell ``c``'s posterior mean from the estimator's tables (counts times the decay
-    scale ``g``): the cell shrunk toward its parent (``per_parent`` cells share one), the
-    parent toward ``prior_mean``."""
+    """Cell ``c``'s posterior mean (counts times decay scale ``g``): shrunk toward its
+    parent, the parent toward ``prior_mean``."""
     p = c // per_parent
     parent = (ps[p] * g + m0 * prior_mean) / (pn[p] * g + m0)
     return (s[c] * g + m * parent) / (n[c] * g + m)
@@ -78,10 +65,8 @@ def seed(value):
 @numba.njit("float64(int64, float64[::1], float64[::1], float64[::1], float64[::1], "
             "float64[::1], int64[::1], int64, float64, float64, float64, float64, int64)", **JIT)
 def posterior_draw(c, n, s, pn, ps, drawn, stamps, per_parent, g, m, m0, prior_mean, stamp):
-    """One draw from cell ``c``'s posterior, ``Beta(s + m * parent, n - s + m * (1 -
-    parent))`` (clipped into (0, 1)), kept in ``drawn[c]`` while ``stamps[c]`` is the
-    tables' ``stamp`` (the estimator's count of changes): the same draw for every token of
-    the cell until the counts change."""
+    """A draw from ``Beta(s + m * parent, n - s + m * (1 - parent))``, clipped into
+    (0, 1), kept in ``drawn[c]`` until the counts change (``stamps[c] != stamp``)."""
     if stamps[c] == stamp:
         return drawn[c]
     p = c // per_parent
@@ -98,8 +83,7 @@ def posterior_draw(c, n, s, pn, ps, drawn, stamps, per_parent, g, m, m0, prior_m
 @numba.njit("float64(int64, float64[::1], float64[::1], float64[::1], float64[::1], "
             "float64[::1], int64[::1], int64, float64, float64, float64, float64, int64)", **JIT)
 def posterior_value(code, n, s, pn, ps, drawn, stamps, per_parent, g, m, m0, prior_mean, stamp):
-    """A token's acceptance from its code: cell ``c`` >= 0 its posterior mean, ``-(c + 1)``
-    its posterior draw (:func:`posterior_draw`)."""
+    """Code ``c`` >= 0: cell c's posterior mean; ``-(c + 1)``: its kept draw."""
     if code >= 0:
         return posterior_mean(code, n, s, pn, ps, per_parent, g, m, m0, prior_mean)
     return posterior_draw(-code - 1, n, s, pn, ps, drawn, stamps, per_parent, g, m, m0,
@@ -120,9 +104,8 @@ def posterior_values(codes, n, s, pn, ps, drawn, stamps, per_parent, g, m, m0, p
 @numba.njit("void(float64[::1], float64[::1], float64[::1], float64[::1], float64[::1], "
             "float64[::1], int64[::1], float64[::1], float64, int64, int64)", **JIT)
 def update_cells(n, s, pn, ps, qn, qs, cells, accepted, inc, per_parent, histories):
-    """One judged token per entry of ``cells`` [num_tokens]: ``inc`` more judged in its
-    cell, its parent and its signal-pooled cell, and ``inc * accepted`` more accepted
-    (``accepted``: 1/0, or the probability that it would be)."""
+    """Add ``inc`` judged and ``inc * accepted`` accepted (1/0 or a probability) to each
+    token's cell, parent and signal-pooled cell."""
     for t in range(cells.shape[0]):
         c = cells[t]
         a = accepted[t]
@@ -137,7 +120,7 @@ def update_cells(n, s, pn, ps, qn, qs, cells, accepted, inc, per_parent, histori
             qs[q] += inc * a
 
 
-# where plan_offers finds its scalars at the head of its two packed inputs
+# head lengths of plan_offers' two packed inputs
 PLAN_INTS = 9  # [num_offers, num_reqs, per_parent, stamp, the cells' strides (5), ...]
 PLAN_FLOATS = 5  # [decay scale, m, m0, prior mean, speculative overhead, ...]
 OFFER_INTS = 5  # per offer: row, proposer, sampled, history bucket, drawn
@@ -147,31 +130,21 @@ OFFER_INTS = 5  # per offer: row, proposer, sampled, history bucket, drawn
             "float64[::1], float64[::1], float64[::1], int64[::1], int64[::1], float64[::1], "
             "int64[::1], int64[::1])", **JIT)
 def plan_offers(ints, floats, n, s, pn, ps, drawn, stamps, groups, tok_acc, tok_cell, out):
-    """The step's plan over flat offers, its inputs packed in two arrays (two conversions
-    from Python a step instead of one per input or per offer: each costs microseconds
-    with cold caches).
+    """:func:`~specplugin.adaptive.controller.planned` over flat offers; returns expected
+    emitted tokens and seconds. Inputs are packed in two arrays (each conversion from
+    Python costs microseconds with cold caches):
 
-    ``ints`` = [num_offers, num_reqs, cells per parent, the tables' stamp, the cells'
-    strides (per proposer, per mode, per position group, per signal bucket = the history
-    buckets, the signal buckets), then per offer (row, proposer, sampled, history bucket,
-    drawn), offers in row order, then each offer's first token (num_offers + 1 of them,
-    offer ``o``'s tokens at ``first[o]:first[o + 1]``)]. ``floats`` = [decay scale, m, m0,
-    prior mean, the speculative machinery's seconds, then [T(n0), T(n0 + 1), ...] as far
-    as every offered token, then every offered token's signal]. ``groups``: the position
-    group of draft positions 0, 1, ... (the last repeats).
+    ``ints`` = [num_offers, num_reqs, per_parent, stamp, strides per proposer, mode,
+    position group and signal bucket (= num histories), num signal buckets, per offer (row,
+    proposer, sampled, history, drawn) in row order, offer starts [num_offers + 1]].
+    ``floats`` = [scale, m, m0, prior_mean, spec_overhead, T(n0), T(n0 + 1), ...,
+    each offered token's signal]. ``groups``: position group per draft position (the
+    last repeats).
 
-    Each token's estimator cell is :meth:`AcceptanceEstimator.cells
-    <specplugin.adaptive.estimator.AcceptanceEstimator.cells>`'s (written to
-    ``tok_cell``), its acceptance the cell's posterior mean, or its kept draw for a drawn
-    offer (:func:`posterior_value`). ``tok_acc`` [2 * num_tokens + num_reqs] gets each
-    token's acceptance, then each token's cumulative acceptance along its offer, then each
-    row's best offer's worth at the price (0: none worth anything). ``out`` [3 * num_reqs]
-    gets each row's chosen offer (-1: none), its tokens, then each row's best offer before
-    the batch's prefix is cut (-1: none; what the draft's gate weighs the draft against).
-    Returns the tokens the step is expected to emit and its seconds, as
-    :func:`~specplugin.adaptive.controller.planned`: each row's offer worth most at the
-    price ``theta`` (ties to the earlier), then the prefix of their tokens in decreasing
-    cumulative acceptance with the best rate."""
+    Outputs: ``tok_cell`` [num_tokens] cells; ``tok_acc`` [2 * num_tokens + num_reqs]
+    acceptances, cumulative acceptances, each row's best worth; ``out`` [3 * num_reqs]
+    chosen offer (-1: none), its tokens, best offer before the prefix cut (for the draft
+    gate)."""
     num_offers, num_reqs, per_parent, stamp = ints[0], ints[1], ints[2], ints[3]
     per_proposer, per_mode, per_group, histories, buckets = (ints[4], ints[5], ints[6],
                                                              ints[7], ints[8])
@@ -251,12 +224,8 @@ def plan_offers(ints, floats, n, s, pn, ps, drawn, stamps, groups, tok_acc, tok_
 def pack_plan(num_reqs: int, meta: list[int], starts: list[int], signals: list,
               times: list[float], tables: EstimatorTables, strides: tuple[int, ...],
               spec_overhead: float) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`plan_offers`'s two packed inputs (``meta``: per offer its row, proposer,
-    sampled, history bucket, drawn; ``signals``: each offer's [k] signals; ``tables``: the
-    estimator's, :attr:`AcceptanceEstimator.tables
-    <specplugin.adaptive.estimator.AcceptanceEstimator.tables>`; ``strides``: its cells',
-    :attr:`AcceptanceEstimator.strides
-    <specplugin.adaptive.estimator.AcceptanceEstimator.strides>`)."""
+    """:func:`plan_offers`' two packed inputs (``meta``: per offer row, proposer, sampled,
+    history, drawn; ``signals``: each offer's [k]; ``tables``, ``strides``: the estimator's)."""
     per_parent, scale, m, m0, prior_mean, stamp = tables.numbers()
     ints = np.array([len(starts) - 1, num_reqs, per_parent, stamp, *strides] + meta + starts,
                     dtype=np.int64)
@@ -268,10 +237,9 @@ def pack_plan(num_reqs: int, meta: list[int], starts: list[int], signals: list,
 
 
 def _warm_up() -> None:
-    """Call each kernel once on a tiny input: a kernel's first call in a process costs ~4
-    ms beyond its compile (numba's dispatcher sets itself up; measured in a fresh process,
-    the first ``posterior_values`` 3,985 us, the next ~3-12 us), which would land in an
-    engine's first planned step. No draw is made (the generator's stream is untouched)."""
+    """Call each kernel once on a tiny input: a first call costs ~4 ms beyond the compile
+    (numba's dispatcher setup), which would land in the first planned step. Makes no draw,
+    so the generator's stream is untouched."""
     counts = [np.zeros(4), np.zeros(4), np.zeros(4), np.zeros(4)]
     tables = EstimatorTables(*counts, np.zeros(4), np.zeros(4, dtype=np.int64),
                              np.zeros(1, dtype=np.int64), 1, 1.0, 4.0, 2.0, 0.5, 1)

@@ -1,26 +1,12 @@
 """What the union learned, kept in a file across engine restarts (``state_dir``).
 
-A fresh engine knows nothing: the estimator's acceptance cells are at their prior and
-the step arbiter has no measured rate, so the first few hundred steps of every
-offline job are spent learning what the last job already knew. With
-``additional_config["specplugin"]["state_dir"]`` set, the union's learned state is
-written to a file in that directory and read back when the next engine starts
-with the same target, draft model, proposers, K and machine (the file name is a
-hash of those: acceptance is a property of the model pair, rates of the machine).
-
-Kept: the estimator's counts per cell (judged and accepted tokens, already
-decayed, so old evidence stays old) and, per step-arbiter bucket, the measured
-speculative and plain rates, the prediction correction and the batch size they were
-last measured at (so that a restored bucket seeds its neighbours). The arbiter's block
-counts are capped at :data:`REMEASURE_BLOCKS` on load, so that the new job's own
-blocks soon outweigh the old job's rates (another workload may run this time).
-Not kept: the cost model (timed at every engine start), per-request state.
-
-Written when the union goes idle (every request finished: an offline job's end) and
-at most every :data:`SAVE_INTERVAL_S` seconds while serving, to a temporary file
-then renamed (a reader never sees half a file); under tensor parallelism by rank 0
-only. A file that does not match (another version, other proposers, damaged) is
-ignored with a warning: it costs the warm start, never the engine.
+The file is named by a hash of target, draft model, proposers, K and machine (acceptance
+belongs to the model pair, rates to the machine). Kept: the estimator's decayed per-cell
+counts and each step-arbiter bucket's measured rates, correction and batch size (block
+counts capped at :data:`REMEASURE_BLOCKS` on load, so new measurements soon dominate).
+Not kept: the cost model (timed at every start), per-request state. Written atomically
+when the union goes idle and at most every :data:`SAVE_INTERVAL_S` while serving, by
+tensor-parallel rank 0 only; a file that does not match is ignored with a warning.
 """
 
 from __future__ import annotations
@@ -43,8 +29,7 @@ REMEASURE_BLOCKS = 2
 
 
 def machine_id() -> str:
-    """The processor's model name and core count (rates are only valid on the same kind
-    of machine)."""
+    """The processor's model name and core count (rates hold only on that machine)."""
     name = platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -66,8 +51,7 @@ def state_path(state_dir: str | Path, target: str, draft: str | None,
 
 
 class UnionMemory:
-    """Reads a union's learned state from ``path`` and writes it back (``writer``:
-    False on every tensor-parallel rank but 0)."""
+    """Reads and writes a union's learned state at ``path`` (``writer``: rank 0 only)."""
 
     def __init__(self, path: Path, writer: bool = True):
         self.path, self.writer = Path(path), writer

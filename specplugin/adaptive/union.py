@@ -50,78 +50,32 @@ from specplugin.config import MODEL_PROPOSERS
 from specplugin.proposers.base import Candidate, Proposer, StepBatch
 
 logger = logging.getLogger("specplugin")
-# Plain steps between two peeks at most (Union.plain_step): the gap doubles from 1
-# while the peeks find nothing worth verifying and is back to 1 when one does or new
-# requests join. A peek costs 0.05-0.15 ms, 1-3% of a 5 ms plain step at batch 1
-# (measured in an engine); text that starts copying stays in sight for as many tokens as
-# the copy runs, so a late look loses at most the gap's steps of it.
+# Backoffs: asks that keep finding nothing are spaced out, the gap doubling up to a limit,
+# and back to 1 when one finds something or new requests join (_Backoff).
+# Plain steps between two peeks (plain_step): a peek costs ~0.1 ms, 1-3% of a small
+# model's plain step, and a copy stays in sight as long as it runs.
 MAX_PEEK_GAP = 8
-# Speculative steps from one ask of the draft model's gate (Union.plan_draft) to the next
-# at most: the gap doubles from 1 while the gate keeps the draft off (from its second
-# closing in a row, GATE_PATIENCE) and is back to 1 when it runs or new requests join
-# (Union.draft_gate_due). The gate costs what the draft's
-# candidate is priced with (its prices, its posterior draws, a second plan): measured in
-# the union's core at batch 1 (scripts/core_bench.py, warm caches), 0.122 ms a step with
-# the gate asked every step against 0.049 ms for n-gram and suffix alone, on text where it
-# rarely opens. Where the draft pays, it runs and the gate is asked every step.
+# Speculative steps between two asks of the draft model's gate (plan_draft), once it kept
+# the draft off GATE_PATIENCE times in a row: the gate prices the draft's candidate with
+# a second plan, about twice the token-level proposers' share of the step.
 MAX_GATE_GAP = 8
-# Speculative steps from one full look to the next at most while every row keeps choosing
-# the draft model's candidate (Union.holding): a full look asks every proposer and prices
-# the draft's gate; a held step between two looks runs the draft for every row, as the
-# last look planned, asks no token-level proposer, weighs no gate, and sends each row's
-# run as the draft's stop rule cut it (Union.choose_held). The gap doubles
-# from 1 after HOLD_PATIENCE looks in a row that chose the draft for every row, and is
-# back to 1 (a look every step) after one that did not, a held step whose plan sent no
-# draft for some row, or a plain step. New requests get a look at once (the held plan was
-# the old batch's); if it confirms the draft, the gap reached before goes on (a request
-# of 128 tokens at batch 1 had started over with 5 looks in its first 9 steps, and a look
-# and its plan cost ~0.6 ms). Where every row samples, a
-# token-level candidate's token x is accepted with probability p(x) (a guess, not a
-# sample of the target), so the draft's lead moves slowly; a greedy row's copy can come
-# in sight at any step and pays several tokens a step, so a batch with a greedy row looks
-# at least every MAX_HOLD_GAP_GREEDY steps. What a held step saves is the looks' price:
-# measured in an engine at batch 1, temperature 1 (validation pair, fine timers), asking
-# n-gram and suffix 0.11 ms and the union's planning 0.25 ms, in a ~12 ms step of which
-# the plugin's own work was 1.9 ms; held, 0.05 and 0.10 ms.
+GATE_PATIENCE = 2  # one posterior draw keeping the draft off is noise; two say more
+# Speculative steps between two full looks while every row keeps choosing the draft model
+# (holding): a held step runs the draft as the last look planned and asks nothing else.
+# A greedy batch looks more often: a copy can come in sight at any step and pays several
+# tokens a step.
 MAX_HOLD_GAP = 8
 MAX_HOLD_GAP_GREEDY = 2
 HOLD_PATIENCE = 3
-# Asks in a row that keep the draft off before the gate's gap starts to grow. The gate
-# weighs one posterior draw of the draft's worth (Thompson sampling, see
-# Union.plan_draft), so where the draft pays, some draws still keep it off now and then;
-# backing off at the first of them skipped the gate in the next step too, which then had
-# no draft and, for a sampled request, nothing else worth verifying (traced on the
-# validation pair, fresh engine, complete/b1/t1: each of a run's 11 closings was
-# followed by a step without the draft emitting 1 token, 8 of them plain, against 2.66 a
-# speculative step). Two in a row say more than a draw's noise.
-GATE_PATIENCE = 2
-# Steps in which an untried draft model runs on an optimistic estimate (Union.plan_draft):
-# its worth is unknown until it runs, and the posterior's coin flip may keep it off for
-# a whole short run (seen: a fresh engine's 60 speculative steps with no draft forward).
+# An untried draft model runs on an optimistic estimate in its first DRAFT_TRIALS gated
+# steps (until DRAFT_TRIAL_EVIDENCE of its tokens are judged), for the DRAFT_TRIAL_ROWS
+# rows whose first pass reads least: its worth is learnt only by running it.
 DRAFT_TRIALS = 4
-# Judged draft tokens past which the draft counts as tried (a restored state included).
 DRAFT_TRIAL_EVIDENCE = 8.0
-# Rows a trial runs the draft for on its optimistic estimate (Union.plan_draft), those
-# whose first pass reads least: what is learnt is the draft's acceptance, which two rows'
-# drafts show as well as sixteen, while the first pass reads every trial row's prompt
-# (measured on the validation pair, fresh engine, adversarial/b16/t1: the first trial
-# read 16 prompts in a 32.8 ms step, the plain step 7 ms). The other rows are planned on
-# the estimator's posterior, as after the trials.
 DRAFT_TRIAL_ROWS = 2
-# Steps whose verdicts the estimator learns at once (Union.flush_learning): one update
-# and one decay of its tables per LEARN_EVERY steps instead of one of each per step (the
-# tables' sums are recomputed after every change: measured in the union's core at batch
-# 1, learning and the sums were a third of its per-step work). What it learns is the
-# same, LEARN_EVERY - 1 steps late at most, next to a memory of thousands of steps; and
-# every step until COLD_TOKENS judged tokens were learned (an engine's first steps: against
-# a prior worth 2 tokens and a parent worth 4, a proposer's first dozens of verdicts move
-# its estimates most). Cold steps
-# learn on the step, not in the worker's wait, so the threshold is a price: measured on
-# the validation pair at batch 1 (complete, greedy, fresh engine), 256 tokens kept 71 of
-# 147 steps cold at ~0.13 ms each; the core test
-# (test_exploration_tries_again_a_proposer_rejected_by_bad_luck) accepts 13,306 tokens with
-# 64, 13,368 with 256, 12,932 with 32 and 10,185 with 16 (at 6c9846f, before the cost model
-# learned a fresh engine's first plain steps one at a time: 1,408, 1,408, 1,327 and 970).
+# The estimator learns the verdicts of LEARN_EVERY steps in one update (an update and its
+# sums were a third of the union's per-step work), except while cold (fewer than
+# COLD_TOKENS judged tokens): there every verdict moves the plan most, so it learns at once.
 LEARN_EVERY = 4
 COLD_TOKENS = 64
 _NO_SIGNAL = np.empty(0)  # an offer learned by its cells (see Union._offers_not_sent)
@@ -313,22 +267,14 @@ class Union:
                  decoy_primary: bool = False, max_peek_gap: int = MAX_PEEK_GAP,
                  draft_always: bool = False, learn_every: int = LEARN_EVERY,
                  background: Background | None = None):
-        """``explore``: one request per step (chosen at random among those with
-        candidates) is judged by posterior draws (Thompson sampling), the others by
-        posterior means, so that a proposer unlucky early on is tried again (see the
-        estimator) while a large batch does not pay for exploring in every row: one
-        optimistic draw among 16 rows would make most steps speculative, and a
-        speculative step costs the whole batch the engine's speculative machinery.
-        ``arbiter``: measures whether speculating pays at all and switches whole steps
-        to plain decoding when it does not (None: every step is planned).
-        ``max_peek_gap``: see :data:`MAX_PEEK_GAP` (1: peek on every plain step).
-        ``draft_always``: test only (``fault_injection.draft_always``): the draft model
-        runs in every speculative step, for every row that may use it, whatever it costs
-        (priced, a new request's catch-up over its whole prompt could keep it off a short
-        test's every step).
-        ``learn_every``: see :data:`LEARN_EVERY` (1: the estimator learns every step).
-        ``background``: where a verified step's verdicts are learned once the next plan
-        is made (:mod:`~specplugin.adaptive.background`; default inline, at that point)."""
+        """``explore``: one row per step (at random among those with candidates) is judged by
+        posterior draws (Thompson sampling), the others by posterior means: a proposer unlucky
+        early is tried again without every row of a large batch paying for exploration.
+        ``arbiter``: switches whole steps to plain decoding where speculating does not pay
+        (None: every step is planned). ``max_peek_gap``: :data:`MAX_PEEK_GAP`.
+        ``draft_always``: tests only, the draft model runs in every speculative step.
+        ``learn_every``: :data:`LEARN_EVERY`. ``background``: where verdicts are learned once
+        the next plan is made (default inline)."""
         self.explore = explore
         self.arbiter = arbiter
         if arbiter is not None:
@@ -343,11 +289,8 @@ class Union:
         self.max_candidates = max_candidates
         self.decoy_primary = decoy_primary
         self._alternative_offers: list[tuple[int, int, Candidate]] = []  # this step's
-        # the proposer plain_step's peek asks: the cheapest token-level one the union has,
-        # n-gram, else suffix (None: neither; a union of suffix alone that never peeked
-        # decoded plainly 115 of 130 steps where vLLM's suffix speculated all along)
-        # the draft model's index (None: the union has none), whose steady choice a
-        # held step keeps (see MAX_HOLD_GAP)
+        # the draft model's index, whose steady choice a held step keeps, and the proposer
+        # plain_step's peek asks, the cheapest token-level one (None: the union has none)
         self._draft_index = next((i for i, p in enumerate(self.proposers)
                                   if p.name in MODEL_PROPOSERS), None)
         self._peek_index = next((i for name in ("ngram", "suffix")
@@ -359,12 +302,8 @@ class Union:
         # the row whose offers this step's estimates draw from the posterior (see
         # _explorer; None: not picked yet this step, -1: none)
         self._step_explorer: int | None = None
-        # plan_draft's plan over the token-level candidates this step (the id()s of those
-        # candidates, the plan): when the draft model then runs for no row, choose has
-        # nothing else to weigh; else choose weighs them as the gate did (one posterior
-        # draw per step for the gate and the choice, the same explorer row; the draws are
-        # kept per cell until the counts change), and the draft model's candidates, known
-        # only after it ran, at their posterior means
+        # plan_draft's plan over this step's token-level candidates (their id()s, the
+        # plan): choose reuses it when the draft then runs for no row
         self._gate_plan: tuple[frozenset[int], _FlatPlan] | None = None
         # the compiled plan's outputs, kept from step to step (grown when a step needs more)
         self._token_buffer = np.empty(0)  # each offered token's estimate
@@ -422,22 +361,11 @@ class Union:
         self._learned_tokens = 0  # judged tokens flush_learning has taught (to COLD_TOKENS)
 
     def forget_learned(self) -> None:
-        """Forget what verification taught (acceptance counts, request histories, the
-        step arbiter's rates, the draft model's optimistic trials) and what the steps
-        taught the cost model (:meth:`StepCostModel.forget
-        <specplugin.adaptive.cost.StepCostModel.forget>`): back to what a fresh engine
-        knows. Kept: the forwards timed at engine start, the proposers' indexes (earlier
-        outputs, as vLLM's suffix method keeps its cache) and the counters.
-
-        Why: ``specplugin bench`` warms an engine up on a reversed prompt (one-off costs:
-        compiled shapes, allocations) before it times a cell; taught by that text, the
-        union started the cell believing its proposers fail (measured on the zoo pair at
-        batch 8: the suffix proposer's first token estimated 0.04, and 1 draft in the
-        cell against 165 without the warm-up). A user's engine starts on its own text,
-        and with a cost model that has seen no step: kept from the warm-up (until
-        2026-12-03), the cost model priced the cell's first steps as no user's engine
-        could (a fresh engine's first speculative steps at batch 8 predicted at 4.8-6.2 ms
-        where they took 13-19). Only between requests (nothing pending)."""
+        """Back to what a fresh engine knows: acceptance counts, request histories, the arbiter's
+        rates, the draft's trials and the cost model's step observations are forgotten; the
+        forwards timed at engine start, the proposers' indexes and the counters are kept.
+        ``specplugin bench`` calls it after warming an engine up, so a cell starts as a user's
+        engine does. Only between requests (nothing pending)."""
         self.settle()
         self._start_learning()
         if trace.TRACE is not None:
@@ -455,24 +383,13 @@ class Union:
         return self.choose(batch, self.ask(batch, range(len(self.proposers))))
 
     def begin(self, verified: Verified | None, num_reqs: int, sampled: bool) -> bool:
-        """Learn from ``verified``; whether this step speculates (the arbiter's call;
-        ``sampled``: most requests sample). A plain step needs nothing else: no
-        proposer runs, and the caller need not even build the step's batch.
-        After :meth:`plain_step` said True, the step was observed and decided there.
+        """Learn from ``verified``; return whether this step speculates (the arbiter's call;
+        ``sampled``: most requests sample). A plain step needs nothing else. After
+        :meth:`plain_step` said True, the step was already observed and decided there.
 
-        The step's verdicts are held, not learned: :meth:`release` (after this step's
-        plan, or here for a plain step) hands them to :attr:`background`, so that the
-        plan rests on the verdicts up to the step before, one step late, next to a memory
-        of thousands of steps. Not while the estimator is cold (fewer than
-        :data:`COLD_TOKENS` judged tokens learned, an engine's first steps): there each
-        verdict moves the estimates most, and a proposer whose first drafts all fail
-        would draft one step more on its prior and learn two rejections where it had one
-        (measured in the core, ``test_exploration_tries_again_a_proposer_rejected_by_bad_luck``:
-        a proposer rejected in its first two steps, then always right, had 13,306 tokens
-        accepted over eight seeds' 200 steps with this rule, and none without draws; with
-        the lag from the first step the test fails: the late rejections let even posterior
-        means draft on, 12,416 tokens against 42,968 with draws, where it asks for ten
-        times more)."""
+        The step's verdicts are held and handed to :attr:`background` by :meth:`release` once
+        this step's plan is made (one step late, next to a memory of thousands of steps), except
+        while the estimator is cold (:data:`COLD_TOKENS`), where each verdict counts most."""
         self.settle()
         self._alternative_offers = []
         self._draft_price = (0.0, 0.0, 0)
@@ -540,26 +457,16 @@ class Union:
     def plain_step(self, seconds: float | None, num_reqs: int, num_query_tokens: int,
                    sampled: bool, peek: Callable[[], StepBatch] | None = None,
                    draft_seconds: float = 0.0, read_prompts: bool = False) -> bool:
-        """The cheap path for a step that verified no draft: observe its time (cost model,
-        step arbiter) and say whether the next step speculates. False: the next step is
-        plain and nothing else runs for it (the caller skips drafting; no proposer is
-        asked, nothing is estimated). True: the caller plans it with :meth:`begin`, which
-        then neither observes this step again nor asks the arbiter again. Without an
-        arbiter, or with drafts still waiting for their verdict, always True.
-        ``draft_seconds``: the part of ``seconds`` the draft model ran (it ran for a step
-        that then verified none of its tokens), kept out of the cost model.
-        ``read_prompts``: the step read prompt tokens (:meth:`_observe`).
+        """The cheap path after a step that verified no draft: observe its time and say whether
+        the next step speculates. False: the next step is plain and nothing runs for it. True:
+        the caller plans it with :meth:`begin`. Always True without an arbiter or with drafts
+        awaiting their verdict. ``draft_seconds``: the part of ``seconds`` the draft model ran,
+        kept out of the cost model; ``read_prompts``: see :meth:`_observe`.
 
-        ``peek``: the batch as it stands (contexts up to the last step's tokens). Where the
-        arbiter keeps the step plain, the cheapest proposer the union has (n-gram, else
-        suffix) is asked on it (:meth:`_copy_in_sight`); if the controller would verify
-        some of its candidates and the step it plans, at the rate it predicts with its seconds
-        corrected by what speculative steps measured, beats the measured plain rate
-        (:meth:`StepArbiter.pays_now
-        <specplugin.adaptive.arbiter.StepArbiter.pays_now>`), the step speculates after
-        all and the arbiter starts a speculative block: a rate measured on earlier text
-        must not keep decoding plainly through text that copies, and steps that proved
-        slower than predicted must not undo the arbiter's measurements."""
+        ``peek``: the batch as it stands. Where the arbiter keeps the step plain, the cheapest
+        token-level proposer is asked on it (:meth:`_copy_in_sight`); if the plan it allows
+        beats the measured plain rate, the step speculates after all: a rate measured on earlier
+        text must not keep decoding plainly through text that copies."""
         self.settle()
         if self.arbiter is None or self._pending or self._pending_extras:
             return True
@@ -587,20 +494,11 @@ class Union:
         return self.speculating
 
     def plain_steps_ahead(self) -> int:
-        """After :meth:`plain_step` kept the next step plain: how many of the decisions
-        that follow are foregone (the arbiter's plain block runs on), so that the steps
-        they would decide may run as the engine's own plain steps, none of the plugin's
-        code in them, with only their times kept for :meth:`plain_steps_ran`. Each of
-        those steps must decode one token per request of an unchanged batch (a request
-        that joins, leaves or resumes ends the run: the caller then learns what ran and
-        decides that step in full). 0 while speculating.
-
-        A peek that comes due within the run waits for the step that ends it (at most a
-        plain block's length - 1 steps later, see the arbiter's "Long plain blocks"):
-        stopping the run for it too would leave half of the plain steps decided in full,
-        and a decided step costs the plugin's whole plain path (measured in an engine at
-        batch 1, validation pair: +0.15 ms over vLLM's own step, 1.4 ms; a step foretold,
-        +0.001 ms after another one, +0.03 ms right after a decided one)."""
+        """After :meth:`plain_step` kept the next step plain: how many following decisions are
+        foregone (the arbiter's plain block runs on), so those steps may run as the engine's
+        own plain steps with only their times kept (:meth:`plain_steps_ran`). Each must decode
+        one token per request of an unchanged batch. 0 while speculating. A peek that comes due
+        within the run waits for the step that ends it."""
         if self.speculating or self.arbiter is None or self._pending or self._pending_extras:
             return 0
         return self.arbiter.plain_steps_ahead()
@@ -661,22 +559,11 @@ class Union:
 
     def choose_held(self, batch: StepBatch, lengths: list[int], signals: list[list[float]],
                     draft_forwards: int) -> StepPlan:
-        """A held step's plan (:attr:`holding`): each row sends what the draft model's run
-        drafted for it (``lengths`` [num_reqs] tokens, their ``signals``: the draft's
-        confidences), cut by the run's stop rule alone, as with the draft model alone; no
-        plan over candidates (there is one, and the stop rule priced its cut). What
-        :meth:`choose` does beside its plan stays: each row's draft is remembered to learn
-        from (with its estimator cells), the step arbiter hears the step's prediction (the
-        estimator's means of the tokens sent, the cost model's seconds, the draft's price),
-        and a row without a draft ends the hold. Measured in an engine at batch 1,
-        temperature 1 (validation pair), a run's end through :meth:`choose` took 0.30-0.38
-        ms a step. ``draft_forwards``: the forwards the run made. The plan's ``drafts`` is
-        None: the caller holds the tokens (the run's).
-
-        All of that decides nothing in this step, so it goes to :attr:`background` (the
-        worker's wait), ahead of the verdicts :meth:`begin` held: the same order, and so
-        the same state, as inline (measured in an engine at batch 1, temperature 1, 0.09
-        ms a held step on the step inline)."""
+        """A held step's plan (:attr:`holding`): each row sends what the draft model's run drafted
+        for it (``lengths`` [num_reqs], ``signals`` its confidences), cut by the run's stop rule
+        alone. The bookkeeping (pending drafts, counters, the arbiter's prediction) decides
+        nothing this step, so it goes to :attr:`background`, ahead of the held verdicts (the same
+        order as inline). ``drafts`` is None: the caller holds the tokens."""
         sources = [self._draft_index if k else None for k in lengths]
         self.background.submit(lambda: self._remember_held(batch, lengths, signals, sources,
                                                            draft_forwards))
@@ -739,13 +626,9 @@ class Union:
         self.holding = False
 
     def new_requests(self, num_new: int, num_reqs: int) -> None:
-        """``num_new`` of the batch's ``num_reqs`` requests arrived this step: new text, so
-        the next plain step peeks at once (and the arbiter hears of it), and the next
-        speculative step looks in full (the hold's plan was the old batch's). A look that
-        confirms the draft again resumes the spacing the hold had reached, where it used to
-        start over (HOLD_PATIENCE looks in a row, then gaps of 2 and 4): what the draft's
-        lead rests on is the pair's, and a row's new text gets its look at once (a copy in
-        sight ends the hold there, as any look that does not confirm it)."""
+        """``num_new`` of the batch's ``num_reqs`` requests arrived: the next plain step peeks at
+        once, the gate is asked again, the next speculative step looks in full (the hold was the
+        old batch's), and the arbiter hears of it."""
         self.settle()
         if num_new > 0:
             self._peek.reset()
@@ -784,14 +667,11 @@ class Union:
                                      bool(np.mean(batch.sampled) > 0.5))
 
     def _judge_shadows(self, batch: StepBatch) -> None:
-        """Judge the peek's earlier candidates against the tokens the target emitted
-        since (plain steps): a candidate's token j counts as accepted if it equals the
-        emitted token and every token before it did. That is what verification would
-        have said: at temperature 0 exactly, at temperature > 0 in expectation (a
-        deterministic draft token x is accepted with probability p(x), the probability
-        that the target samples x). So plain steps teach the estimator what copying
-        would bring, and the peek's predictions rest on evidence, not on the prior.
-        A candidate is judged once the emitted tokens differ from it or cover it."""
+        """Judge the peek's unsent candidates against the tokens the target emitted since: token
+        j counts as accepted if it and every token before it equal the emitted ones (what
+        verification would say: exactly at temperature 0, in expectation above). Plain steps so
+        teach the estimator what copying would bring. Judged once the emitted tokens differ from
+        the candidate or cover it."""
         parts = []
         for r, req_id in enumerate(batch.req_ids):
             shadow = self._shadows.get(req_id)
@@ -837,40 +717,13 @@ class Union:
                  speculative: bool, draft_seconds: float = 0.0, unrated: bool = False,
                  read_prompts: bool = False, num_reqs: int = 1,
                  rate_tokens: float | None = None) -> None:
-        """A step's wall time, to the cost model (without ``draft_seconds``, the draft
-        model's forwards: :meth:`plan_draft` prices them itself, and counted in ``T(n)``
-        they would be paid twice and make plain steps look dearer) and the step arbiter
-        (all of it: what a block of such steps really emits per second), except an
-        ``unrated`` step (see :meth:`plan_draft`), whose cost is not the rate of
-        speculating:
-
-        - a step that ran one of the draft's optimistic trials: the price of learning the
-          draft's worth, paid once per engine (measured on the validation pair,
-          edit/b1/t0, fresh engine: with the trials' steps counted, the cell's first two
-          speculative blocks measured 232 and 367 tok/s against 688 for plain decoding,
-          which then ran for 100 steps, while speculation later measured 1,000-2,000
-          tok/s);
-        - a step whose draft run caught up, right after plain steps, on the tokens decoded
-          plainly: the price of switching, paid once per switch, where the block that
-          re-checks speculation after plain blocks is a single block (measured on the
-          validation pair, complete/b1/t1, fresh engine: the 11 draft runs right after a
-          plain step took 21.0 ms a step, median, against 17.1 for the other 111, for
-          2.55 against 2.66 tokens; such re-checks lost to plain decoding for most of the
-          run's first half).
-
-        A step that read prompt tokens (``read_prompts``: one fact of the step,
-        which the runner hands every observer) teaches the cost model and the arbiter
-        nothing: its time is mostly the prompts' attention, which the forward curve
-        (timed on short contexts) does not price, and one such residual, clipped only to
-        one forward of that many tokens, moved the model's fixed part and its speculative
-        overhead by milliseconds (measured on the validation pair, server/b8/t1, fresh
-        engine: after the 1,348-token prefill step the model priced a plain step of 8
-        requests at 3.25 ms, where it took 5-7, and the speculative machinery at 6.12 ms;
-        the union then drafted nothing, its steps measured half the rate it predicted,
-        and that correction kept plain decoding on for most of the greedy requests' run
-        while their copies were in sight).
-
-        ``rate_tokens``: the tokens the step arbiter counts for the step, if not
+        """A step's wall time to the cost model (without ``draft_seconds``: :meth:`plan_draft`
+        prices the draft's forwards itself) and to the step arbiter (all of it: what a block of
+        such steps emits per second). An ``unrated`` step (one of the draft's optimistic trials,
+        or a draft catch-up right after plain steps) is a one-off price, not the rate of
+        speculating: the arbiter counts its tokens, not its time. A step that read prompt tokens
+        (``read_prompts``) teaches neither: its time is the prompts' attention, which the forward
+        curve does not price. ``rate_tokens``: the tokens the arbiter counts, if not
         ``num_emitted`` (:func:`~specplugin.adaptive.estimator.expected_emitted`)."""
         if trace.TRACE is not None:
             timed = seconds is not None and not read_prompts
@@ -905,22 +758,11 @@ class Union:
                 for r, c in enumerate(cands) if c is not None]
 
     def draft_gate_due(self) -> bool:
-        """Whether this speculative step asks the draft model's gate (:meth:`plan_draft`),
-        for a batch with rows that may use the draft: every step while the gate opens,
-        and in a step right after plain ones (a re-check of speculation must weigh the
-        draft: seen on the validation pair, complete/b1/t1, a re-check whose step skipped
-        the gate planned nothing and plain decoding went on); after the gate kept the
-        draft off :data:`GATE_PATIENCE` times in a row, once every ``gap`` steps, the gap
-        doubling up to :data:`MAX_GATE_GAP` (see both). A step that does not ask runs no
-        draft and weighs the token-level candidates alone, at the price of the step it
-        plans (what the gate would have planned too when it stays closed).
-
-        The draft's optimistic trials wait for the steps the gate is asked in, as any
-        run does: a trial the gate declines (a perfect draft for the trial's rows would
-        not beat the step's token-level candidates) spends none of them, and asked every
-        step for a trial that never ran, the gate cost the whole run its prices (measured
-        on the validation pair, fresh engine, complete/b8/t0: asked in 45 of 50 steps, no
-        draft run, 0.284 ms a step for the plan, 3% of the step)."""
+        """Whether this speculative step asks the draft model's gate (:meth:`plan_draft`): every
+        step while the gate opens and right after plain steps (a re-check of speculation must
+        weigh the draft); after :data:`GATE_PATIENCE` closings in a row, once every gap, doubling
+        up to :data:`MAX_GATE_GAP`. A step that does not ask weighs the token-level candidates
+        alone. The draft's optimistic trials wait for asked steps too."""
         return self.draft_always or self._after_plain or self._gate.due()
 
     def _draft_trial_due(self, draft_index: int) -> bool:
@@ -937,70 +779,25 @@ class Union:
                    warm_run_seconds: float | None = None) -> list[int]:  # [num_reqs]
         """Tokens the draft model drafts for each row this step (0: it does not run for it).
 
-        The draft model's candidate is unknown until it runs, and running it costs
-        ``forward_seconds`` per drafted position whatever the rows (its first pass
-        included). So the step is planned twice (:func:`plan`): over the token-level
-        ``offers`` alone, and with one more candidate for every row that may use the draft
-        (``caps`` [num_reqs] > 0), ``caps[r]`` tokens long, whose acceptance is the
-        estimator's for the draft proposer before a signal is known (its cells pooled over
-        signal buckets), drawn from the posterior once per cell for all rows (Thompson
-        sampling: one forward serves every row, so the draw that decides it is one guess
-        at the draft's worth; the posterior mean would never run a draft whose prior
-        does not pay on its own, and never learn that it does). The second plan keeps the
-        first's choice for every row but those where the draft's candidate is worth more
-        (:func:`~specplugin.adaptive.controller.with_candidates`), and is not made at all
-        when no row is: the draft then cannot run. The
-        draft runs for the rows the second plan gives it if, for some number of positions
-        m (each one forward, shared by the rows; row r drafting ``min(k_r, m)``), the
-        step's tokens per second with its forwards counted beat the first plan's::
+        The draft's candidate is unknown until it runs, and each drafted position costs
+        ``forward_seconds`` whatever the rows. So the step is planned over the token-level
+        ``offers`` alone, then with one more candidate per row that may use the draft (``caps``
+        [num_reqs] > 0) whose acceptance is the estimator's pooled cells for the draft, one
+        posterior draw per cell shared by all rows (Thompson sampling: one forward serves every
+        row, so one guess at the draft's worth decides it). The draft runs for the rows that
+        prefer it if some number of forwards m beats the plan without it::
 
             max_m E_with(m) / (T(n_with(m)) + run_seconds + forward_seconds * m)  >  E_without / T(n_without)
 
-        Where it runs, row r may draft up to the second plan's ``k_r``, not ``min(k_r, m)``:
-        how many forwards a run makes is its stop rule's call
-        (:class:`~specplugin.adaptive.draft_rule.StopRule`, whose thresholds price a
-        forward too), taken with the draft's confidence at each position, which this plan,
-        made before the draft runs, does not have (measured on the validation pair, fresh
-        engines, complete/b1/t1, the union against itself with the runs cut at m: 0.91x
-        the time, median of eight pairs, seven of them faster).
+        A row may draft up to its planned ``k_r``: the run's stop rule (which sees the draft's
+        confidence) decides how many forwards it makes. An untried draft runs on an optimistic
+        estimate first (:data:`DRAFT_TRIALS`).
 
-        At a cold start the draft's tokens are coin flips (the estimator's prior, Beta
-        around 0.5), so the draft runs in the steps whose draw is high enough to pay;
-        once its acceptance is measured the draws narrow around it. Before that, in an
-        engine's first :data:`DRAFT_TRIALS` steps where it would pay if every token were
-        accepted (while fewer than :data:`DRAFT_TRIAL_EVIDENCE` of its tokens were
-        judged), it runs on that optimistic estimate: what it is worth on this pair is
-        learnt only by running it, and a few forwards are cheap next to a run that never
-        learns it (its own stop rule still ends each run where its confidence falls).
-        A trial is optimistic for :data:`DRAFT_TRIAL_ROWS` rows only, those whose first
-        pass reads least; the batch's other rows are planned on the posterior.
-
-        ``run_seconds``: what a draft run costs beyond its forwards whatever it drafts
-        (its first pass's inputs and draw over a forward's, timed by the caller).
-        ``warm_run_seconds``: what it costs in a run right after another (None: this run
-        is one, or none was timed). A run after plain steps costs more (its weights and
-        code went cold), once: the runs after it are warm. So where the rows that draft
-        are expected to keep drafting (:meth:`_draft_kept_on`), the excess is spread as a
-        catch-up is (below), over the steps their remaining tokens last; charged whole to
-        one step it kept the draft off for good once it had been off (traced on the
-        validation pair, fresh engine, complete/b1/t1: a cold run priced 2.64 ms over a
-        warm one's 0.16, a new request's 50 steps decoded plainly, the arbiter's every
-        re-check weighing that price against one step's gain).
-        ``catch_up_seconds`` [num_reqs]: what the draft's first pass adds for row r beyond
-        one that reads its newest token only, if it drafts for it: the tokens its draft KV
-        lacks (a new request's prompt, the gap since the row last drafted) read through the
-        draft model. Counted
-        for the rows the plan gives the draft (measured: unpriced, the catch-ups of the
-        draft's exploratory runs held a fresh engine at batch 1, temperature 1 to 0.83x
-        of no speculation while it decoded 476 of 510 steps plainly).
-        ``remaining_tokens`` [num_reqs]: tokens each row may still emit. A catch-up is
-        paid once and serves every later step in which the row drafts, so with it the
-        catch-up of a row expected to keep drafting with the draft (:meth:`_draft_kept_on`)
-        is spread over the steps it has left, its remaining tokens over the tokens a step
-        with the draft emits for it (``1 + P_1 + ... + P_k``): charged whole to one step,
-        a new request's prompt outweighed any one step's gain and the draft never ran
-        (measured on the validation pair, fresh engine, complete batch 1 temperature 1:
-        not one draft-model run in the cell's 512 steps)."""
+        One-time costs are spread over the steps they serve: ``catch_up_seconds`` [num_reqs]
+        (the first pass reading tokens the draft KV lacks) and a cold run's excess over
+        ``warm_run_seconds`` are divided over the row's ``remaining_tokens`` for rows expected to
+        keep drafting (:meth:`_draft_kept_on`); charged to one step, they kept the draft off for
+        good. ``run_seconds``: a run's cost beyond its forwards. See docs/design.md."""
         lengths_list = [n if n > 0 else 0 for n in as_list(caps)]  # [num_reqs]
         if not self.speculating or not any(lengths_list):
             return [0] * batch.num_reqs
@@ -1118,14 +915,9 @@ class Union:
 
     def _draft_kept_on(self, acceptance, rows: list[int], draft_index: int, batch: StepBatch,
                        histories: list[int]) -> set[int]:
-        """Of ``rows`` (rows the draft plans for whose draft KV is behind), those whose
-        draft candidate the step's plan also chooses at the posterior means of the
-        draft's tokens: rows expected to keep drafting with it, so that a catch-up paid
-        now serves their later steps too. A row that gets the draft only through this
-        step's posterior draw or an optimistic trial (exploration) is not expected to: its
-        catch-up is this step's alone, or greedy rows whose n-gram and suffix candidates
-        are worth more would read their whole prompts through the draft on every
-        exploratory draw."""
+        """Of ``rows`` (draft rows whose draft KV is behind), those whose draft candidate the plan
+        also chooses at the posterior means: expected to keep drafting, so a catch-up paid now
+        serves later steps too. A row chosen only by this step's draw or a trial is not."""
         means = list(acceptance)
         for r in rows:
             means[r] = acceptance[r][:-1] + [self.estimator.pooled_cells(
@@ -1144,12 +936,8 @@ class Union:
 
     def choose(self, batch: StepBatch, offers, draft_forwards: int | None = None) -> StepPlan:
         """The controller's choice among ``offers``: the step's plan, one draft per row.
-        ``draft_forwards``: forwards the draft model's run made this step (its stop rule's
-        count), which the step arbiter's prediction then prices (None: the m forwards
-        :meth:`plan_draft` priced). The arbiter compares the rate it measures, every
-        forward that ran included, with the predicted one: priced at m while the run made
-        more, the prediction ran high for reasons neither the estimator nor the cost
-        model has, and its correction would have held speculation back."""
+        ``draft_forwards``: the forwards the draft's run made (its stop rule's count), which the
+        arbiter's prediction prices (None: the m forwards :meth:`plan_draft` priced)."""
         histories = self._histories(batch)
         order = sorted(range(len(offers)), key=lambda o: offers[o][0])  # by row, stable
         offers = [offers[o] for o in order]
@@ -1183,13 +971,10 @@ class Union:
         return StepPlan(drafts, sources, alternates)
 
     def _plan(self, batch: StepBatch, offers, histories: list[int]) -> _FlatPlan:
-        """The controller's plan over ``offers`` (in row order), in one compiled call
-        (:func:`kernels.plan_offers <specplugin.adaptive.kernels.plan_offers>`): each
-        offer's row, proposer, mode and history bucket, its tokens' signals, and the step
-        times, packed in two arrays; the kernel builds each token's estimator cell and
-        reads its estimate from the estimator's tables. The explorer row's offers take
-        their posterior draws (the gate's, where :meth:`plan_draft` estimated them this
-        step: kept per cell, they are the same numbers), every other token its mean."""
+        """The controller's plan over ``offers`` (in row order) in one compiled call
+        (:func:`kernels.plan_offers <specplugin.adaptive.kernels.plan_offers>`), which builds each
+        token's estimator cell and reads its estimate. The explorer row takes posterior draws
+        (the gate's, where :meth:`plan_draft` estimated them this step), the others means."""
         estimator, sampled, num_reqs = self.estimator, batch.sampled, batch.num_reqs
         gate = self._gate_plan[0] if self._gate_plan is not None else frozenset()
         explorer = -1
@@ -1323,7 +1108,7 @@ class Union:
     def _estimate(self, offers, batch: StepBatch, histories: list[int],
                   explore: bool | None = None, explorer: int | None = None) -> list[list[float]]:
         """Acceptance of every offered token, per offer: posterior means in one compiled
-        call (:meth:`~specplugin.adaptive.estimator.AcceptanceEstimator.estimate_cells`),
+        call (:meth:`~specplugin.adaptive.estimator.AcceptanceEstimator.values`),
         the ``explorer`` row's drawn from the posterior (None: one row picked at random
         here if ``explore``, default the union's setting; -1: none)."""
         if not offers:
@@ -1369,12 +1154,9 @@ class Union:
 
     def _offers_not_sent(self, batch: StepBatch, offers, histories, flat: _FlatPlan,
                          drafts: list[list[int]]) -> dict:
-        """Each row's offers that the plan did not send (every proposer makes one offer a
-        row at most, so they are the other proposers'), as req_id -> (the row's draft in
-        ``drafts``, [(the offer as a :class:`_Pending` with its cells, its tokens)]), for
-        :meth:`_learn_unchosen`. Not the draft model's offers for a sampled request: its
-        tokens are drawn from its own distribution, whose acceptance a match against the
-        emitted token does not measure."""
+        """Each row's offers that the plan did not send, as req_id -> (the row's draft, [(offer as
+        :class:`_Pending`, its tokens)]) for :meth:`_learn_unchosen`. Not the draft model's offers
+        for a sampled request: a match against the emitted token does not measure them."""
         if len(offers) <= sum(1 for o in flat.offer if o >= 0):
             return {}  # every offer was sent (or none was made)
         unchosen: dict = {}
@@ -1396,23 +1178,12 @@ class Union:
         return unchosen
 
     def _learn_unchosen(self, verified: Verified, unchosen: dict) -> None:
-        """The offers a step did not send, judged against the tokens it emitted: the
-        sent draft's accepted tokens, then its row's last token (``verified.next_tokens``).
-        An offer's token is judged accepted where it and every token before it equal the
-        emitted ones, rejected at the first that differs; tokens past the emitted ones are
-        not judged. That is what verification would have said of it: at temperature 0
-        exactly, at temperature > 0 in expectation (a deterministic draft token x is
-        accepted with probability p(x), and each emitted token is a draw from the
-        target's p given the tokens before it, lossless verification's promise).
-
-        Why: only the sent offer's tokens are verified, so a proposer whose offers the
-        plan did not pick early learned nothing while they lost, and the first proposer to
-        be believed kept winning (seen on the validation pair, fresh engine,
-        complete/b8/t0: in one engine suffix's candidates took 99% of the accepted tokens,
-        n-gram's 0%, in the next n-gram's 93%, on the same prompts; the plain steps' peek,
-        which asks n-gram, then judged copies in sight by an n-gram that had never been
-        verified). Not for rows verified with the scorer's extra candidates (their emitted
-        tokens may be an extra's)."""
+        """The offers a step did not send, judged against the tokens it emitted (the sent draft's
+        accepted tokens, then the row's last token): accepted while equal, rejected at the first
+        difference (exactly what verification says at temperature 0, in expectation above).
+        Without this, a proposer the plan did not pick early never learns, and the first one
+        believed keeps winning. Not for rows with the scorer's extras (their emitted tokens may
+        be an extra's)."""
         next_tokens = verified.next_tokens
         if not unchosen or next_tokens is None:
             return
@@ -1440,13 +1211,10 @@ class Union:
 
     def _learn_extras(self, extras: list[_Pending], outcome: Scored, emitted: int,
                       judged_parts: list) -> None:
-        """The scorer's extra candidates: each one's accepted tokens (where the rule tells)
-        to the estimator; the winner's emitted tokens to its proposer's counters.
-
-        A proposer's alternatives are not learned from: they carry its signals but are
-        its second guesses, verified only where expected to pay; learned as its own
-        guesses they would teach the estimator that the proposer is worse than it is
-        (measured: the n-gram proposer's share of drafts halved)."""
+        """The scorer's extra candidates: each one's accepted tokens (where the rule tells) to the
+        estimator, the winner's emitted tokens to its proposer's counters. A proposer's
+        alternatives (its second guesses) are not learned from: they would teach that the
+        proposer is worse than it is."""
         for j, extra in enumerate(extras[: len(outcome.extra_accepted)]):
             accepted = outcome.extra_accepted[j]
             if accepted is not None and not extra.alternative:

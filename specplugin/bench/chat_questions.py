@@ -1,10 +1,7 @@
 """Open questions for the ``chat`` workload (``instruct.py``): what an instruct model's
 users ask when there is nothing in the prompt to copy.
 
-Kept as Python so that it installs with the package (a ``.txt`` would need a
-``package-data`` entry). General knowledge, advice, how-to, short stories and a few
-everyday programming questions, each on its own; varied in length and tone so that no
-one answering habit dominates a cell.
+Python rather than ``.txt`` so it installs without a ``package-data`` entry.
 """
 
 QUESTIONS: tuple[str, ...] = (

@@ -2,18 +2,9 @@
 
     specplugin bench                      # every method, every cell, 3 rounds, vLLM compiled
     specplugin bench --quick --eager      # CI smoke test (< 5 min): 1 round, 3 cells
-    specplugin bench --eager              # enforce_eager: faster engine start, slower decoding
-    specplugin bench --fresh-engine       # an engine per cell, as a user's offline job starts one
-    specplugin bench --headline --cells complete/b1/t1   # one cell of those, more rounds
-    specplugin bench --search-builtins    # re-derive BUILTIN_SETTINGS (methods.py)
-    specplugin bench --zoo smollm2        # a real instruct model: chats, stopping at EOS
 
-The pair decides the workloads (``families.py``): the pairs trained here run token windows
-of code, every cell by default, in float32; an instruct pair (a target with a chat
-template, such as smollm2) runs chats through its template, its headline cells by
-default, in vLLM's own dtype.
-
-Exit status 0 when every engine ran, 1 when any failed (the rest is still reported).
+The pair decides workloads, default cells and dtype (``families.py``). Exit status 0
+when every engine ran, 1 when any failed (the rest is still reported).
 """
 
 from __future__ import annotations
@@ -87,9 +78,8 @@ def zoo_models(zoo: str | None):
 
 def build_cells(zoo_root: Path, workloads: list[str], quick: bool, seed: int,
                 headline: bool = False, keys: list[str] | None = None):
-    """The run's cells with their prompts: every method gets exactly these. ``workloads``:
-    every cell of these (empty: the pair's default cells, :mod:`families`); ``keys``:
-    keep only the cells with these keys (an unknown one is an error naming the others)."""
+    """The run's cells with their prompts, the same for every method. ``workloads``: all
+    their cells (empty: the pair's defaults); ``keys``: keep only these cells."""
     from specplugin.bench.families import family_for
 
     family = family_for(zoo_root)
@@ -115,9 +105,8 @@ def build_cells(zoo_root: Path, workloads: list[str], quick: bool, seed: int,
 
 
 def method_names(methods: str | None, models, console, default: str | None = None) -> list[str]:
-    """``--methods`` as given, else the ``default`` ones (comma-separated; None: the
-    listed methods) the pair can run: a pair without a draft model leaves out those
-    needing one, and says so."""
+    """``--methods`` as given, else those of ``default`` (None: the listed methods) the
+    pair can run; methods needing a missing draft model are left out, with a note."""
     from specplugin.bench.methods import listed_names, runnable
 
     if methods:
@@ -210,7 +199,7 @@ def _meta(models, cells, sizes, rounds, args, result, entries) -> dict:
         "models": asdict(models), "rounds": rounds, "quick": args.quick, "eager": args.eager,
         "fresh_engine": args.fresh_engine, "dtype": args.dtype,
         "engine_defaults": engine_kwargs({"dtype": args.dtype}, args.eager),
-        # by cell key: the engines' max_num_seqs (runner.max_num_seqs)
+        # by cell key (runner.max_num_seqs)
         "max_num_seqs": result.max_num_seqs,
         "sizes": asdict(sizes), "cells": [cp.cell.key for cp in cells],
         "cell_sizes": {cp.cell.key: {"num_requests": len(cp.prompts),

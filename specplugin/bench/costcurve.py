@@ -1,18 +1,9 @@
 """``specplugin cost-curve``: the target's forward time against query tokens per row.
 
-    specplugin cost-curve                 # rows 1 and 8, 1..32 query tokens per row, compiled
-    specplugin cost-curve --eager --rows 1,8 --query-lens 1,8 --repeats 3   # smoke test
-
-A speculative step that verifies K drafts per row runs the target over ``rows x (1 + K)``
-query tokens instead of ``rows``. On a GPU the extra tokens are nearly free up to a point;
-on CPU each one costs compute, and speculation pays only while the tokens it gets accepted
-are worth more than that. This command measures the curve it lives on: one engine (the
-zoo target with the plugin switched on, so that the plugin's worker is there) times
-forwards of every shape (``PluginRunnerMixin.time_forward``: attention over a context of
-``--context-len`` tokens, logits of every query token, the fastest of ``--repeats`` runs).
-
-It prints a table (stdout), writes a PNG (``--plot``) and, when asked, JSON (``--json``).
-Exit status 0 when the engine ran every shape, 1 when it failed.
+Verifying K drafts per row runs the target over ``rows x (1 + K)`` query tokens; on CPU
+each extra token costs compute, which accepted tokens must outweigh. One engine times
+forwards of every shape (``PluginRunnerMixin.time_forward``, fastest of ``--repeats``)
+and prints a table, a PNG and optionally JSON. Exit status 0 on success, 1 on failure.
 """
 
 from __future__ import annotations
@@ -29,8 +20,7 @@ DEFAULT_QUERY_LENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 DEFAULT_CONTEXT_LEN = 256
 DEFAULT_REPEATS = 5
 DEFAULT_OUT_DIR = "bench-out/cost-curve"  # ignored by .gitignore
-# the plugin switched on, so that the engine runs the plugin's worker (which times forwards);
-# no request runs, so the proposer and K do not matter
+# plugin on only for its worker (which times forwards); no request runs, so K doesn't matter
 PLUGIN_OPTIONS = {"proposers": ["ngram"]}
 NUM_SPECULATIVE_TOKENS = 8
 
@@ -53,8 +43,7 @@ class Point:
 
 
 def ms_per_extra_token(point: Point, points: Sequence[Point]) -> float | None:
-    """What each token beyond one per row added, from the same row count at one token per
-    row: ``(ms(q) - ms(1)) / (rows * (q - 1))``. None at ``q == 1`` or without that point."""
+    """``(ms(q) - ms(1)) / (rows * (q - 1))``; None at ``q == 1`` or without the q=1 point."""
     base = next((p for p in points if p.rows == point.rows and p.query_len == 1), None)
     if base is None or point.query_len == 1:
         return None
@@ -67,8 +56,7 @@ def shape_key(rows: int, query_len: int) -> str:
 
 def shape_cells(rows: Sequence[int], query_lens: Sequence[int], context_len: int,
                 repeats: int) -> tuple[dict[str, Any], ...]:
-    """The child's cells (``engine.run_forward_times``): every row count with every
-    query length."""
+    """The child's cells (``engine.run_forward_times``): every rows x query length."""
     return tuple({"key": shape_key(r, q), "rows": r, "query_len": q, "context_len": context_len,
                   "repeats": repeats} for r in rows for q in query_lens)
 
@@ -153,8 +141,7 @@ def title_of(meta: Mapping[str, Any]) -> str:
 
 
 def _int_list(name: str, lo: int) -> Callable[[str], list[int]]:
-    """An argparse type: comma-separated integers of at least ``lo`` (repeats dropped), or
-    an error naming ``name``."""
+    """An argparse type: comma-separated integers >= ``lo``, repeats dropped."""
     def parse(text: str) -> list[int]:
         parts = text.split(",")
         if not all(p.strip().isdigit() and int(p) >= lo for p in parts):
@@ -167,7 +154,7 @@ def _int_list(name: str, lo: int) -> Callable[[str], list[int]]:
 
 
 def _int(name: str, lo: int) -> Callable[[str], int]:
-    """An argparse type: an integer of at least ``lo``, or an error naming ``name``."""
+    """An argparse type: an integer >= ``lo``."""
     def parse(text: str) -> int:
         if not text.strip().lstrip("-").isdigit() or int(text) < lo:
             raise argparse.ArgumentTypeError(f"{name} must be an integer of at least {lo}; "

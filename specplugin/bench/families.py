@@ -1,16 +1,8 @@
 """Which workloads a model pair is measured on, and in which dtype it runs.
 
-- **code windows** (``workloads.py``): token-id windows of held-out stdlib code, every
-  request of one fixed length (``ignore_eos``). For the pairs trained here (``zoo``,
-  ``validation``): no chat template, run in float32 (the runner's ``ENGINE_DEFAULTS``).
-- **instruct** (``instruct.py``): chats rendered through the target's chat template,
-  stopping at EOS. For real pretrained instruct models (``smollm2``): run in vLLM's
-  default dtype, ``auto`` (bf16 on CPU), as their users run them.
-
-A pair's family is read from its target folder: a tokenizer with a chat template makes
-an instruct pair (:func:`family_for`). ``bench``, ``profile`` and ``check-lossless`` ask
-the family for the pair's workloads, default cells, sizes and dtype; nothing else
-branches on which pair runs.
+**code windows** (``workloads.py``, pairs trained here, float32) or **instruct**
+(``instruct.py``, real instruct models, vLLM's ``auto`` dtype): a target tokenizer with a
+chat template makes an instruct pair (:func:`family_for`). Nothing else branches on the pair.
 """
 
 from __future__ import annotations
@@ -32,8 +24,7 @@ class Family:
     workloads: Mapping[str, Any]  # name -> workload (its batch_sizes and temperatures)
     headline: tuple[Cell, ...]
     quick: tuple[Cell, ...]
-    # the cells of a run given no --workloads, --headline or --quick: the headline's
-    # (True) or every cell of every workload (False)
+    # default cells: the headline's (True) or every cell of every workload (False)
     default_is_headline: bool
     sizes: Any  # workloads.Sizes or instruct.InstructSizes
     quick_sizes: Any

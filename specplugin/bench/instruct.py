@@ -1,40 +1,13 @@
 """Instruct workloads: chat requests as a real instruct model's users send them.
 
-Each request is one user turn rendered through the target's chat template (with the
-generation prompt) into token ids here, in the parent process, so every method gets
-exactly the same ids. Kinds of request:
+One user turn per request, rendered through the target's chat template in the parent, so
+every method gets the same ids. Kinds: **code-edit** (rewrite a function: long copies),
+**explain** (a function or docstring: some copying), **chat** (nothing to copy);
+``chat-mix`` mixes all three, half greedy. Requests stop at EOS, capped at ``max_tokens``.
 
-- **code-edit**: a Python function and an instruction to rewrite it with one change
-  (rename one parameter or local variable; add type hints; add a docstring) and to reply
-  with the whole function in a code block: the answer copies long spans of the prompt.
-- **explain**: a function, or a passage of documentation (a docstring), to explain or
-  summarise: some copying.
-- **chat**: an open question (:mod:`~specplugin.bench.chat_questions`): nothing to copy.
-
-Workloads ``code-edit``, ``explain`` and ``chat`` ask one kind each; ``chat-mix`` is a
-server's batch: request i asks ``MIX_KINDS[i % 3]``, and half the requests are greedy,
-half at the cell's temperature (``workloads.half_greedy``, as the ``server`` workload).
-
-Every request stops at EOS (the template's end of turn; vLLM reads it from the model's
-config), capped at its workload's ``max_tokens``: outputs differ in length, and tok/s
-counts the tokens generated. The engine reports how many requests ended at EOS.
-
-**Material.** Functions (8-40 lines, at most :data:`MAX_FUNCTION_CHARS` characters) and
-docstrings (module, class and function; at least :data:`MIN_TEXT_CHARS`, cut at a paragraph
-end to at most :data:`MAX_TEXT_CHARS`) of the standard-library modules
-:data:`STDLIB_MODULES`, read with ``ast`` from this interpreter's stdlib
-(``sysconfig.get_paths()["stdlib"]``): a fixed list, so prompts change only with the Python
-version. The phrasings vary per request (several templates per kind, drawn by seed).
-
-**Dealing.** Functions, docstrings and questions are three decks, each shuffled by the
-run's seed. Cells take consecutive hands of each deck in a fixed order of cells (the
-headline first, then the rest of the grid, then any other cell), so the headline cells
-never share a function, a docstring or a question: a proposer that learns across requests
-(vLLM's ``suffix``) cannot replay an earlier cell's answer. A deck that runs out wraps
-(the full grid asks for more questions than there are). Within a cell, its own seed
-(``Cell.seed``) draws the edits and the phrasings.
-
-Nothing here imports vLLM; transformers is imported only to load a real tokenizer.
+Functions, docstrings (fixed stdlib modules) and questions are three decks shuffled by the
+run's seed and dealt in :data:`DEAL_ORDER`, so headline cells never share material and a
+cross-request proposer cannot replay an earlier cell. No vLLM import.
 """
 
 from __future__ import annotations
@@ -52,9 +25,7 @@ import numpy as np
 from specplugin.bench.chat_questions import QUESTIONS
 from specplugin.bench.workloads import Cell, CellPrompts, half_greedy, same_temperature
 
-# The modules the functions and docstrings come from (paths under the stdlib root; one
-# missing in some Python version is skipped). Text processing, numbers, data formats,
-# paths, dates, configuration: code a user might paste.
+# paths under the stdlib root (missing ones are skipped): code a user might paste
 STDLIB_MODULES: tuple[str, ...] = (
     "textwrap.py", "shlex.py", "fractions.py", "difflib.py", "calendar.py",
     "statistics.py", "heapq.py", "colorsys.py", "configparser.py", "glob.py",
@@ -247,11 +218,8 @@ class InstructWorkload:
     request_temperatures: Callable[[int, float], list[float]] = same_temperature
 
 
-# max_tokens: long enough for a whole edited function (<= ~300 tokens) and a sentence, or
-# an answer of a few paragraphs; chat-mix takes the largest of its kinds'. Measured on
-# SmolLM2-135M-Instruct (bf16, no speculation, 2026-12-07): 39 of the headline's 72
-# requests ended at EOS; most of the others were greedy repetition loops, which a larger
-# cap would only lengthen (the bench prints each cell's count).
+# max_tokens fits a whole edited function (<= ~300 tokens) or a few paragraphs; requests
+# that hit the cap are mostly greedy repetition loops, which a larger cap only lengthens
 INSTRUCT_WORKLOADS: dict[str, InstructWorkload] = {
     w.name: w
     for w in (
@@ -262,8 +230,7 @@ INSTRUCT_WORKLOADS: dict[str, InstructWorkload] = {
     )
 }
 
-# The real model's headline: each kind greedy at batch 1, chat sampled at batch 1, copying
-# batched, and a server's mixed batch at 8 and 32.
+# each kind greedy at b1, chat sampled at b1, copying batched, a server's mix at b8 and b32
 INSTRUCT_HEADLINE = (Cell(CODE_EDIT, 1, 0.0), Cell(EXPLAIN, 1, 0.0), Cell(CHAT, 1, 0.0),
                      Cell(CHAT, 1, 1.0), Cell(CODE_EDIT, 8, 0.0), Cell("chat-mix", 8, 1.0),
                      Cell("chat-mix", 32, 1.0))
@@ -294,7 +261,7 @@ def instruct_grid(workloads: Sequence[str] = tuple(INSTRUCT_WORKLOADS)) -> list[
             for t in INSTRUCT_WORKLOADS[w].temperatures]
 
 
-# The order in which cells take their hands of the decks (see the module doc).
+# the order in which cells take their hands of the decks
 DEAL_ORDER = INSTRUCT_HEADLINE + tuple(c for c in instruct_grid() if c not in INSTRUCT_HEADLINE)
 
 
@@ -312,8 +279,7 @@ def _demand(kinds: Sequence[str]) -> Counter:
 
 
 def _offsets(cell: Cell, sizes: InstructSizes) -> Counter:
-    """Cards dealt to the cells before ``cell`` in :data:`DEAL_ORDER` (all of them, for a
-    cell not in it)."""
+    """Cards dealt before ``cell`` in :data:`DEAL_ORDER` (all, for a cell not in it)."""
     before = DEAL_ORDER[: DEAL_ORDER.index(cell)] if cell in DEAL_ORDER else DEAL_ORDER
     total: Counter = Counter()
     for other in before:
@@ -374,8 +340,7 @@ def cell_prompts(source: InstructSource, sizes: InstructSizes, cell: Cell,
 
 
 def chat_renderer(tokenizer) -> Callable[[Messages], list[int]]:
-    """A chat through ``tokenizer``'s chat template, with the assistant's generation
-    prompt, as token ids (transformers' ``apply_chat_template``)."""
+    """A chat as token ids through ``tokenizer``'s chat template, with generation prompt."""
     def render(messages: Messages) -> list[int]:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                             tokenize=True, return_dict=False)
@@ -385,8 +350,7 @@ def chat_renderer(tokenizer) -> Callable[[Messages], list[int]]:
 
 
 def has_chat_template(folder: Path) -> bool:
-    """Whether the tokenizer saved in ``folder`` has a chat template (in
-    ``tokenizer_config.json`` or a ``chat_template.jinja`` / ``.json`` file)."""
+    """Whether the tokenizer saved in ``folder`` has a chat template."""
     folder = Path(folder)
     if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
         return True

@@ -1,18 +1,10 @@
 """``specplugin load``: `vllm serve` with and without the plugin under vLLM's own serving
 benchmark (``vllm bench serve``, a client nobody here wrote).
 
-For each configuration (no speculation, the plugin's recommended union, vLLM's best
-built-in method at its searched settings, and with ``--faults`` the union again with
-proposers and draft forwards failing on purpose while some clients leave mid-stream),
-one server starts, ``vllm bench serve`` sends the same greedy requests (mixed
-prompts: edits that copy code and fresh completions, from the zoo's held-out files)
-with ``--max-concurrency`` streaming clients, and the server's ``/metrics`` is read
-afterwards. Printed per configuration: completed and failed requests, output tok/s
-and its ratio to no speculation and to the built-in, whether a sample of outputs is
-identical to the spec-off server's, the plugin's caught failures, and the KV cache
-usage once the load is over (it must be back at 0: aborted requests hold nothing).
-Servers run one at a time; the client shares the machine's cores with the server
-(every configuration pays that the same way).
+One server per configuration (none, the plugin's union, vLLM's best built-in; with
+``--faults`` the union with injected failures and clients leaving mid-stream), the same
+greedy prompts each. Reports tok/s ratios, output identity with no speculation, caught
+failures, and KV cache usage afterwards (must be 0: aborts hold nothing).
 """
 
 from __future__ import annotations
@@ -111,8 +103,7 @@ def run(args) -> int:
 
 
 def write_dataset(zoo_root: Path, path: Path, num_prompts: int, max_tokens: int) -> Path:
-    """``vllm bench serve --dataset-name custom``: one JSON line per request, prompts as
-    text (half edits, half completions, from the zoo's held-out files)."""
+    """A ``vllm bench serve --dataset-name custom`` file of mixed text prompts."""
     import numpy as np
     from tokenizers import Tokenizer
 
@@ -129,8 +120,7 @@ def write_dataset(zoo_root: Path, path: Path, num_prompts: int, max_tokens: int)
 
 
 def serve_args(model: str, port: int, engine_kwargs: dict[str, Any], eager: bool) -> list[str]:
-    """``vllm serve`` flags for the bench's engine keyword arguments (with the defaults
-    every engine of the project gets)."""
+    """``vllm serve`` flags for these engine kwargs plus ``ENGINE_DEFAULTS``."""
     from specplugin.bench.runner import ENGINE_DEFAULTS
 
     engine_kwargs = {**ENGINE_DEFAULTS, **engine_kwargs}
@@ -202,8 +192,7 @@ def bench_serve(name: str, base: str, model: str, dataset: Path, args, out_dir: 
 
 
 class _Leavers:
-    """Clients that open a streaming completion and leave after a few chunks, in a loop,
-    while the load runs (their requests are aborted on the server)."""
+    """Clients that, in a loop, open a streaming completion and leave after a few chunks."""
 
     def __init__(self, base: str, model: str):
         self.base, self.model = base, model

@@ -1,28 +1,13 @@
 """``specplugin check-lossless``: speculation must not change what the target generates.
 
-Two checks, each comparing a speculative configuration against the same engine
-without speculation:
+1. **Greedy**: on the pair's target and workloads, every output token equals the one
+   without speculation (float32 unless ``--dtype``).
+2. **Sampling** (temperature 1): on a tiny-vocabulary model with repetitive prompts,
+   thousands of draws per prompt; per output position a two-sample chi-square test must
+   not reject at ``alpha / number of tests`` (Bonferroni). ``--power-check``: temperature
+   0.9 without speculation must be told apart (a positive control).
 
-1. **Greedy**: on the pair's target and its workloads' prompts (``families.py``: token
-   windows for the pairs trained here, chats stopping at EOS for an instruct pair),
-   every output token equals the non-speculative one, in float32 unless ``--dtype``. A
-   difference is reported with its cell, request index, first differing position and
-   both tokens.
-2. **Sampling** (temperature 1): on a tiny-vocabulary model (``tinymodel.py``) with
-   repetitive prompts, so drafts are proposed and verified at every step, thousands
-   of draws per prompt are made with and without speculation, and at each of the
-   first output positions the two token histograms are compared with a two-sample
-   chi-square test (``specplugin.stats.chi_square_homogeneity``). The check fails
-   when any p-value is below ``alpha / number of tests`` (Bonferroni: the chance of a
-   false alarm over the whole run is at most ``alpha``). It also fails when the
-   speculative run proposed or accepted nothing: the test would then prove nothing.
-
-``--power-check`` (on by default outside ``--quick``) also runs a positive control:
-the same model without speculation at temperature 0.9 instead of 1, which the
-sampling check must tell apart from the reference: evidence that it sees a change
-of distribution that small at this number of draws.
-
-Exit status 0 when everything passed, 1 on any failure, 2 on bad arguments.
+Both fail when nothing was drafted or accepted. Exit 0 pass, 1 failure, 2 bad arguments.
 """
 
 from __future__ import annotations
@@ -136,8 +121,8 @@ CONTROL_TEMPERATURE = 0.9
 
 
 def control_payload(payload: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The sampled cells at temperature 0.9: a known, small change of distribution that the
-    test must detect (vLLM's own lossy mode, synthetic acceptance, does not run on CPU)."""
+    """The sampled cells at temperature 0.9: a small known change the test must detect
+    (vLLM's synthetic acceptance mode does not run on CPU)."""
     return [{**cell, "temperature": CONTROL_TEMPERATURE} for cell in payload]
 
 
@@ -146,8 +131,7 @@ def control_payload(payload: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
 
 @dataclass
 class Engines:
-    """Runs one configuration per call in a fresh engine child (``runner.run_job``),
-    returning its cells with token ids; a warning the children report is printed once."""
+    """Runs one configuration per call in a fresh engine child; returns cells with token ids."""
 
     workdir: Path
     console: Any
@@ -211,8 +195,7 @@ def greedy_mismatches(reference: Mapping[str, Any], candidate: Mapping[str, Any]
     return out
 
 
-# The greedy check's workloads by the pair's family (families.py): full and --quick, each
-# at batch 8, temperature 0, 16 requests; and what --quick changes of the family's sizes.
+# family name -> (full workloads, --quick workloads, --quick size changes); 16 requests, t0
 GREEDY_PLAN = {
     "code windows": (("edit", "complete", "mixed"), ("mixed",), {"max_tokens": 64}),
     "instruct": (("code-edit", "explain", "chat"), ("chat-mix",), {}),
@@ -234,9 +217,8 @@ def _greedy_cells(zoo_root: Path, quick: bool, batch_size: int = 8):
 
 def check_greedy(specs, zoo: str | None, quick: bool, engines: Engines,
                  dtype: str = GREEDY_DTYPE, defaults: bool = False, batch_size: int = 8) -> bool:
-    """Token-for-token equality with the non-speculative run, on the pair's target
-    (``defaults``: the methods are the default list, and those needing a draft model the
-    pair lacks are skipped, said so, rather than failed)."""
+    """Token-for-token equality with the non-speculative run on the pair's target.
+    ``defaults``: methods needing a missing draft model are skipped, not failed."""
     from specplugin.bench.cli import zoo_models
     from specplugin.bench.methods import METHODS, runnable
     from specplugin.bench.runner import EngineFailure, cells_payload
@@ -317,8 +299,7 @@ def position_counts(token_ids: Sequence[Sequence[int]], position: int, vocab_siz
 def compare_samples(reference: Sequence[Sequence[Sequence[int]]],
                     candidate: Sequence[Sequence[Sequence[int]]],
                     num_positions: int, vocab_size: int) -> list[SampledTest]:
-    """One chi-square homogeneity test per (prompt, output position). Inputs are
-    [num_prompts][num_draws][num_tokens] token ids."""
+    """One chi-square test per (prompt, position); inputs [num_prompts][num_draws][num_tokens]."""
     from specplugin.stats import chi_square_homogeneity
 
     if len(reference) != len(candidate):
@@ -352,7 +333,7 @@ class SampledSetup:
     reference: tuple = ()  # [num_prompts][num_draws][num_tokens], without speculation
 
 
-# The tiny model has no tokenizer (prompts are token ids); all draws of a prompt run at once.
+# no tokenizer (prompts are token ids); all draws of a prompt run at once
 TINY_ENGINE_KWARGS = {"skip_tokenizer_init": True, "max_model_len": 128, "max_num_seqs": 256}
 
 
@@ -444,8 +425,8 @@ def _scorer_wins(cells) -> int:
 
 
 def _forces_extra_candidates(spec) -> bool:
-    """Methods whose every draft is verified beside a decoy (test switch): their run
-    proves nothing about the scorer unless extra candidates won."""
+    """Methods verifying every draft beside a decoy (test switch): they prove nothing
+    about the scorer unless extra candidates won."""
     return bool(spec.settings.get("fault_injection", {}).get("decoy_primary"))
 
 

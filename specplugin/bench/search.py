@@ -1,13 +1,9 @@
 """``specplugin bench --search-builtins``: how ``BUILTIN_SETTINGS`` was chosen, rerunnable.
 
-Each built-in among ``--methods`` runs every point of its ``search_space`` grid
-(methods.py) on ``SEARCH_CELLS``, a cross-section of the grid (both batch sizes,
-both temperatures, copying and fresh code; ``--quick``: the quick cells). The
-``adversarial`` cell is left out: it has nothing to guess, so it would only reward
-the smallest K (the bench still reports it). A setting's score is the geometric
-mean of its tok/s over those cells: one number per setting that no single cell
-dominates. The best setting per built-in is printed as a dict to paste into
-``BUILTIN_SETTINGS``.
+Each built-in among ``--methods`` runs every point of its ``search_space`` on
+``SEARCH_CELLS`` (``adversarial`` left out: it would only reward the smallest K). A
+setting's score is the geometric mean of its tok/s over those cells, so no single cell
+dominates; the best per built-in is printed as a dict to paste into ``BUILTIN_SETTINGS``.
 """
 
 from __future__ import annotations
@@ -28,8 +24,8 @@ SEARCH_CELLS = (Cell("edit", 1, 0.0), Cell("complete", 1, 1.0), Cell("mixed", 8,
 
 
 def search_cells(cells: Sequence[CellPrompts], quick: bool) -> list[CellPrompts]:
-    """The run's cells among ``SEARCH_CELLS`` (all but adversarial with ``quick``); an
-    instruct pair, whose cells are none of those, searches on the cells of the run."""
+    """The run's cells among ``SEARCH_CELLS`` (all but adversarial with ``quick``, or when
+    none match, as for an instruct pair)."""
     kept = [cp for cp in cells if cp.cell.workload not in EXCLUDED_WORKLOADS]
     return kept if quick else [cp for cp in kept if cp.cell in SEARCH_CELLS] or kept
 

@@ -1,22 +1,8 @@
 """Run a list of configurations over rounds, interleaved, with a progress display.
 
-Round r runs every configuration once, in an order rotated by r, so slow drift of
-a shared machine (another job starting, thermal throttling) lands on all
-configurations alike instead of on whichever ran last.
-
-By default one engine per configuration and round runs every cell, one after another:
-the cells after the first find what the earlier ones taught the plugin (its estimates,
-its suffix store). ``fresh_engine`` starts an engine for every cell instead, as a
-user's offline job starts one: each cell then measures the plugin from its first step.
-
-Round r seeds its engines with r (vLLM's ``seed``, which its sampler and the plugin's
-draws follow): with one seed for every round, each round of a temperature-1 cell replayed
-the same random draws and so the same text (measured: the same acceptance counts to the
-token), so the rounds averaged the machine's timing noise but not the text's, which at
-temperature 1 moves a cell's tokens per step more. On the validation pair, complete batch
-1 temperature 1, vLLM's ``draft_model`` at K = 2 emitted 2.17-2.32 tokens a step over
-five prompt seeds, the plugin's draft 2.19-2.27: a 0.1-0.2 gap seen
-between the two, one seed each, is within that spread.
+Round r runs every configuration once in an order rotated by r (machine drift lands on
+all alike) and seeds its engines with r (so temperature-1 rounds differ in text, not only
+timing). One engine per configuration and round runs every cell, unless ``fresh_engine``.
 """
 
 from __future__ import annotations
@@ -48,7 +34,7 @@ class SuiteResult:
     failures: list[str] = field(default_factory=list)
     failed_labels: set[str] = field(default_factory=set)
     warnings: set[str] = field(default_factory=set)
-    # by cell key: vLLM's max_num_seqs of the engines that ran it (runner.max_num_seqs)
+    # by cell key (runner.max_num_seqs)
     max_num_seqs: dict[str, int] = field(default_factory=dict)
 
     def cell_runs(self, label: str, key: str) -> list[dict[str, Any]]:
@@ -63,11 +49,7 @@ def rotated(entries: Sequence[Entry], round_index: int) -> list[Entry]:
 def run_suite(entries: Sequence[Entry], models: Models, cells: Sequence[CellPrompts],
               rounds: int, workdir: Path, console=None, eager: bool = False,
               fresh_engine: bool = False, dtype: str | None = None) -> SuiteResult:
-    """Every entry runs every cell once per round, one engine at a time (``eager``: see
-    ``runner.engine_kwargs``; ``fresh_engine``: an engine per cell, see the module doc;
-    ``dtype``: vLLM's, default the runner's). Each engine's ``max_num_seqs`` is the
-    largest batch size among its cells (``runner.max_num_seqs``): with ``fresh_engine``
-    the cell's own."""
+    """Every entry runs every cell once per round, one engine at a time."""
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeElapsedColumn)
 
@@ -100,8 +82,7 @@ def run_suite(entries: Sequence[Entry], models: Models, cells: Sequence[CellProm
 
 def _engine_kwargs(entry: Entry, models: Models, group: Sequence[Mapping[str, Any]],
                    round_index: int, dtype: str | None) -> dict[str, Any]:
-    """One engine's vLLM arguments over the runner's defaults: the round's seed, the
-    largest batch of its cells as ``max_num_seqs``, the dtype, then the method's own."""
+    """One engine's vLLM arguments: the round's seed, ``max_num_seqs``, dtype, the method's."""
     return {"seed": round_index, "max_num_seqs": max_num_seqs(group),
             **({"dtype": dtype} if dtype else {}),
             **entry.spec.engine_kwargs(models, entry.settings)}

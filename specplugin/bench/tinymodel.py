@@ -1,15 +1,8 @@
 """A tiny-vocabulary Llama pair for the sampled losslessness check.
 
-With a vocabulary of a dozen tokens, a few thousand draws fill every cell of a
-per-position histogram, so a chi-square test can see a sampler that is off by a
-few percent. Random weights are enough: the check compares speculation against
-no speculation on the same model, not against text. The output layer is scaled
-so the target's distributions are peaked but not one-hot (logit std ~2): drafts
-then get accepted often enough to exercise acceptance, and rejected often enough
-to exercise the recovered-token path.
-
-Models are saved in Hugging Face format without a tokenizer; vLLM loads them with
-``skip_tokenizer_init=True`` and prompts given as token ids.
+With a dozen tokens a few thousand draws fill every histogram cell, so a chi-square test
+sees a sampler off by a few percent. Random weights suffice; logits are scaled (std ~2) so
+drafts are both accepted and rejected often. No tokenizer: prompts are token ids.
 """
 
 from __future__ import annotations

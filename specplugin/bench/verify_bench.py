@@ -1,18 +1,11 @@
-"""vLLM's rejection sampler against the plugin's shortcuts: an all-greedy batch, and a
-batch sampling at temperature 1 with draft probabilities.
+"""vLLM's rejection sampler against the plugin's shortcuts, timed on two batches.
 
-Why: a speculative step of greedy requests needs only the target's argmax at each
-verified position, yet vLLM's ``RejectionSampler`` also runs a bonus-token sampler,
-float32 copies of the target rows, its processors and a kernel; on this CPU torch's
-argmax alone costs ~10x numpy's. The plugin's runner verifies such batches itself
-(:func:`specplugin.vllm_layer.verification.verify_greedy`), and batches of sampled
-requests asking for nothing beyond a temperature too
-(:func:`specplugin.vllm_layer.verification.verify_sampled`). This prints both, per
-batch size and draft length, warm caches (inside an engine both cost more):
+An all-greedy batch, and a batch sampling at temperature 1 with draft probabilities.
 
-    .venv/bin/python -m specplugin.bench.verify_bench
-
-The two builders of vLLM's metadata are the tests' too (``tests/test_draft_core.py``).
+vLLM's ``RejectionSampler`` does far more than these batches need (on CPU torch's argmax
+alone costs ~10x numpy's), so the plugin verifies them itself (``verify_greedy``,
+``verify_sampled``). Run: ``.venv/bin/python -m specplugin.bench.verify_bench``.
+The metadata builders are the tests' too.
 """
 
 from __future__ import annotations
@@ -25,9 +18,8 @@ import torch
 
 
 def spec_decode_metadata(drafts: list[list[int]]):
-    """vLLM's ``SpecDecodeMetadata``, each row's logits laid out as vLLM's runner lays them
-    out: one per draft token, then the bonus position's (vLLM's ``make_dummy`` leaves
-    every index 0)."""
+    """vLLM's ``SpecDecodeMetadata`` with logits laid out as its runner does: one per draft
+    token, then the bonus position (``make_dummy`` leaves every index 0)."""
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
     counts = np.array([len(d) for d in drafts])
@@ -44,8 +36,7 @@ def spec_decode_metadata(drafts: list[list[int]]):
 
 
 def greedy_sampling_metadata(num_reqs: int, **changes):
-    """vLLM's ``SamplingMetadata`` of an all-greedy batch asking for nothing else
-    (``changes``: fields to set otherwise)."""
+    """vLLM's ``SamplingMetadata`` of a plain all-greedy batch, with ``changes`` applied."""
     import dataclasses
 
     from vllm.v1.sample.logits_processor import LogitsProcessors

@@ -1,27 +1,13 @@
-"""The workloads of ../shared/DESIGN.md as token-id prompts, built without vLLM.
+"""The small pairs' workloads as token-id prompts, built without vLLM.
 
-- **edit**: a chunk of unseen code, a separator, then the chunk's first tokens again:
-  a good continuation copies the rest of the chunk (edits, refactors, quoting RAG).
-- **complete**: a window of unseen code; the continuation is fresh code.
-- **mixed**: edit and complete prompts alternating, so every batch holds both.
-- **adversarial**: uniformly random token ids: nothing to guess, speculation can only cost.
-- **server**: a batch as a server sees it: edit and complete prompts, half of the
-  requests greedy and half at the cell's temperature (request i edits when i is even,
-  samples when ``i // 2`` is odd: every four requests hold each combination once).
-- **revisit**: an agent working on the same file over several requests: each request is
-  one of a few code windows again, behind a short header of its own, so a later request
-  regenerates what an earlier one produced (cross-request drafting pays; requests of one
-  batch run together, so this workload runs at batch 1).
+**edit** (a code chunk, a separator, its first tokens again: the answer copies),
+**complete** (fresh code), **mixed** (both alternating), **adversarial** (random ids:
+speculation can only cost), **server** (mixed, half greedy), **revisit** (windows asked
+again behind new headers: cross-request drafting pays; batch 1).
 
-"Unseen" means the zoo's held-out stdlib files (``specplugin.zoo.heldout_files``),
-tokenized with the zoo's own tokenizer and joined into one stream; prompts are
-windows at random offsets of that stream, so a quick zoo with two held-out files
-still yields as many distinct prompts as asked for. Prompts are token ids, so every
-method of a run is fed exactly the same input.
-
-A **cell** is one (workload, batch size, temperature). Each cell draws its prompts
-from its own seed: cells never share prompts, so a proposer that learns across
-requests (vLLM's ``suffix``) cannot replay an earlier cell's outputs.
+Prompts are windows at random offsets of the zoo's held-out stdlib files as one token
+stream. A **cell** is (workload, batch size, temperature) with its own seed, so cells
+never share prompts.
 """
 
 from __future__ import annotations
@@ -118,7 +104,7 @@ def adversarial_prompts(source: PromptSource, sizes: Sizes, count: int,
 def revisit_prompts(source: PromptSource, sizes: Sizes, count: int,
                     rng: np.random.Generator) -> list[list[int]]:
     """Request i continues window ``i % num_windows`` (``count // 4`` windows, each asked
-    four times, later asks after earlier ones), behind its own 8-token header."""
+    four times) behind its own 8-token header."""
     windows = code_windows(source, sizes.complete_prompt_len, max(1, count // 4), rng)
     headers = code_windows(source, 8, count, rng)
     return [np.concatenate([headers[i], windows[i % len(windows)]]).tolist()
@@ -186,8 +172,7 @@ def full_grid(workloads: Sequence[str] = tuple(WORKLOADS)) -> list[Cell]:
 QUICK_CELLS = (Cell("edit", 1, 0.0), Cell("mixed", 8, 1.0), Cell("adversarial", 16, 1.0))
 
 
-# --headline: the six cells the small pairs' goals are measured on (full sizes): copying and
-# fresh code at batch 1, fresh code batched, a server's mixed batch, sampling alone, noise.
+# --headline: copying and fresh code at b1, fresh code batched, a server's mix, sampling, noise
 HEADLINE_CELLS = (Cell("edit", 1, 0.0), Cell("complete", 1, 0.0), Cell("complete", 8, 0.0),
                   Cell("server", 8, 1.0), Cell("complete", 1, 1.0), Cell("adversarial", 16, 1.0))
 
@@ -198,8 +183,7 @@ class CellPrompts:
     prompts: tuple[tuple[int, ...], ...]  # [num_batches * batch_size][prompt_len]
     max_tokens: int  # every request's output length (ignore_eos), else its cap
     temperatures: tuple[float, ...] | None = None  # [num_prompts]; None: the cell's, for all
-    # True: every request makes exactly max_tokens tokens (these token windows); False:
-    # requests stop at EOS as users' do (the instruct workloads, instruct.py)
+    # True: exactly max_tokens per request; False: stop at EOS (instruct workloads)
     ignore_eos: bool = True
 
 

@@ -1,13 +1,8 @@
 """``specplugin zoo report``: the figures the README gives for the zoo pair, measured under vLLM.
 
-- parameters and held-out loss (cross entropy in nats/token on held-out stdlib
-  files), read from ``zoo.json`` written at training time;
-- decode speed of each model alone under vLLM at batch 1 (greedy, one request);
-- mean acceptance length of vLLM's own ``draft_model`` method with this pair
-  (K=4, greedy) on held-out ``complete`` prompts: fresh code, nothing to copy.
-
-Engines start through the project's one runner (``specplugin.bench.runner``), in vLLM's
-compiled mode unless ``--eager``.
+Parameters and held-out loss (nats/token, from ``zoo.json``); each model's batch-1 greedy
+decode speed; mean acceptance length of vLLM's ``draft_model`` with this pair (K=4,
+greedy) on held-out ``complete`` prompts. Compiled mode unless ``--eager``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """The one interface every proposer implements.
 
-A proposer sees the whole batch at once (no per-request Python loop is forced on
-it) and returns at most one candidate per row: the tokens it guesses come next,
-each with its own *signal* in [0, 1] (what the proposer knows about how good the
-guess is: a suffix continuation's frequency, an n-gram match's length, a draft
-model's confidence). The difficulty estimator (:mod:`specplugin.adaptive`) learns
-what a signal is worth; the controller decides how much of which candidate each
-request verifies. ``None`` means "no guess for this row".
-
-Lifecycle: a proposer meets a request the first time it appears in a batch (its
-prompt and output so far are in the batch's token buffer, its id in ``req_ids``),
-sees its accepted tokens as the context grows from step to step, and is told
-when it finished (:meth:`Proposer.finish_requests`), so per-request state can go
-and cross-request state (past outputs) can keep what it needs.
+A proposer sees the whole batch and returns at most one candidate per row (``None``: no
+guess): the tokens it guesses come next, each with a *signal* in [0, 1] saying how good
+it thinks the guess is. :mod:`specplugin.adaptive` learns what a signal is worth and
+decides how much of which candidate each request verifies. Per-request state is dropped
+on :meth:`Proposer.finish_requests`.
 """
 
 from __future__ import annotations
@@ -29,16 +21,11 @@ import numpy as np
 class StepBatch:
     """What a proposer may read this step. Arrays are views into the engine's buffers: read only.
 
-    ``rows`` lists the batch rows that want drafts (decoding, with room left under
-    their limits); other rows get no candidate without asking. ``allowed`` holds, per
-    row, the proposers its request allows (``specplugin_proposers``; None: every one);
-    :meth:`for_proposer` is the batch one proposer is asked with.
+    ``rows``: the rows that want drafts; other rows get ``None``. ``allowed``: per row, the
+    proposers its request allows (None: every one).
 
-    Built every step, and never changed once built: a slotted dataclass, not a frozen one,
-    whose ``__init__`` sets each field through ``object.__setattr__`` (measured on a
-    dataclass of 11 fields: 1.10 against 0.14 us warm, several times that after the
-    target's forward has swept the caches). The other per-step records (:class:`Candidate`, the union's ``Verified`` and
-    ``StepPlan``, the runner's ``StepContext``) are built the same way for the same reason.
+    Never changed once built, yet slotted rather than frozen: a frozen ``__init__`` costs
+    ~8x more per step. Other per-step records are built the same way.
     """
 
     req_ids: tuple[str, ...]  # [num_reqs]
@@ -48,7 +35,7 @@ class StepBatch:
     max_draft_lens: np.ndarray  # [num_reqs] int: most draft tokens allowed per row (>= 0)
     sampled: np.ndarray  # [num_reqs] bool: temperature > 0 (else greedy)
     rows: tuple[int, ...]
-    allowed: tuple[frozenset[str] | None, ...] | None = None  # [num_reqs] (None: all rows allow all)
+    allowed: tuple[frozenset[str] | None, ...] | None = None  # [num_reqs]
 
     @property
     def num_reqs(self) -> int:
@@ -69,10 +56,8 @@ class StepBatch:
 class Candidate:
     """A guessed continuation: deterministic tokens, verified as one-hot drafts.
 
-    ``alternatives``: the proposer's other guesses for the same row (another match, a
-    less frequent branch), offered only when the batch-expanding scorer may verify
-    several candidates per request (``max_candidates`` > 1); the union weighs them like
-    any other candidate."""
+    ``alternatives``: other guesses for the same row, offered only when
+    ``max_candidates`` > 1."""
 
     token_ids: np.ndarray  # [k] int64
     signal: np.ndarray  # [k] float64 in [0, 1]
@@ -88,11 +73,8 @@ class Candidate:
 class Proposer(Protocol):
     """Guesses the next tokens of each request.
 
-    A proposer may also have a ``defer`` attribute, a callable taking a job (a callable
-    of no arguments): work that its next proposal need not wait for (the suffix index's
-    tree of all outputs) goes there. The union sets it to its background's ``submit``
-    (:mod:`specplugin.adaptive.background`: run in the worker's wait for its next step);
-    a proposer used alone runs the job at once."""
+    An optional ``defer(job)`` attribute takes work the next proposal need not wait for;
+    the union points it at its background runner, a lone proposer runs the job at once."""
 
     name: str
 

@@ -1,11 +1,8 @@
-"""Draft-model proposer: its mechanics that need no vLLM.
+"""Draft-model proposer: the parts that need no vLLM.
 
-A small draft model runs autoregressively for the whole batch at once; the vLLM layer
-(``specplugin/vllm_layer/draft_proposer.py``) runs it on the paged KV cache. Here: how
-far each request's draft KV is written (:class:`DraftKVCursor`, so the draft runs only
-for the rows that use it), how draft tokens are drawn and their confidence read, and
-the draft's candidates handed to the union (:class:`DraftCandidates`). How far each
-request drafts is policy, the decider's: :mod:`specplugin.adaptive.draft_rule`.
+The vLLM layer (``vllm_layer/draft_proposer.py``) runs the draft on the paged KV cache.
+Here: the per-request draft KV cursor, drawing draft tokens and their confidence, and
+the candidates handed to the union. Draft length policy: :mod:`specplugin.adaptive.draft_rule`.
 """
 from __future__ import annotations
 
@@ -21,30 +18,20 @@ from specplugin.proposers.base import Candidate, StepBatch
 
 
 class DraftKVCursor:
-    """How far each request's draft KV cache is written, so the draft model can run only
-    for the rows that will use its drafts.
-
-    vLLM's draft pass re-reads, every step, the tokens the target just verified for every
-    request. Here a request the draft skipped (its drafts were not needed: another
-    proposer's candidate was better, or it had no room left) keeps a gap, and the next
-    time it drafts its first pass re-reads the context from where its draft KV ends:
-    positions ``[written, num_tokens)``, the last being the newest token, whose output is
-    draft position 0. A new request starts at 0 (its whole prompt); a preempted one is
-    reset (:meth:`forget`), since its blocks were freed.
-    """
+    """How far each request's draft KV is written, so the draft runs only for rows that
+    use it. A skipped row's next first pass re-reads ``[written, num_tokens)``; a
+    preempted one is reset (:meth:`forget`)."""
 
     def __init__(self):
         self._written: dict[str, int] = {}  # req id -> context positions with draft KV
-        # req id -> positions past its written end whose draft KV the last run's decode
-        # passes wrote from the draft tokens sent for verification (see :meth:`drafted`)
+        # req id -> positions past its written end already written by the last run (drafted)
         self._ahead: dict[str, int] = {}
 
     def starts(self, req_ids: Sequence[str],  # [n] the rows that will draft
                num_tokens: Sequence[int],  # [n] context length, newest token included
                budget: int) -> list[int]:  # [n] first position to read; -1: not this step
-        """Rows whose re-read would overflow ``budget`` tokens in all (the draft's input
-        buffers) wait for a later step. (A loop over a few rows: after the target's forward
-        each numpy call costs microseconds of cold caches.)"""
+        """Rows whose re-read would overflow ``budget`` tokens in all wait for a later step.
+        (A plain loop: after the target's forward each numpy call costs microseconds.)"""
         written, starts, total = self._written, [], 0
         for req_id, n in zip(req_ids, num_tokens):
             start = written.get(req_id, 0)
@@ -56,8 +43,7 @@ class DraftKVCursor:
 
     def behind(self, req_ids: Sequence[str],  # [n]
                num_tokens: np.ndarray) -> list[int]:  # [n] context length, newest included
-        """Tokens each row's first pass would read beyond its newest one (the catch-up a
-        draft run costs: a new request's whole prompt, a skipped one's gap)."""
+        """Tokens each row's first pass would read beyond its newest one (the catch-up cost)."""
         written = self._written
         return [n - 1 - (w if w < n else 0)
                 for w, n in zip((written.get(r, 0) for r in req_ids), num_tokens.tolist())]
@@ -68,20 +54,15 @@ class DraftKVCursor:
 
     def drafted(self, req_ids: Sequence[str],  # [n] the rows the run drafted for
                 ahead: Sequence[int]) -> None:  # [n] see below
-        """After a run: decode pass ``j`` read draft token ``j`` at the position right
-        after the context's, so it wrote that position's draft KV just as a first pass
-        would if the target accepted the token. ``ahead[i]``: how many of row i's sent
-        draft tokens had a decode pass (``min(tokens sent, passes run)``; 0 where the
-        row verifies another proposer's tokens). Replaces the last run's."""
+        """After a run: decode pass ``j`` already wrote draft KV for draft token ``j``.
+        ``ahead[i]``: ``min(tokens sent, passes run)`` for row i (0 if it verifies another
+        proposer's tokens). Replaces the last run's."""
         self._ahead = {r: a for r, a in zip(req_ids, ahead) if a > 0}
 
     def accepted(self, req_ids: Sequence[str],  # [num_reqs]
                  num_accepted: Sequence[int]) -> None:  # [num_reqs] of the step just verified
-        """The target verified the last run's drafts: each row's accepted ones that a
-        decode pass read already have their draft KV, and the next first pass starts
-        after them (it reads the newest token, plus any accepted beyond the passes run),
-        where vLLM's draft pass re-reads every verified token. Call once per verified
-        step, before :meth:`starts` or :meth:`behind`."""
+        """Advance past accepted drafts whose draft KV a decode pass already wrote. Call once
+        per verified step, before :meth:`starts` or :meth:`behind`."""
         ahead, self._ahead = self._ahead, {}
         if not ahead:
             return
@@ -112,32 +93,13 @@ def sample_draft_tokens(
     next_ids: np.ndarray | None = None,  # [num_reqs] int32: the tokens again (host draws)
 ) -> tuple[torch.Tensor, list[float], torch.Tensor]:
     """Draw one draft token per row from ``draft_probs = softmax(logits / temperature)``
-    (greedy rows: the argmax, their probabilities are never used). Returns the token ids
-    [num_reqs], each row's confidence (its top probability, :func:`confidence_of`) and
-    ``draft_probs`` [num_reqs, vocab_size], as :meth:`DraftRun.add
-    <specplugin.adaptive.draft_rule.DraftRun.add>` takes them.
+    (greedy rows: the argmax). Returns token ids [num_reqs], confidences (top probability)
+    and ``draft_probs`` [num_reqs, vocab_size].
 
-    Any exact draw from ``draft_probs`` keeps verification lossless, since rejection
-    sampling only needs the distribution the token came from. This one inverts the CDF
-    with one uniform per row (a float64 cumulative sum, so a token of probability 0 is
-    never drawn): on CPU it costs one pass over the vocabulary, where the exponential
-    race vLLM uses (one exponential per vocabulary entry) costs ~20x more
-    (measured at batch 16, vocabulary 4,096: 1.6 ms against 0.08 ms).
-
-    ``all_sampled``: the caller knows that every row samples (``sampled`` all True), so
-    the greedy rows' masking is skipped: three tensor ops of ~a dozen per drafted position,
-    where each op's fixed cost, not the vocabulary, is most of the time at small batches.
-    ``unit_temperature``: the caller knows that every row samples at temperature 1 (the
-    default), so the logits are not divided (two ops less). ``uniform``: the row's
-    uniforms in (0, 1] (:func:`draft_uniforms`), drawn by the caller (a draft run draws
-    all of its positions' at once); the draw is :func:`inverse_cdf_draw`'s. On CPU (numpy
-    ``uniform``, :meth:`UniformPool.take_host`; drawn here when None) the draw, the greedy
-    rows' argmax and the confidence are one compiled pass
-    (:func:`specplugin.host_kernels.draw_rows`): after a draft forward each torch call
-    costs microseconds of cold caches, and these were five of them; with float32 logits
-    the softmax is in that pass too (:func:`_softmax_draw_on_host`). ``next_ids``: where
-    that pass also writes the tokens as int32 (the next draft forward's input ids: one
-    copy less per drafted position); ignored by the draw on a device.
+    Any exact draw is lossless; an inverse-CDF draw is ~20x cheaper on CPU than vLLM's
+    exponential race. ``all_sampled`` / ``unit_temperature``: every row samples (at T=1).
+    ``uniform``: pre-drawn, in (0, 1]; numpy ones take the compiled host path, which also
+    writes the tokens as int32 to ``next_ids``.
     """
     if unit_temperature:
         all_sampled = True
@@ -172,9 +134,7 @@ def sample_draft_tokens(
 
 def _softmax_draw_on_host(logits, temperature, sampled, generator, all_sampled: bool,
                           unit_temperature: bool, uniform, next_ids):
-    """:func:`sample_draft_tokens` for float32 logits on the host: one position of
-    :class:`HostDraws` (the softmax too in the compiled pass,
-    :func:`specplugin.host_kernels.softmax_draw_rows`)."""
+    """:func:`sample_draft_tokens` for float32 logits on the host, via :class:`HostDraws`."""
     num_rows = logits.shape[0]
     if uniform is None:
         uniform = draft_uniforms((num_rows, 1), logits.device, generator).numpy()
@@ -194,8 +154,7 @@ def _unit_scales(num_rows: int) -> np.ndarray:  # [num_rows] float32, all 1 (onl
 
 @functools.cache
 def _exponent_bits(vocab_size: int) -> np.ndarray:  # [vocab_size] int32 scratch
-    """softmax_draw_rows's scratch, kept per vocabulary size (the draws run on the
-    drafting thread only, one at a time)."""
+    """softmax_draw_rows's scratch per vocabulary size (draws run on one thread only)."""
     return np.empty(vocab_size, dtype=np.int32)
 
 
@@ -204,26 +163,20 @@ _NO_IDS = np.empty(0, dtype=np.int32)  # draw_rows writes no int32 copy of the t
 
 @functools.cache
 def _no_greedy_rows(num_rows: int) -> np.ndarray:  # [num_rows] bool, all False
-    """The draw's greedy flags when every row samples, kept per batch size: the kernel
-    only reads them (one numpy call less per drafted position; not flagged read-only,
-    which the compiled kernel's signature would refuse)."""
+    """Greedy flags when every row samples, cached per batch size; only read (not flagged
+    read-only: the compiled kernel's signature would refuse it)."""
     return np.zeros(num_rows, dtype=bool)
 
 
 def draft_uniforms(shape: tuple[int, ...], device,
                    generator: torch.Generator | None = None) -> torch.Tensor:
-    """Uniforms in (0, 1] (float64), as :func:`sample_draft_tokens` reads them: 0 would
-    land on the first token even when its probability is 0."""
+    """Uniforms in (0, 1] (float64): 0 would pick the first token even at probability 0."""
     return 1.0 - torch.rand(shape, dtype=torch.float64, device=device, generator=generator)
 
 
 class UniformPool:
-    """Uniforms in (0, 1] (float64, :func:`draft_uniforms`'s) handed out as slices of one
-    block drawn ahead. Every value is handed out once, so the draws stay independent; a
-    draft run then takes its uniforms with a view, where drawing them fresh (``torch.rand``
-    and a subtraction) was, by py-spy, a few percent of the plugin's own work at batch 1
-    (after the target's forward every torch call costs several microseconds of cold
-    caches). The block is drawn again when it runs out."""
+    """Uniforms in (0, 1] handed out as slices of one block drawn ahead (each value once,
+    so draws stay independent): cheaper than drawing fresh per run. Redrawn when used up."""
 
     def __init__(self, device, size: int = 1 << 14,
                  generator: torch.Generator | None = None):
@@ -237,18 +190,14 @@ class UniformPool:
         return self._block[start:self._next].view(shape)
 
     def take_host(self, shape: tuple[int, ...]) -> np.ndarray:  # [*shape] float64 in (0, 1]
-        """:meth:`take` as a numpy view, for a CPU pool: the compiled draws read numpy,
-        and by py-spy (draft alone, batch 1, temperature 1) taking a run's uniforms as a
-        torch view and indexing it per position held ~3% of the plugin's samples (its draft
-        forwards included)."""
+        """:meth:`take` as a numpy view, for a CPU pool (the compiled draws read numpy)."""
         start = self._reserve(math.prod(shape))
         if self._host is None:
             self._host = self._block.numpy()
         return self._host[start:self._next].reshape(shape)
 
     def _reserve(self, count: int) -> int:
-        """Hand out the next ``count`` values (a new block when too few are left); returns
-        where they start."""
+        """Reserve the next ``count`` values (new block if too few left); returns the start."""
         if self._block is None or self._next + count > self._block.numel():
             self._block = draft_uniforms((max(self.size, count),), self.device, self.generator)
             self._host, self._next = None, 0
@@ -257,16 +206,9 @@ class UniformPool:
 
 
 class HostDraws:
-    """One draft run's draws on the host, for float32 logits: every position's softmax,
-    token and confidence from one compiled call
-    (:func:`specplugin.host_kernels.softmax_draw_rows`) into blocks allocated once for
-    the run, where :func:`sample_draft_tokens` allocates and converts its outputs at every
-    position (in an engine's draft loop, after each forward, those conversions and
-    allocations measured ~0.02 ms a position at batch 1). The probabilities are
-    position-major ([k_max, num_rows, vocab]: one position's rows are contiguous, as the
-    kernel writes them; :attr:`DraftRun.probs_block
-    <specplugin.adaptive.draft_rule.DraftRun.probs_block>` reads the block back as
-    [num_rows, positions, vocab], with no copy at one row)."""
+    """One draft run's host draws for float32 logits: each position's softmax, token and
+    confidence from one compiled call into blocks allocated once per run (saves ~0.02 ms
+    a position). Probabilities are position-major: [k_max, num_rows, vocab]."""
 
     def __init__(self, uniforms: np.ndarray,  # [k_max, num_rows] float64 in (0, 1]
                  temperature: np.ndarray | None,  # [num_rows] float32; None: all at 1
@@ -289,9 +231,7 @@ class HostDraws:
 
     def draw(self, position: int, logits: torch.Tensor  # [num_rows, vocab_size] float32
              ) -> tuple[np.ndarray, list[float], None]:
-        """Position ``position``'s tokens [num_rows], confidences and (None: they are in
-        :attr:`probs`) probabilities, as :meth:`DraftRun.add
-        <specplugin.adaptive.draft_rule.DraftRun.add>` takes them."""
+        """Tokens [num_rows] and confidences at ``position``; probabilities are in :attr:`probs`."""
         if self.probs is None:
             k_max, num_rows = self._tokens.shape
             self.probs = torch.empty((k_max, num_rows, logits.shape[1]), dtype=torch.float32)
@@ -308,29 +248,23 @@ class HostDraws:
 def inverse_cdf_draw(weights: torch.Tensor,  # [num_rows, vocab_size] >= 0, unnormalised
                      uniform: torch.Tensor,  # [num_rows, 1] float64 in (0, 1]
                      ) -> torch.Tensor:  # [num_rows] int64
-    """One token per row, drawn in proportion to ``weights``: the first token whose
-    float64 cumulative sum reaches ``uniform * total``, a point in (0, total] (rounding
-    cannot carry ``1 * total`` past ``total``), so the index is always in range and a
-    token of weight 0 (an empty interval) never wins, without a clamp after the search.
-    A row of no weight at all gets token 0."""
+    """One token per row, drawn in proportion to ``weights``: the first whose float64
+    cumulative sum reaches ``uniform * total``. Since uniform is in (0, 1] the index is in
+    range and weight-0 tokens never win; an all-zero row gets token 0."""
     cdf = weights.cumsum(dim=-1, dtype=torch.float64)  # [num_rows, vocab_size]
     return torch.searchsorted(cdf, uniform * cdf[:, -1:]).squeeze(1)
 
 
 def greedy_draft_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
-    """Greedy rows' draft tokens (the argmax of ``logits`` [num_reqs, vocab_size]) and
-    their confidence, the argmax's probability under ``softmax(logits)``, computed as
-    ``1 / sum(exp(logits - max))``: one pass over the vocabulary for the maximum, one
-    for the sum, where the full softmax also divides and writes every entry and a third
-    pass finds its top. Returns (token ids [num_reqs], confidence [num_reqs] floats)."""
+    """Argmax tokens [num_reqs] and their softmax probability, ``1 / sum(exp(logits - max))``
+    (cheaper than a full softmax)."""
     top, token_ids = logits.max(dim=-1)
     total = (logits - top.unsqueeze(1)).exp_().sum(dim=-1, dtype=torch.float64)
     return token_ids, total.reciprocal_().tolist()
 
 
 def confidence_of(draft_probs: torch.Tensor) -> list[float]:  # [num_reqs]
-    """The draft's confidence: the top probability of each row of ``draft_probs``
-    ([num_reqs, vocab_size], rows summing to 1)."""
+    """Top probability of each row of ``draft_probs`` [num_reqs, vocab_size]."""
     return draft_probs.amax(dim=-1).tolist()
 
 
@@ -341,14 +275,8 @@ def truncate_rows(draft_token_ids: list[list[int]], lengths: list[int]) -> list[
 
 
 class DraftCandidates:
-    """The draft model as a :class:`~specplugin.proposers.base.Proposer` of the union.
-
-    Its batched forward runs in the vLLM layer (on the paged KV cache, before the
-    union is asked); the layer hands the step's drafts in with :meth:`set`, and
-    :meth:`propose` gives them out like any other proposer's candidates. Signal per
-    token: the draft's own confidence (its top probability), which the estimator
-    calibrates like every other signal.
-    """
+    """The draft model as a union :class:`~specplugin.proposers.base.Proposer`: the vLLM
+    layer runs it and hands the drafts in with :meth:`set`; signal: the draft's confidence."""
 
     name = "draft"
 

@@ -1,11 +1,8 @@
 """Test-only fault injection: proposers and draft forwards that fail on purpose.
 
-Switched on by ``additional_config["specplugin"]["fault_injection"]`` (see
-:class:`specplugin.config.FaultSettings`); off by default and never meant for
-production. It exists to prove, against a real server, what the plugin promises: a
-proposer failure mid-run costs speed, never a request. An injected failure goes
-through exactly the path a real bug would take (the union's or the drafter's
-``except``), so it is counted in ``vllm:specplugin_proposer_failures_total``.
+Off unless ``additional_config["specplugin"]["fault_injection"]`` is set. Proves a
+proposer failure costs speed, never a request: injected faults take the same ``except``
+path as a real bug.
 """
 
 from __future__ import annotations

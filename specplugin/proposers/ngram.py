@@ -1,31 +1,14 @@
 """Prompt-lookup (n-gram) drafting: copy what followed the last time the context's tail appeared.
 
-For each request the longest suffix of its context (``max_n`` tokens down to
-``min_n``) that also occurs earlier in the same context is found, and the tokens
-that followed that earlier occurrence become the draft. Among occurrences of the
-longest matching suffix the most recent one wins: recent text is the best
-predictor of what repeats next (an edit copies the span just quoted; a loop
-repeats its last turn).
+The longest context suffix (``max_n`` down to ``min_n`` tokens) that occurs earlier in
+the same context is found, its most recent occurrence wins, and the tokens that
+followed become the draft; a copy running into the context's end repeats periodically.
 
-A match close to the end (a loop) would leave only a few tokens to copy; the
-draft then continues the copy periodically (:func:`draft_rows`; for the scorer's
-alternatives, the same rule in Python, :meth:`NgramProposer._candidate`).
-
-Every row the step asks for is matched in one compiled call (:func:`draft_rows`,
-numba, as vLLM's own n-gram proposer is): for each row it scans the row's context in the
-engine's token buffer from its newest position back, extending each occurrence of the last
-token to the left (at most ``max_n`` tokens), and writes the draft and its signal. A loop
-over a few thousand tokens costs a few microseconds compiled, less than the per-request
-index of ``min_n``-gram ends in Python dicts it replaced, whose upkeep and look-ups were a
-dozen calls per row on caches the target's forward had just swept (measured in an engine:
-see ``docs/benchmarks.md``). The scorer's alternatives (every end of
-the longest match) come from the vectorised search, :func:`suffix_match_ends`: ``max_n``
-passes of one element-wise comparison over the context. Both find the same match, the one
+Main drafts come from one compiled numba call for all rows (:func:`draft_rows`);
+the alternatives from the vectorised :func:`suffix_match_ends`. Both find the match
 :func:`longest_suffix_match` defines.
 
-Signal (for the difficulty estimator): ``match_len / max_n`` for every token of the
-draft, lowered to ``0.5 * match_len / max_n`` for tokens copied past the end of the
-context (the periodic continuation of a loop, a guess about a guess).
+Signal: ``match_len / max_n`` per token, halved for the periodic continuation.
 """
 
 from __future__ import annotations
@@ -45,10 +28,9 @@ def longest_suffix_match(
     min_n: int,
     max_n: int,
 ) -> tuple[int, int]:
-    """Return ``(match_len, end)``: the earlier span ``context[end - match_len + 1 : end + 1]``
-    equals the context's last ``match_len`` tokens, with ``end < num_tokens - 1`` so at
-    least one token follows it. ``match_len`` is the longest in ``[min_n, max_n]`` and
-    ``end`` the latest such position; ``(0, -1)`` when there is none.
+    """``(match_len, end)``: ``context[end - match_len + 1 : end + 1]`` equals the last
+    ``match_len`` tokens, ``end < num_tokens - 1``. Longest ``match_len`` in
+    ``[min_n, max_n]``, latest ``end``; ``(0, -1)`` if none.
     """
     match_len, ends = suffix_match_ends(context, min_n, max_n)
     return (match_len, int(ends[-1])) if match_len else (0, -1)
@@ -90,15 +72,9 @@ _DRAFT_ROWS = [f"void({tokens}[:, :], {lengths}[::1], int64[::1], int64[::1], in
 
 @numba.njit(_DRAFT_ROWS, **JIT)
 def draft_rows(token_ids, num_tokens, rows, limits, min_n, max_n, drafts, signals, lengths):
-    """Each asked row's draft, as :class:`NgramProposer` defines it: ``token_ids``
-    [num_rows_in_buffer, max_len] holds each row's context in its first ``num_tokens[r]``
-    positions; ``rows`` [num_asked] the rows asked for; ``limits`` [num_rows] most draft
-    tokens per row. For the i-th asked row, the :func:`longest_suffix_match` of its context
-    (the longest earlier occurrence of its last ``min_n`` to ``max_n`` tokens, the latest
-    on a tie), then ``drafts[i, :limit]`` the tokens that followed it, repeated with their
-    period where they run into the context's end, ``signals[i, :limit]`` ``match_len /
-    max_n`` (half that on the repeated tokens) and ``lengths[i]`` the limit; 0 where
-    nothing matched or the limit is 0."""
+    """Each asked row's draft: ``token_ids`` [num_rows_in_buffer, max_len], ``rows``
+    [num_asked], ``limits`` [num_rows]. Writes ``drafts[i, :limit]``,
+    ``signals[i, :limit]`` and ``lengths[i]`` (0 where nothing matched)."""
     for i in range(rows.shape[0]):
         r = rows[i]
         limit, n = limits[r], num_tokens[r]
@@ -130,10 +106,8 @@ def draft_rows(token_ids, num_tokens, rows, limits, min_n, max_n, drafts, signal
 
 
 def _warm_up() -> None:
-    """Call :func:`draft_rows` once for each kind of batch an engine builds (the drafting
-    step's lengths in int64, the plain step's peek at vLLM's int32 ones): a kernel's first
-    call in a process costs milliseconds beyond its compile (see
-    :mod:`specplugin.host_kernels`), which would land in an engine's first drafted step."""
+    """Call :func:`draft_rows` once per length dtype an engine passes: a kernel's first
+    call costs milliseconds beyond its compile (see :mod:`specplugin.host_kernels`)."""
     for lengths in (np.int64, np.int32):
         draft_rows(np.zeros((1, 4), dtype=np.int32), np.full(1, 4, dtype=lengths),
                    np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.int64), 1, 2,
@@ -149,9 +123,8 @@ class NgramProposer:
     name = "ngram"
 
     def __init__(self, min_n: int = 2, max_n: int = 8, num_alternatives: int = 0):
-        """``num_alternatives``: also offer the continuations of up to that many earlier
-        occurrences of the match, each starting with a token no later one starts with
-        (for the batch-expanding scorer)."""
+        """``num_alternatives``: also offer up to that many earlier occurrences' continuations,
+        each with a distinct first token."""
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n; got min_n={min_n}, max_n={max_n}")
         self.min_n = min_n
@@ -178,8 +151,7 @@ class NgramProposer:
         return candidates
 
     def _propose_with_alternatives(self, batch: StepBatch) -> list[Candidate | None]:
-        """:meth:`propose` with the continuations of earlier occurrences of each match too
-        (the vectorised search: every end of the longest match)."""
+        """:meth:`propose` plus earlier occurrences' continuations (vectorised search)."""
         candidates: list[Candidate | None] = [None] * batch.num_reqs
         for row in batch.rows:
             limit = int(batch.max_draft_lens[row])
@@ -204,14 +176,8 @@ class NgramProposer:
         return candidates
 
     def _candidate(self, copied: list[int], match_len: int, limit: int) -> Candidate:
-        """The ``limit`` tokens that follow a match (``copied``: the context after it, or
-        its first ``limit`` tokens).
-
-        When the copy runs into the end of the context it goes on copying its own
-        output, exactly as the text would if it kept repeating: the continuation of a
-        match ``period = len(copied)`` tokens back is periodic with that period. Those
-        tokens' signal is halved (copied from the draft itself). The alternatives' path
-        only: :func:`draft_rows` applies the same rule to every row's main draft."""
+        """The ``limit`` tokens after a match (``copied``: the context after it), repeated
+        periodically past the context's end with halved signal, as :func:`draft_rows` does."""
         token_ids = (copied * (limit // len(copied) + 1))[:limit]
         score = match_len / self.max_n
         own = min(len(copied), limit)

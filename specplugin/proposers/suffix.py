@@ -1,50 +1,23 @@
 """Suffix drafting: continue the context the way it most often continued before.
 
-**Where it looks.** Two texts: the request's own context (prompt + output so far), and a
-bounded *store* of the outputs (not prompts) of requests that already finished: a server
-answering similar prompts repeats itself across requests. In each text the longest
-suffix of the context is found, at most ``max_match`` and at least ``min_match`` tokens
-long, that occurred before and was followed by at least one token. The longer match
-wins; at equal length the request's own context does (same document, so the better
-predictor). ``num_occurrences`` counts the places where the winning suffix occurred.
+**Where it looks.** The request's own context, and a bounded *store* of finished
+requests' outputs. In each, the longest context suffix (``min_match`` to ``max_match``
+tokens) that occurred before with a token after it is found; the longer match wins,
+the request's own context on a tie.
 
-**What it drafts.** The draft grows greedily, one token at a time, as a walk down a
-suffix tree would: the matched suffix plus the draft so far is the current context;
-among the places whose text agrees with it and goes on by at least one token, the next
-draft token is the one that follows most often::
+**What it drafts.** A greedy walk, as down a suffix tree: among the places agreeing
+with the matched suffix + draft so far, the next token is the most frequent follower::
 
     support[j]     = places agreeing with draft[:j] that have a (j+1)-th token
     confidence[j]  = (places among them followed by draft[j]) / support[j]
 
-A tie goes to the token of the most recent place (recent text predicts best, as in
-``ngram.py``). The walk stops at ``max_tokens``, when ``support[j] < min_support``, or
-when ``confidence[j] < min_confidence``. Both floors are off by default (1 and 0.0):
-whether a token of confidence 0.3 is worth verifying depends on the machine's costs,
-which the adaptive-K controller knows and this module does not; it reports
-``confidences`` and ``support`` for that controller to weigh (``support`` tells a
-frequency of 1.0 seen once from one seen fifty times). Only the ``max_counted`` most
-recent places (default 64) are counted: that bounds the work per call, and a frequency
-from 64 samples is already within 1/16 (one standard error) of the full count's.
+Ties go to the most recent place; stops at ``max_tokens`` or below the (default off)
+``min_support`` / ``min_confidence`` floors; counts only the ``max_counted`` latest places.
 
-**Loops.** In the request's own context a place close to the end runs into the end
-before the draft is done; its text then goes on with the draft itself, as the context
-will if the draft is accepted, so the copy continues periodically (a loop repeats its
-last turn, exactly as in ``ngram.py``). In the store a place's text ends with its output.
-
-**Index.** Each text keeps, for four *anchor* lengths (``min_match`` times 1, 2, 4, 8,
-at most ``max_match``: 1, 2, 4, 8 by default), a hash table from an n-gram to the
-ascending positions where it ends. Adding a token costs one hash and one append per
-anchor length; a lookup takes the longest anchor length with a hit, then extends the
-match to the left, up to just below the next anchor length (or ``max_match``), by
-comparing the tokens before every place at once (one numpy gather). A proposal thus
-costs a few dict lookups plus work in the number of places of the matched n-grams, not
-in the length of the context or the store. Keys are Python's 64-bit hashes of token
-tuples; two different n-grams sharing a hash (odds about 2**-64 per pair) can only cost
-a rejected draft, never a wrong output. Texts are numpy buffers with a separator (-1,
-never a token id) before each output, so matches and continuations never cross from one
-output into another. The store evicts whole outputs, oldest first (the order
-``stop_request`` was called), beyond ``store_max_tokens`` tokens or
-``store_max_outputs`` outputs, deleting their index entries; nothing is ever rebuilt.
+**Index.** Per text and anchor length (``min_match`` x 1, 2, 4, 8), a hash table from
+n-gram to ascending end positions; a lookup takes the longest anchor hit and extends it
+left with one numpy gather. A ``SEP`` precedes each output so matches never cross
+outputs; the store evicts whole outputs, oldest first.
 """
 
 from __future__ import annotations
@@ -96,23 +69,17 @@ class SuffixConfig:
 
     @property
     def anchor_lens(self) -> tuple[int, ...]:
-        """Indexed n-gram lengths, ascending: ``min_match`` times 1, 2, 4, 8, at most
-        ``max_match``. Dense where n-grams are common (a short one may end thousands of
-        places, too many to extend by comparison), none past 8x: longer n-grams mostly
-        occur once, so each would cost an index entry (~100 bytes) per token for places
-        that comparison finds as fast."""
+        """Indexed n-gram lengths: ``min_match`` x 1, 2, 4, 8, at most ``max_match``. None
+        past 8x: longer n-grams mostly occur once, and comparison finds them as fast."""
         lens = (self.min_match * factor for factor in (1, 2, 4, 8))
         return tuple(n for n in lens if n <= self.max_match)
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: arrays have no single truth value
 class SuffixCandidate:
-    """One draft with the evidence behind it (read-only arrays).
+    """One draft with the evidence behind it (read-only arrays; see the module docstring).
 
-    ``confidences[j] = count / support[j]``: of the ``support[j]`` places that agree with
-    the matched suffix + ``token_ids[:j]`` and go on, the fraction that go on with
-    ``token_ids[j]``. ``match_len`` and ``num_occurrences`` describe the matched suffix;
-    ``source`` is ``"request"``, ``"store"``, or ``"none"`` when nothing matched.
+    ``source``: ``"request"``, ``"store"``, or ``"none"`` when nothing matched.
     """
 
     token_ids: np.ndarray  # [num_tokens] int64
@@ -121,8 +88,7 @@ class SuffixCandidate:
     match_len: int
     num_occurrences: int
     source: str
-    # less frequent branches of the same walk (see :func:`_branches`); asked for only by
-    # the batch-expanding scorer
+    # less frequent branches of the same walk (_branches)
     alternatives: tuple[SuffixCandidate, ...] = ()
 
     def __len__(self) -> int:
@@ -139,9 +105,8 @@ NO_CANDIDATE = SuffixCandidate(_NO_IDS, _frozen([], np.float64), _NO_IDS, 0, 0, 
 
 
 def _add_end(table: dict[int, int | array], key: int, end: int) -> None:
-    """Record that the n-gram ``key`` ends at ``end`` (after all its earlier ends). One
-    place is stored as a plain int: most long n-grams occur once, and an array would
-    cost ~80 bytes more."""
+    """Record that n-gram ``key`` ends at ``end``. A single end is a plain int (saves ~80
+    bytes; most long n-grams occur once)."""
     ends = table.get(key)
     if ends is None:
         table[key] = end
@@ -168,11 +133,9 @@ def _drop_ends_before(table: dict[int, int | array], key: int, stop: int) -> Non
 class _IndexedText:
     """Token ids in a growing buffer, with where each anchor-length n-gram ends.
 
-    Positions are global and never reused: position p lives at ``_buf[p - _base]``.
-    Segments start after a ``SEP``, and the first live position is always one;
-    n-grams are indexed only inside one segment.
-    Invariant: the buffer holds ``SEP`` past the last token, so reading one past the
-    end is safe and reads "no token".
+    Positions are global, never reused: p lives at ``_buf[p - _base]``. Segments start
+    after a ``SEP`` (the first live position is one); n-grams never span segments.
+    Invariant: a ``SEP`` follows the last token, so reading one past the end is safe.
     """
 
     def __init__(self, anchor_lens: tuple[int, ...]):
@@ -205,9 +168,8 @@ class _IndexedText:
                 _add_end(table, key, end)
 
     def ends(self, n: int, key: int, keep_last: int | None = None) -> tuple[int, np.ndarray]:
-        """``(num_ends, ends)``: how many places end the n-gram hashed to ``key`` with a
-        token after them, and their positions, ascending: [num_ends], or only the last
-        ``keep_last`` of them when given (a common 1-gram may end 10,000 places)."""
+        """``(num_ends, ends)``: places ending n-gram ``key`` with a token after them, and
+        their positions ascending (only the last ``keep_last`` if given)."""
         found = self._ends[n].get(key)
         if found is None:
             return 0, _NO_IDS
@@ -221,9 +183,8 @@ class _IndexedText:
         return num, np.frombuffer(found, np.int64, num - first, 8 * first).copy()
 
     def tokens_before(self, ends: np.ndarray, back: np.ndarray) -> np.ndarray:
-        """``[num_ends, num_back]``: the token ``back[j]`` positions before ``ends[i]``;
-        ``SEP`` before the first live position (``_buf[0]`` always holds a ``SEP``). A
-        match never runs past a ``SEP``, so what is read beyond one is never used."""
+        """``[num_ends, num_back]``: the token ``back[j]`` positions before ``ends[i]``
+        (``SEP`` before the first live position)."""
         rel = ends[:, None] - back[None, :] - self._base
         return self._buf[np.maximum(rel, 0)]
 
@@ -241,10 +202,8 @@ class _IndexedText:
             self._base = stop
 
     def windows(self, ends: np.ndarray, num_steps: int, periodic: bool) -> np.ndarray:
-        """The ``num_steps`` tokens after each place in ``ends`` [num_ends]:
-        [num_ends, num_steps]; a place's text ends at its first ``SEP`` (what follows
-        belongs to another output). ``periodic``: a place that runs into the end of the
-        text goes on repeating its own copy."""
+        """[num_ends, num_steps]: the tokens after each place (its text ends at its first
+        ``SEP``). ``periodic``: a place running into the end repeats its own copy."""
         steps = np.arange(num_steps)
         if periodic:
             period = self.num_positions - 1 - ends  # [num_ends], >= 1
@@ -264,10 +223,9 @@ class _IndexedText:
         self.num_positions += len(token_ids)
 
     def _grams(self, start: int, stop: int, segment_start: int):
-        """Per anchor length n, ``(n, first_end, keys)``: the keys of the n-grams ending
-        at ``first_end``, ``first_end + 1``, ... ``stop - 1``, all inside the segment
-        that starts at ``segment_start``. Many n-grams (a prompt) are built and hashed in
-        C by zip and map; a step's few tokens are sliced directly (zip's setup costs more)."""
+        """Per anchor length n, ``(n, first_end, keys)``: hashes of the n-grams ending at
+        ``first_end .. stop - 1`` inside the segment. Many n-grams are hashed via zip/map,
+        a few by slicing (cheaper setup)."""
         first = max(segment_start, start - self.anchor_lens[-1] + 1)
         ids = self.span(first, stop).tolist()
         for n in self.anchor_lens:
@@ -296,8 +254,7 @@ class _OutputStore:
         return len(self._segments)
 
     def add(self, token_ids: np.ndarray) -> None:  # [num_tokens]
-        """Store one output (its last ``store_max_tokens`` tokens), then evict the
-        oldest outputs until both limits hold."""
+        """Store one output (its last ``store_max_tokens`` tokens), then evict to the limits."""
         max_tokens, max_outputs = self.config.store_max_tokens, self.config.store_max_outputs
         if len(token_ids) == 0 or max_tokens == 0 or max_outputs == 0:
             return
@@ -324,10 +281,8 @@ def _as_token_ids(token_ids: np.ndarray | Sequence[int], what: str) -> np.ndarra
 
 def _extend_left(text: _IndexedText, ends: np.ndarray, back_ids: np.ndarray, match_len: int,
                  limit: int) -> tuple[int, np.ndarray]:
-    """Lengthen a match of ``match_len`` tokens ending at ``ends`` [num_ends] to at most
-    ``limit`` tokens, comparing the tokens before every place with the context's at
-    once (``back_ids`` [>= limit]: the context's tokens, last first): the longest
-    agreement wins, and the places that reach it stay."""
+    """Lengthen a match ending at ``ends`` [num_ends] to at most ``limit`` tokens
+    (``back_ids``: the context, last first); keeps the places of the longest agreement."""
     back = np.arange(match_len, limit)  # [width]: distances before a place's last token
     agree = text.tokens_before(ends, back) == back_ids[match_len:limit]  # [num_ends, width]
     run = np.where(agree.all(axis=1), len(back), agree.argmin(axis=1))  # [num_ends]
@@ -337,10 +292,9 @@ def _extend_left(text: _IndexedText, ends: np.ndarray, back_ids: np.ndarray, mat
 
 def _longest_match(text: _IndexedText, back_ids: np.ndarray, keys: dict[int, int],
                    min_len: int, keep_last: int) -> tuple[int, int, np.ndarray]:
-    """``(match_len, num_occurrences, ends)``: the longest suffix of the context (its
-    tokens last first in ``back_ids``) that occurs in ``text`` with a token after it,
-    how often, and the last ``keep_last`` places where it ends; ``(0, 0, [])`` when
-    none is at least ``min_len`` tokens long."""
+    """``(match_len, num_occurrences, ends)`` of the longest context suffix found in
+    ``text`` with a token after it (last ``keep_last`` ends); ``(0, 0, [])`` if none
+    reaches ``min_len``."""
     lens, limit = text.anchor_lens, len(back_ids)
     for i in range(len(lens) - 1, -1, -1):
         n = lens[i]
@@ -360,19 +314,16 @@ def _longest_match(text: _IndexedText, back_ids: np.ndarray, keys: dict[int, int
 
 
 def _most_frequent(values: list[int]) -> tuple[int, int]:
-    """``(token, count)``: the most frequent of ``values`` (in order of occurrence); a
-    tie goes to the token that occurs last."""
+    """``(token, count)``: the most frequent of ``values``; a tie goes to the last one."""
     counts = Counter(values)
     top = max(counts.values())
     return next(t for t in reversed(values) if counts[t] == top), top
 
 
 def _greedy_walk(windows: np.ndarray, min_confidence: float, min_support: int):
-    """Walk ``windows`` [num_places, num_steps] (a place ends at its first ``SEP``) column
-    by column, keeping the places that agree with the draft; returns the draft's lists
-    ``(token_ids, confidences, support)``. Plain Python: there are at most
-    ``max_counted`` places and usually a handful, where numpy's per-call cost dominates
-    (measured: 3-4x slower for a few places, no faster for a hundred)."""
+    """Walk ``windows`` [num_places, num_steps] column by column, keeping the places that
+    agree; returns lists ``(token_ids, confidences, support)``. Plain Python: for a
+    handful of places numpy is 3-4x slower."""
     rows = windows.tolist()
     token_ids, confidences, support = [], [], []
     for step in range(windows.shape[1]):
@@ -404,10 +355,8 @@ def _greedy_walk(windows: np.ndarray, min_confidence: float, min_support: int):
 
 def _branches(windows: np.ndarray, token_ids: list[int], confidences: list[float],
               support: list[int], count: int, min_confidence: float, min_support: int):
-    """Up to ``count`` other walks: going down the draft, wherever the places that agree
-    with it so far disagree, each runner-up token (most frequent first) starts a walk of
-    its own over the places that go on with it (as SpecInfer's token trees branch);
-    earlier branch points first. Returns ``(token_ids, confidences, support)`` lists."""
+    """Up to ``count`` other walks, each starting at a runner-up token where the agreeing
+    places disagree (earlier branch points, then more frequent tokens, first)."""
     branches = []
     agree = np.ones(windows.shape[0], dtype=bool)  # [num_places]
     for step, token in enumerate(token_ids):
@@ -431,10 +380,8 @@ def _branches(windows: np.ndarray, token_ids: list[int], confidences: list[float
 class SuffixCache:
     """Per-request suffix indexes plus the cross-request store of finished outputs.
 
-    Lifecycle, per request id: :meth:`start_request` with the prompt, :meth:`add_tokens`
-    after every step with the newly emitted tokens, :meth:`propose` before a step,
-    :meth:`stop_request` when the request finishes or is aborted (its output then joins
-    the store). Not thread-safe; one instance per engine.
+    Lifecycle: :meth:`start_request`, :meth:`add_tokens` / :meth:`propose` per step,
+    :meth:`stop_request` (the output joins the store). Not thread-safe.
     """
 
     def __init__(self, config: SuffixConfig | None = None):
@@ -442,17 +389,6 @@ class SuffixCache:
         # request id -> (its context, global position where its output starts)
         self._requests: dict[Hashable, tuple[_IndexedText, int]] = {}
         self._store = _OutputStore(self.config)
-
-    @property
-    def num_stored_outputs(self) -> int:
-        return self._store.num_outputs
-
-    @property
-    def num_stored_tokens(self) -> int:
-        return self._store.num_tokens
-
-    def has_request(self, req_id: Hashable) -> bool:
-        return req_id in self._requests
 
     def start_request(self, req_id: Hashable,
                       prompt_token_ids: np.ndarray | Sequence[int]) -> None:
@@ -470,9 +406,7 @@ class SuffixCache:
         self._text(req_id).extend(_as_token_ids(token_ids, "token_ids"))
 
     def stop_request(self, req_id: Hashable) -> bool:
-        """Forget the request and move its output into the store. An id that is not
-        active is ignored (aborted before its first step, or stopped twice); returns
-        whether the request was active."""
+        """Move the request's output into the store; returns whether it was active."""
         entry = self._requests.pop(req_id, None)
         if entry is None:
             return False
@@ -482,9 +416,8 @@ class SuffixCache:
 
     def propose(self, req_id: Hashable, max_tokens: int,
                 num_alternatives: int = 0) -> SuffixCandidate:
-        """At most ``max_tokens`` draft tokens for the request, with their evidence
-        (:data:`NO_CANDIDATE` when nothing matched or ``max_tokens <= 0``), and up to
-        ``num_alternatives`` less frequent branches of the walk."""
+        """At most ``max_tokens`` draft tokens with evidence and up to ``num_alternatives``
+        branches (:data:`NO_CANDIDATE` if nothing matched)."""
         text = self._text(req_id)
         if max_tokens <= 0:
             return NO_CANDIDATE
@@ -528,17 +461,10 @@ def _as_candidate(found: SuffixCandidate, alternatives: tuple[Candidate, ...] = 
 
 
 class ArcticSuffixIndex:
-    """:class:`SuffixCache`'s part in :class:`SuffixProposer`, on ``arctic_inference``'s C++
-    suffix trees (the library behind vLLM's own ``suffix`` method), where it is installed.
+    """:class:`SuffixCache`'s role on ``arctic_inference``'s C++ suffix trees, where installed.
 
-    The same two texts are searched (the request's prompt and output so far; the outputs
-    of earlier requests, the newest ``store_max_outputs`` of them, with no token bound),
-    the same greedy walk drafts by frequency, up to ``max_match`` tokens of the context
-    are matched; a feed and a proposal cost about a third of the Python index's (12 us
-    against 38 in a scratch benchmark of 3-token feeds and 8-token proposals on a 500-token
-    copy-friendly context). What it does not give: each token's support (how many places
-    agreed), so the signal is the walk's frequency alone, and alternative branches (the
-    batch-expanding scorer asks the Python index)."""
+    Same two texts and greedy walk at ~1/3 the cost; no per-token support (the signal is
+    the walk's frequency) and no alternative branches."""
 
     def __init__(self, config: SuffixConfig):
         from arctic_inference.suffix_decoding import SuffixDecodingCache
@@ -546,8 +472,7 @@ class ArcticSuffixIndex:
         self.config = config
         self._cache = SuffixDecodingCache(max_tree_depth=config.max_match,
                                           max_cached_requests=config.store_max_outputs)
-        # the tree of all outputs, extended later (see add_tokens): reached through the
-        # cache's own fields, where this version of arctic_inference has them
+        # private fields of the cache (None if this arctic_inference lacks them)
         self._trees = _split_trees(self._cache)
         self._global_feed: list[tuple[int, list[int]]] = []  # (output's sequence id, tokens)
 
@@ -558,13 +483,9 @@ class ArcticSuffixIndex:
         self._cache.start_request(req_id, np.ascontiguousarray(prompt_token_ids, np.int32))
 
     def add_tokens(self, req_id: Hashable, token_ids: np.ndarray) -> None:
-        """The request's own tree now (its next proposal reads it); the tree of all
-        outputs at :meth:`extend_outputs`. That tree serves the request's proposals only
-        where its own tree has nothing as long, and other requests' a step late at most:
-        it may wait for the worker's idle moment (measured under py-spy, validation pair,
-        complete, batch 1: its extension was 40 of 545 samples of the plugin's own work,
-        the request's own tree's 18)."""
-        # a step's few new tokens as a list (the array path validates the array in Python)
+        """Extend the request's own tree now; the tree of all outputs later, at
+        :meth:`extend_outputs` (it may lag a step, and costs twice as much)."""
+        # a list: the array path validates in Python
         tokens = np.asarray(token_ids).tolist()
         if self._trees is None:
             self._cache.add_active_response(req_id, tokens)
@@ -581,9 +502,8 @@ class ArcticSuffixIndex:
         return bool(self._global_feed)
 
     def extend_outputs(self) -> None:
-        """The tree of all outputs takes the tokens :meth:`add_tokens` held back. Only
-        :meth:`start_request` evicts an output (arctic's cache evicts when a request
-        starts), and it runs this first: no held token belongs to an evicted output."""
+        """Feed the held-back tokens to the tree of all outputs. :meth:`start_request` (the
+        only evicting call) runs this first, so no held token belongs to an evicted output."""
         feed, self._global_feed = self._global_feed, []
         if feed:
             tree_type, _, global_tree, _ = self._trees
@@ -597,10 +517,9 @@ class ArcticSuffixIndex:
     def propose(self, req_id: Hashable, context: np.ndarray,  # [num_tokens]
                 max_tokens: int) -> Candidate | None:
         pattern = np.ascontiguousarray(context[-self.config.max_match:], np.int32)
-        # no cap from the match's length, no floor on a token's frequency: what is worth
-        # verifying is the controller's call (as with the Python index's defaults)
+        # no length cap, no frequency floor: what is worth verifying is the controller's call
         draft = self._speculate(req_id, pattern, max_tokens)
-        token_ids = draft.token_ids  # (a list made anew from the native draft at each read)
+        token_ids = draft.token_ids  # (a new list at each read)
         if not token_ids or draft.match_len < self.config.min_match:
             return None
         return Candidate(np.array(token_ids, dtype=np.int64),
@@ -608,14 +527,9 @@ class ArcticSuffixIndex:
 
     def _speculate(self, req_id: Hashable, pattern: np.ndarray,  # [<= max_match] int32
                    max_tokens: int):
-        """The cache's ``speculate`` without its wrapper where :func:`_split_trees` found
-        the trees (through it otherwise): both trees' native drafts, the one of higher
-        score (the request's own on a tie). Why: the wrapper's checks and its copy into a
-        Python dataclass are a dozen calls on the step, each cold after the target's
-        forward; the pattern is already the int32 array they check for. A draft's score is
-        the sum of its tokens' path probabilities (each at most 1), so one of ``max_tokens``
-        tokens that are all certain cannot be outscored, and the tree of all outputs is not
-        asked then (a tie keeps the request's own)."""
+        """The cache's ``speculate`` bypassing its (costly) wrapper when the trees are
+        reachable: the higher-scoring of both trees' drafts, the request's own on a tie. A
+        score is a sum of probabilities <= 1, so ``max_tokens`` is unbeatable."""
         factor = float(max_tokens)
         if self._trees is None:
             return self._cache.speculate(req_id, pattern, max_spec_tokens=max_tokens,
@@ -632,10 +546,9 @@ class ArcticSuffixIndex:
 
 
 def _split_trees(cache):
-    """(tree type, the requests' own trees, the tree of all outputs, request -> its
-    output's sequence id) of an ``arctic_inference`` cache, or None where its fields
-    differ from 0.3.0's (then every feed extends both trees at once, and every proposal
-    asks them, through its public calls)."""
+    """(tree type, per-request trees, tree of all outputs, request -> sequence id) of an
+    ``arctic_inference`` cache; None where its private fields differ from 0.3.0's (then
+    the public calls are used)."""
     try:
         from arctic_inference.suffix_decoding._C import SuffixTree
 
@@ -659,24 +572,18 @@ def arctic_available() -> bool:
 
 
 class SuffixProposer:
-    """The :class:`SuffixCache` behind the one :class:`~specplugin.proposers.base.Proposer`
-    interface: feeds it each request's prompt and new tokens from the batch, asks it for
-    the rows that want drafts, and hands finished requests' outputs to its store.
+    """A suffix index behind the :class:`~specplugin.proposers.base.Proposer` interface.
 
-    Signal per token: the rule-of-succession estimate ``(count + 1) / (support + 2)``
-    that the next token is the drafted one, where ``count = confidence * support``: a
-    continuation seen 1 time in 1 scores 2/3, 50 times in 50 scores 0.98 (with the
-    C++ index, :class:`ArcticSuffixIndex`, the walk's frequency alone).
+    Signal per token: rule of succession ``(count + 1) / (support + 2)`` (1 in 1 scores
+    2/3, 50 in 50 scores 0.98); with the arctic index, the walk's frequency alone.
     """
 
     name = "suffix"
 
     def __init__(self, config: SuffixConfig | None = None, num_alternatives: int = 0,
                  index: str = "auto"):
-        """``num_alternatives``: also offer up to that many less frequent branches of
-        each walk (for the batch-expanding scorer). ``index``: ``"python"``
-        (:class:`SuffixCache`), ``"arctic"`` (:class:`ArcticSuffixIndex`), or ``"auto"``:
-        arctic where it is installed and no alternatives are asked (it has none)."""
+        """``num_alternatives``: up to that many less frequent branches per walk. ``index``:
+        ``"python"``, ``"arctic"``, or ``"auto"`` (arctic if installed and no alternatives)."""
         if index not in ("auto", "python", "arctic"):
             raise ValueError(f"suffix index must be auto, python or arctic; got {index!r}.")
         if index == "auto":
@@ -689,8 +596,7 @@ class SuffixProposer:
                       else SuffixCache(config))
         self.num_alternatives = num_alternatives
         self._fed: dict[str, int] = {}  # req id -> context tokens the cache has seen
-        # where work the next proposal need not wait for goes (the union sets its
-        # background's submit; alone, it runs at once)
+        # where deferrable work goes (see Proposer)
         self.defer: Callable[[Callable[[], None]], None] = _run_now
 
     def propose(self, batch: StepBatch) -> list[Candidate | None]:

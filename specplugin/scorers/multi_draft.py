@@ -1,44 +1,21 @@
 """Multi-draft verification: several candidate drafts for one request, one winner.
 
-The batch-expanding scorer turns each candidate into its own target row, so each
-candidate ``c`` comes with its own ``target_probs[c]`` (``[k_c + 1, vocab_size]``, the
-target's distribution after each prefix of that candidate). Candidates that share a
-prefix share the context there, so their target rows agree on it; the code reads the
-target at each depth from the lowest-index candidate still in play.
+Each candidate ``c`` has its own ``target_probs[c]`` [k_c + 1, vocab_size] (one target row
+per candidate); shared prefixes agree, so the target at each depth is read from the
+lowest-index candidate still in play.
 
-Greedy: the candidate with the longest accepted prefix wins (ties: lowest index), and
-emits its accepted tokens plus the target's argmax after them.
+Greedy: the longest accepted prefix wins (ties: lowest index), plus the target's argmax.
 
-Sampling: recursive rejection sampling (SpecInfer, arXiv 2305.09781; SpecTr,
-arXiv 2310.15141). At each depth, the candidates still agreeing with the emitted
-prefix are tried in index order. Candidate ``c`` proposes ``x`` and is accepted with
-probability ``min(1, residual[x] / draft_probs[c][depth, x])``; on rejection the
-residual becomes ``norm(max(0, residual - draft_probs[c][depth]))``. The residual
-starts as the target's distribution. When no candidate is accepted (or none has a token at
-this depth) the step ends with a token drawn from the residual: a recovered token, or a
-bonus token if nothing was ever rejected.
+Sampling: recursive rejection sampling (SpecInfer arXiv 2305.09781, SpecTr arXiv
+2310.15141). At each depth, candidates agreeing with the emitted prefix are tried in
+order: ``x`` is accepted with probability ``min(1, residual[x] / draft_probs[c][depth, x])``;
+on rejection ``residual = norm(max(0, residual - draft_probs[c][depth]))``, starting from
+the target. If none is accepted, a recovered (or bonus) token is drawn from the residual.
 
-When this is exactly lossless (output distribution == target's): each step of the loop
-is an ordinary speculative-sampling step with target ``residual`` and draft
-``draft_probs[c][depth]``, so the whole is lossless whenever each tried candidate's token
-at this depth is a draw from *its own* ``draft_probs[c][depth]``, independent of the
-other candidates' tokens at this depth. That covers:
-
-- candidates sampled i.i.d. (each an independent autoregressive sample from the draft
-  model), with their draft probabilities passed;
-- deterministic candidates (n-gram matches, or the draft's top-k) passed with
-  ``draft_probs[c] = None``, i.e. one-hot: acceptance is ``residual[x]`` and rejection
-  zeroes ``x`` in the residual;
-- any mix of the two, as long as the sampled ones were sampled independently.
-
-It is NOT lossless for candidates sampled *without replacement* (distinct siblings of a
-sampled tree): their tokens are not independent draws. Treat such candidates as
-deterministic (``None``), which stays lossless, or use a without-replacement rule.
-A repeated token is tried again rather than skipped: after its rejection
-``residual[x] == 0``, so it is rejected surely, but with sampled drafts the residual
-update ``max(0, residual - draft_probs)`` it triggers is part of the proof (skipping it
-biases the output); with one-hot drafts that update changes nothing, so the loop then
-equals "try each distinct token once".
+Lossless when each tried token is an independent draw from its own ``draft_probs``:
+i.i.d. sampled candidates, deterministic ones passed as ``None`` (one-hot), or a mix.
+NOT lossless for candidates sampled without replacement: pass those as ``None``. A
+repeated token is tried again, not skipped: its residual update is part of the proof.
 """
 
 from __future__ import annotations
@@ -90,12 +67,8 @@ def reference_multi_draft_verify(
     candidate_target_probs: Sequence[torch.Tensor],  # num_candidates x [k_c + 1, vocab_size]
     generator: torch.Generator | None,
 ) -> MultiDraftOutput:
-    """Recursive rejection sampling over candidates (see the module docstring for when
-    it is lossless). ``candidate_draft_probs`` None, or a None entry, means one-hot drafts.
-
-    Noise: one uniform per tried candidate, then one ``torch.multinomial`` draw for the
-    final token, all from ``generator`` in the order they are needed.
-    """
+    """Recursive rejection sampling over candidates (the oracle; see the module docstring).
+    A None ``candidate_draft_probs`` (or entry) means one-hot drafts."""
     _check_candidates(candidate_draft_ids, candidate_draft_probs, candidate_target_probs)
     if candidate_draft_probs is None:
         candidate_draft_probs = [None] * len(candidate_draft_ids)
@@ -125,17 +98,10 @@ def one_hot_multi_draft_verify(
     candidate_target_probs: Sequence[torch.Tensor],  # num_candidates x [k_c + 1, vocab_size]
     generator: torch.Generator | None = None,
 ) -> MultiDraftOutput:
-    """:func:`reference_multi_draft_verify` for deterministic (one-hot) candidates, the
-    serving path: all candidates of one depth are judged at once.
-
-    With one-hot drafts, after rejecting tokens ``x_1 .. x_{i-1}`` the residual is the
-    target with those tokens removed, so candidate i is accepted with probability
-    ``p[x_i] / (1 - sum of p over the distinct earlier tokens)`` (0 if ``x_i`` was
-    already rejected). One uniform is drawn per candidate tried at the depth and the
-    first candidate under its probability wins: the same law as trying them in turn
-    (uniforms of candidates after the winner are unused). If none wins, the recovered
-    token (bonus if nothing was tried) is drawn from the target without the tried
-    tokens."""
+    """:func:`reference_multi_draft_verify` for one-hot candidates, the serving path: all
+    candidates of a depth judged at once. Candidate i is accepted with probability
+    ``p[x_i] / (1 - sum of p over distinct earlier tokens)`` (0 for a repeat); the first
+    under its uniform wins, the same law as trying them in turn."""
     _check_candidates(candidate_draft_ids, None, candidate_target_probs)
     lengths = torch.tensor([len(ids) for ids in candidate_draft_ids])  # [num_candidates]
     width = int(lengths.max())

@@ -13,18 +13,13 @@ Decoding", arXiv 2211.17192):
   ``target_probs[k]`` (the target scored k + 1 positions, so it comes for free).
 - **acceptance length** = accepted + 1 tokens emitted per verification step.
 
-Accepting and recovering this way makes every emitted token follow the target's
-distribution exactly, whatever the draft. Greedy requests (temperature 0) reduce to:
+Every emitted token then follows the target's distribution exactly. Greedy requests:
 accept while ``draft == argmax(target_probs)``, then emit that argmax.
 
-Randomness is passed in as a :class:`VerifyNoise` so that the batched code can be
-tested token for token against the reference. Per request, in this order:
-``num_draft_tokens`` uniforms in [0, 1) (one acceptance test per draft token, all drawn
-even if an early one rejects), then ``vocab_size`` Exp(1) variates. The one emitted
-token that is not an accepted draft (recovered or bonus) is
-``argmax(probs / exponentials)``: the exponential race, which samples in proportion to
-``probs`` without normalising them and is element-wise, hence identical batched or not.
-Greedy requests consume no randomness.
+Randomness comes in a :class:`VerifyNoise`, so batched code is testable token for token
+against the reference. Per request: ``num_draft_tokens`` uniforms (all drawn), then
+``vocab_size`` Exp(1) variates; the recovered/bonus token is ``argmax(probs /
+exponentials)`` (exponential race: unnormalised, element-wise). Greedy uses no noise.
 """
 
 from __future__ import annotations
@@ -65,11 +60,8 @@ class VerifyOutput:
 def draw_noise(
     num_draft_tokens: int, vocab_size: int, generator: torch.Generator | None
 ) -> VerifyNoise:
-    """Draw one request's noise from its own generator (uniforms first, then exponentials).
-
-    Per-request generators are how seeded requests stay reproducible in a batch;
-    None uses torch's global generator on the CPU.
-    """
+    """Draw one request's noise from its own generator (seeded requests stay reproducible
+    in a batch); None uses torch's global CPU generator."""
     device = generator.device if generator is not None else None
     uniforms = torch.rand(num_draft_tokens, generator=generator, device=device)
     exponentials = torch.empty(1, vocab_size, device=device).exponential_(generator=generator)
@@ -109,11 +101,8 @@ def reference_verify(
     generator: torch.Generator | None,
     greedy: bool = False,
 ) -> torch.Tensor:  # [num_emitted]: accepted draft tokens + one recovered or bonus token
-    """One verification step for one request, written to read like the paper.
-
-    The oracle that :func:`verify_batch` is tested against. Noise is drawn with
-    :func:`draw_noise` from ``generator`` (unused when ``greedy``).
-    """
+    """One verification step for one request, written to read like the paper: the oracle
+    :func:`verify_batch` is tested against."""
     num_draft_tokens, vocab_size = target_probs.shape[0] - 1, target_probs.shape[1]
     _check_request(draft_token_ids, draft_probs, num_draft_tokens)
     emitted: list[int] = []
@@ -189,12 +178,9 @@ def verify_batch(
     is_greedy: torch.Tensor,  # [num_reqs] bool
     noise: VerifyNoise,
 ) -> VerifyOutput:
-    """Verify a ragged batch in one vectorised pass (no per-request Python loop).
-
-    Request ``i`` owns draft rows ``cu[i-1]:cu[i]`` and target rows
-    ``cu[i-1]+i : cu[i]+i+1`` (its k_i draft positions, then its bonus position). Rows with
-    k_i = 0 emit one token drawn from their single target row. Returns exactly what
-    :func:`reference_verify` returns for each request given the same noise.
+    """Verify a ragged batch in one vectorised pass; same tokens as :func:`reference_verify`
+    given the same noise. Request ``i`` owns draft rows ``cu[i-1]:cu[i]`` and target rows
+    ``cu[i-1]+i : cu[i]+i+1`` (k_i draft positions, then its bonus position).
     """
     num_draft_tokens_total = draft_token_ids.shape[0]
     _check_batch(draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, noise)
@@ -303,11 +289,8 @@ def expected_acceptance(
     draft_probs: torch.Tensor | None,  # [num_tokens, vocab_size]; None: every draft one-hot
     target_probs: torch.Tensor,  # [num_tokens, vocab_size]
 ) -> torch.Tensor:  # [num_tokens] float32
-    """The probability that each sampled draft token is accepted, given its position's
-    distributions: ``sum(min(p, q))`` for a token drawn from ``q``, ``p[x]`` for a
-    deterministic guess ``x`` (``q`` one-hot). The verdict itself is one Bernoulli draw
-    of this: learning acceptance from these (:mod:`specplugin.vllm_layer.verification`)
-    averages the same quantity with far less noise."""
+    """Probability each draft token is accepted: ``sum(min(p, q))`` for a draw from ``q``,
+    ``p[x]`` for a one-hot guess. A lower-noise learning signal than the verdict itself."""
     if draft_probs is None:
         return target_probs.gather(1, draft_token_ids.long().unsqueeze(1)).squeeze(1)
     return torch.minimum(target_probs, draft_probs).sum(dim=-1)
@@ -319,18 +302,9 @@ def draw_recovered(
     target_probs: torch.Tensor,  # [num_tokens, vocab_size]
     uniform: torch.Tensor,  # [num_tokens, 1] float64 in (0, 1]
 ) -> torch.Tensor:  # [num_tokens] int64
-    """A recovered token for every draft position, each drawn from its own residual
-    ``norm(max(0, p - q))`` (``q`` one-hot at the draft token when ``draft_probs`` is
-    None: ``p`` without the draft token) by inverting the residual's cumulative sum at
-    ``uniform`` (:func:`~specplugin.proposers.draft.inverse_cdf_draw`: a token of
-    residual 0 never wins).
-
-    Any exact draw from the residual keeps verification lossless. This one costs a pass
-    over ``[num_tokens, vocab_size]``, where vLLM's exponential race draws
-    ``vocab_size`` exponentials for every request of the batch, drafting or not (on CPU,
-    batch 8, vocabulary 6,144: 1.1 ms a speculative step, against ~0.1 ms). A position
-    whose residual has no mass (``p == q``: its draft is always accepted, the token never
-    used) gets token 0, as vLLM's kernel gives it."""
+    """A recovered token per draft position from its residual ``norm(max(0, p - q))`` by
+    inverse CDF (~10x cheaper on CPU than vLLM's exponential race). A residual with no
+    mass gets token 0, as in vLLM's kernel."""
     if draft_probs is None:
         residual = target_probs.clone()
         residual.scatter_(1, draft_token_ids.long().unsqueeze(1), 0.0)
@@ -344,23 +318,10 @@ def greedy_verify(
     draft_token_ids: torch.Tensor,  # [num_draft_tokens_total] on CPU
     num_draft_tokens: Sequence[int],  # [num_reqs]
 ) -> torch.Tensor:  # [num_reqs, max(num_draft_tokens) + 1] int32
-    """Greedy verification of a batch in which every request is greedy: each request
-    keeps its draft tokens while they equal the target's argmax, then emits the argmax at
-    the first mismatch (or after the last draft, the bonus position's). ``logits`` holds
-    each request's rows in turn, one per draft token and then its bonus row (vLLM's
-    layout of the sampled positions); slots past a request's emitted tokens hold
-    :data:`PLACEHOLDER_TOKEN_ID`.
-
-    What vLLM's rejection sampler computes for such a batch, without what it runs for
-    any batch (a bonus-token sampler, float32 copies of the target rows, a kernel
-    launch), on the host: numpy's argmax took a tenth of torch's on this project's CPU
-    (vocabulary 6,144: 6 against 88 us for 9 rows, 43 against 531 us for 72), and the
-    comparisons after it are one compiled call
-    (:func:`specplugin.host_kernels.greedy_rows`): right after the target's forward every
-    numpy or torch call costs microseconds of cold caches, and the Python loop and
-    ``np.full`` it replaced were several (cold, vocabulary 6,144, one request with 5
-    drafts: 48 against 66 us a call). Ties go to the lowest index, as torch's argmax
-    breaks them."""
+    """Verify an all-greedy batch on the host: keep drafts while they equal the target's
+    argmax, then emit the argmax. ``logits``: each request's draft rows then its bonus row
+    (vLLM's layout). Same result as vLLM's sampler without its fixed costs (numpy's
+    argmax is ~10x cheaper than torch's here). Ties go to the lowest index."""
     values = logits if not logits.requires_grad else logits.detach()
     if values.dtype == torch.bfloat16:  # (numpy has none; to float32 is exact)
         values = values.float()
@@ -380,57 +341,25 @@ def sampled_verify(
     temperature: np.ndarray,  # [num_reqs] > 0 samples at that temperature, 0 is greedy
     uniforms: np.ndarray,  # [num_draft_tokens_total + num_reqs] float64 in (0, 1]
 ) -> tuple[torch.Tensor, np.ndarray]:  # [num_reqs, max_k + 1] int32, [num_draft_tokens_total]
-    """Verification of a batch of sampled (and greedy) requests on the host, as
-    :func:`reference_verify` defines it: a draft token ``x`` from ``q`` is accepted when
-    ``u * q(x) < p(x)`` (probability ``min(1, p(x) / q(x))``, ``p = softmax(logits / T)``);
-    the first rejected position emits a token drawn from ``norm(max(0, p - q))`` (the
-    recovered token), a request whose drafts all passed one drawn from its bonus row's
-    ``p``; a greedy request (``T`` = 0) keeps its drafts while they equal the argmax, as in
-    :func:`greedy_verify`. ``logits`` holds each request's rows in turn, one per draft
-    token, then its bonus row (vLLM's layout); ``uniforms`` are one per draft token (the
-    acceptance tests), then one per request (its recovered or bonus draw, by inverting the
-    float64 cumulative sum: a token of no mass never wins, as in
-    :func:`~specplugin.proposers.draft.inverse_cdf_draw`).
-
-    Returns the emitted tokens (slots past a request's emitted ones hold
-    :data:`PLACEHOLDER_TOKEN_ID`) and each draft token's expected acceptance
-    (:func:`expected_acceptance`), which the learners of sampled requests read instead of
-    the verdicts; a greedy request's drafts get their verdicts (1 accepted, else 0), as
-    nothing learns from their expectation.
-
-    Why: vLLM's rejection sampler runs, for any sampled batch, a bonus-token sampler over
-    every request's vocabulary (an exponential race), float32 copies and in-place
-    temperature scaling of every target row, a kernel launch, and the recovered draw:
-    ~0.45 ms a step at batch 1 on this project's CPU, where the plugin's whole drafting
-    step (draft forwards excluded) is ~0.7 ms. Here one softmax over the sampled
-    requests' rows (torch's, fused), then one compiled pass over the requests
-    (:func:`specplugin.host_kernels.verify_rows`): the greedy requests' argmax, the
-    expectations, the acceptance tests and one draw per sampled request from its final
-    row. Compiled, it replaced two dozen numpy and torch calls, each of which costs
-    microseconds of cold caches after the target's forward: ``specplugin profile --zoo
-    validation --workload complete --batch-size 1 --temperature 1 --methods
-    none,plugin-draft-vllm-k --timers fine --set step_arbiter=false`` measured this
-    verification at 0.134 and 0.136 ms a step (two engines) against 0.211 before, the same
-    tokens from the same uniforms (``tests/test_rejection.py``)."""
-    # (Each numpy or torch call below costs microseconds of caches the target's forward
-    # swept: the common batch, every request sampling at temperature 1 with the draft's
-    # float32 probabilities, takes as few as it can.)
+    """Verify sampled (and greedy, ``T`` = 0) requests on the host as :func:`reference_verify`
+    does, ``p = softmax(logits / T)``; ``uniforms``: one per draft token, then one per
+    request (recovered/bonus draw). Returns the emitted tokens and each draft's expected
+    acceptance (greedy: its 0/1 verdict). Avoids vLLM's sampler (~0.45 ms a step on CPU)."""
+    # few numpy/torch calls on the common path (all sampled at T=1, float32 draft probs)
     values = logits.detach() if logits.requires_grad else logits
     if values.dtype != torch.float32:  # (float32 holds bfloat16 exactly)
         values = values.float()
     temperatures = temperature.tolist()  # [num_reqs]
     counts = np.array(num_draft_tokens, dtype=np.int64)  # [num_reqs]
     greedy = temperature == 0  # [num_reqs]
-    # The target's distribution only where something is drawn or learned from it: the
-    # sampled requests' rows. A greedy request needs its rows' argmax alone, and nothing
-    # reads its drafts' expected acceptance (their verdicts stand in).
+    # softmax only the sampled requests' rows; greedy ones need the argmax alone
     sampled_values = values
     if 0.0 in temperatures:
         sampled_values = values[torch.from_numpy(np.repeat(~greedy, counts + 1))]
     if sampled_values.shape[0] and any(t not in (0.0, 1.0) for t in temperatures):
         scale = np.repeat(temperature[~greedy].astype(np.float32), counts[~greedy] + 1)
         sampled_values = sampled_values / torch.from_numpy(scale)[:, None]
-    # torch's fused softmax (vectorised; a quarter of numpy's four passes at batch 16)
+    # torch's fused softmax: ~4x faster than numpy's
     target_probs = sampled_values.softmax(dim=-1).numpy()  # [num_sampled_rows, vocab_size]
     has_q = draft_probs is not None
     if not has_q:
@@ -458,8 +387,7 @@ _SCRATCH: dict[int, np.ndarray] = {}  # vocab size -> a float64 row (see _scratc
 
 
 def _scratch(vocab_size: int) -> np.ndarray:  # [vocab_size] float64
-    """The verification kernel's row for a rejection's residual, kept per vocabulary size
-    (overwritten before it is read, in each call)."""
+    """The kernel's residual scratch row per vocabulary size (overwritten before read)."""
     row = _SCRATCH.get(vocab_size)
     if row is None:
         row = _SCRATCH[vocab_size] = np.empty(vocab_size, dtype=np.float64)

@@ -16,15 +16,13 @@ from specplugin.config import (
 
 logger = logging.getLogger("specplugin")
 
-# the plugin's workers (specplugin.vllm_layer.worker), named here so that this module
-# stays importable without building them
+# named, not imported, so this module imports without building the workers
 CPU_WORKER = "specplugin.vllm_layer.worker.PluginCPUWorker"
 GPU_WORKER = "specplugin.vllm_layer.worker.PluginGPUWorker"
 
 
 def selects_plugin(vllm_config) -> bool:
-    """True for the user's switch (``custom_class`` naming ``specplugin.Speculator``) and
-    for the draft-model form :func:`use_worker_layer` turns it into."""
+    """True for ``custom_class`` naming ``specplugin.Speculator`` or its draft-model form."""
     spec = vllm_config.speculative_config
     if spec is None:
         return False
@@ -71,8 +69,7 @@ def check_vllm_config(vllm_config) -> None:
 
 
 def select_plugin_worker(vllm_config) -> None:
-    """Every proposer runs in the plugin's worker, whose runner gives proposers request
-    ids, sampling parameters and verification results (vLLM's hook gives token ids only)."""
+    """Use the plugin's worker (vLLM's hook gives proposers token ids only)."""
     from vllm.platforms import current_platform
 
     parallel = vllm_config.parallel_config
@@ -87,11 +84,7 @@ def select_plugin_worker(vllm_config) -> None:
 
 
 def ensure_sync_scheduling(vllm_config) -> None:
-    """The plugin needs synchronous scheduling: its per-row draft cuts and the draft
-    probabilities it hands the rejection sampler line up with the batch rows of the
-    step that drafted them, which async scheduling (drafting step N+1 while step N
-    is still being scheduled) does not guarantee. Switched off here, with a log
-    line; the plugin's runner refuses to start if it is on anyway."""
+    """Switch off async scheduling: drafts must line up with the rows that drafted them."""
     scheduler = vllm_config.scheduler_config
     if scheduler.async_scheduling:
         logger.warning("specplugin: async scheduling is not supported with the plugin's "
@@ -99,16 +92,14 @@ def ensure_sync_scheduling(vllm_config) -> None:
         scheduler.async_scheduling = False
 
 
-# Fields of the user's SpeculativeConfig that use_worker_layer carries into the draft-model
-# config it builds, and those vLLM derives itself (never set by the user).
+# SpeculativeConfig fields use_worker_layer carries over / that vLLM derives itself
 _CARRIED = frozenset({"method", "model", "num_speculative_tokens", "enforce_eager",
                       "target_model_config", "target_parallel_config"})
 _DERIVED = frozenset({"draft_model_config", "draft_parallel_config"})
 
 
 def dropped_settings(spec) -> list[str]:
-    """User settings of ``spec`` (a ``SpeculativeConfig``) that differ from vLLM's defaults
-    and that the plugin would not carry over: each would be silently ignored."""
+    """Non-default settings of ``spec`` the plugin would silently not carry over."""
     dropped = []
     for f in dataclasses.fields(spec):
         if f.name in _CARRIED | _DERIVED:
@@ -131,15 +122,9 @@ def _default_of(f: dataclasses.Field):
 
 
 def use_worker_layer(vllm_config, config: SpecPluginConfig) -> None:
-    """Run the draft proposer through the plugin's worker layer.
-
-    vLLM's model runner gives a drafter the paged KV cache, block tables and sampling
-    metadata only when ``speculative_config`` names a draft model. So the user's
-    ``custom_class`` switch becomes vLLM's own ``draft_model`` config for the model at
-    ``additional_config["specplugin"]["draft_model"]`` (same K, draft probabilities
-    kept for verification), and ``parallel_config.worker_cls`` becomes the plugin's
-    worker, whose runner puts the plugin's drafter in place of vLLM's.
-    """
+    """Run the draft proposer through the plugin's worker layer: vLLM gives a drafter the
+    KV cache only for a ``draft_model`` config, so ``custom_class`` becomes one (same K,
+    draft probs kept) and the plugin's worker swaps in the plugin's drafter."""
     from vllm.config import SpeculativeConfig
 
     user_spec = vllm_config.speculative_config
@@ -154,7 +139,7 @@ def use_worker_layer(vllm_config, config: SpecPluginConfig) -> None:
     select_plugin_worker(vllm_config)
     from transformers import AutoConfig
 
-    # before vLLM builds the draft's config, whose own check would not name our setting
+    # before vLLM's own check, which would not name our setting
     check_shared_vocabulary(
         target_tokenizer=vllm_config.model_config.tokenizer,
         draft_model=config.draft_model,

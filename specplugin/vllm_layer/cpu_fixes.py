@@ -1,19 +1,9 @@
 """A correct CPU fallback for vLLM's ``expand_kernel`` (rejection sampler), installed by register().
 
-vLLM 0.32's CPU stand-in for the Triton ``expand_kernel``
-(``vllm/utils/cpu_triton_utils.py: _expand_kernel_impl``) hands the C++ kernel
-``output.to(torch.int64)``: for any output that is not int64 (the per-token
-temperatures are float32, top-k int32) that is a copy, the kernel writes into the
-copy, and the real output keeps whatever ``new_empty`` left there. The rejection
-sampler then divides the target logits by uninitialised "temperatures", so
-speculative decoding at temperature > 0 on CPU samples from the wrong distribution,
-for vLLM's built-in methods and for this plugin alike (``specplugin check-lossless``
-caught it; ``tests/test_cpu_fixes.py`` fails once vLLM fixes it, so the patch can go).
-
-This replacement does the same expansion for every dtype: on the host with numpy where
-numpy has the dtype (the rejection sampler calls it at every sampled speculative step, for
-the temperatures and any top-k or top-p; measured at batch 1 and 8, 35 and 20 us a call
-against 86 and 75 us for the same work in torch ops), else in torch ops.
+vLLM 0.32's CPU stand-in (``cpu_triton_utils._expand_kernel_impl``) writes into
+``output.to(torch.int64)``, a copy for non-int64 outputs (float32 temperatures), so CPU
+sampling at temperature > 0 reads uninitialised values. ``tests/test_cpu_fixes.py`` fails
+once vLLM fixes it. Uses numpy where it has the dtype (~2-4x faster than torch ops), else torch.
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """The step's drafts travel back with the step's output: one worker round trip less per step.
 
-With synchronous scheduling and a speculative config, vLLM's engine core asks its
-workers for the step's drafts in a second call after every step
-(``EngineCore.post_step`` -> ``executor.take_draft_token_ids()``). With vLLM's
-multiprocess executor (every CPU engine, and CUDA with several workers) that call is
-a round trip through the executor's shared-memory queues: ``specplugin profile``
-showed it as the plugin's and vLLM's speculative methods' extra ``executor (IPC)``
-time over an engine without speculation, about a millisecond per step on the
-project's 2-core machine, paid on plain steps too.
+With synchronous scheduling, vLLM's engine core fetches drafts in a second call after
+every step (``EngineCore.post_step`` -> ``executor.take_draft_token_ids()``); with the
+multiprocess executor that is an IPC round trip (~1 ms per step on 2 cores, plain steps too).
 
-The plugin's model runner already has the drafts when ``sample_tokens`` returns (the
-plugin forces synchronous scheduling, and vLLM drafts before building the output), so
-it attaches them to the step's ``ModelRunnerOutput`` (:func:`attach`; the executor
-pickles the object, attribute included). In the engine core, the executor's
-``sample_tokens`` keeps what came back and its ``take_draft_token_ids`` returns that
-instead of asking the workers (:func:`sample_tokens_keeping_drafts`,
-:func:`take_kept_drafts`; patch registry, :func:`install`). An output without the
-attribute (vLLM's own speculative methods, the plugin off) leaves vLLM's call as it
-was. The drafts are the same object vLLM would have fetched: the runner's
-``take_draft_token_ids`` reads state that nothing changes between the two calls.
+The plugin's runner already has the drafts when ``sample_tokens`` returns, so it attaches
+them to the ``ModelRunnerOutput`` (:func:`attach`). In the engine core, the executor keeps
+them (:func:`sample_tokens_keeping_drafts`) and ``take_draft_token_ids`` returns them
+(:func:`take_kept_drafts`). An output without the attribute (vLLM's own methods, plugin
+off) leaves vLLM's call unchanged.
 """
 
 from __future__ import annotations

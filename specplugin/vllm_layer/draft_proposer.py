@@ -1,22 +1,13 @@
 """The draft proposer inside vLLM: vLLM's draft-model machinery, our drafting loop.
 
-vLLM's ``DraftModelProposer`` already does what is hard: it loads the draft model
-with its own layer names so that its attention layers get KV tensors in the same
-paged block pool as the target's (indexed by the target's block tables), and its
-first pass re-reads each request's newly verified tokens into that cache. This
-subclass keeps all of that and replaces only the drafting loop, so that
-
-- each request stops drafting when the draft's own confidence, calibrated online
-  against verification results, says the next token is unlikely to be used, and goes
-  on past the default K up to ``num_speculative_tokens`` while it stays likely (the
-  rule, the calibration and their bookkeeping live in the vLLM-free
-  :mod:`specplugin.adaptive.draft_rule`); the loop ends as soon as no request drafts;
+Subclasses vLLM's ``DraftModelProposer`` (draft KV in the target's paged block pool, a
+first pass re-reading verified tokens) and replaces only the drafting loop, so that:
+- each request stops drafting when the draft's calibrated confidence says the next token
+  is unlikely to be used, and may go past the default K up to ``num_speculative_tokens``
+  (rule and calibration: :mod:`specplugin.adaptive.draft_rule`);
 - no request drafts beyond the tokens it may still emit (``max_tokens``);
-- the draft probabilities of every position are kept at temperature > 0, so vLLM's
-  rejection sampler verifies against the distribution the tokens were drawn from.
-
-The loop is batched over requests: one forward per draft position for the whole
-batch, never a per-request Python loop over tokens, never a recompute of the context.
+- at temperature > 0 the draft probabilities are kept for vLLM's rejection sampler.
+Batched: one forward per draft position for all requests, no per-request Python loop.
 """
 
 from __future__ import annotations
@@ -57,21 +48,16 @@ logger = logging.getLogger("specplugin")
 
 
 class PluginDraftProposer(DraftModelProposer):
-    """``DraftModelProposer`` with per-request early stopping and extension.
-
-    ``runner`` is the plugin's model runner (:mod:`specplugin.vllm_layer.worker`);
-    its :meth:`step_context` gives the request ids and sampling parameters of the
-    batch rows.
-    """
+    """``DraftModelProposer`` with per-request early stopping and extension. ``runner``:
+    the plugin's model runner (its ``step_context()`` describes the batch rows)."""
 
     def __init__(self, vllm_config, device, runner, plugin_config: SpecPluginConfig):
         super().__init__(vllm_config=vllm_config, device=device, runner=runner)
         self.plugin_runner = runner  # vLLM's base class does not keep it
-        # neither model uses M-RoPE: positions are one row (asked once, not per pass)
+        # no M-RoPE: positions are one row
         self._one_dim_positions = not (self.uses_mrope or vllm_config.model_config.uses_mrope)
         self._paddings: dict[int, tuple] = {}  # tokens -> vLLM's padding (see _padding)
-        # rows -> views of the proposer's buffers a run of that many rows reads (_views)
-        self._row_views: dict[int, tuple] = {}
+        self._row_views: dict[int, tuple] = {}  # rows -> buffer views (_views)
         settings = plugin_config.draft
         k_max = plugin_config.num_speculative_tokens
         self.fixed_min_acceptance = settings.min_acceptance  # None: measured by self.costs
@@ -80,50 +66,33 @@ class PluginDraftProposer(DraftModelProposer):
         self.calibration = AcceptanceCalibration()
         self.outcomes = OutcomeTracker(self.calibration)
         self.costs = CostModel()
-        self.timer = StepTimer()  # wall time of each step, from one drafting call to the next
+        self.timer = StepTimer()  # wall time between drafting calls
         self._step_seconds: float | None = None  # wall time of the step just run
         self._last_forwards = self._last_draft_tokens = 0  # of the previous propose()
         self._last_draft_seconds = 0.0  # the previous propose()'s draft run, wall time
         self._param_ratio: float | None = None  # draft / target parameters (see _forward_price)
-        # skip_drafting observed the step just run and decided to speculate: the full
-        # path neither times it again nor asks the draft-alone arbiter again
-        self._observed = False
+        self._observed = False  # skip_drafting already timed this step, chose to speculate
         self.failures = FailureCounter("draft", logger)
-        # under tensor parallelism every rank decides from rank 0's timings (ranks.py):
-        # draft forwards timed during a step are shared at the next step's start
-        self.clock = RankZeroClock()
+        self.clock = RankZeroClock()  # under TP every rank uses rank 0's timings (ranks.py)
         self._forward_seconds: list[float] = []
         # (seconds, catch-up tokens, warm) of this step's first pass (see _agree_on_timings)
         self._first_pass: tuple[float, int, bool] | None = None
         self._steps_since_run = 2  # engine steps since the draft last ran (_draft_ran_last_step)
-        # test-only: every N-th draft forward fails (specplugin.proposers.faults)
-        every = plugin_config.fault_injection.draft_forward
+        every = plugin_config.fault_injection.draft_forward  # test-only fault injection
         self._forward_fault = None if every is None else EveryNth("draft forward", every)
-        # where each request's draft KV ends: the draft runs only for rows that use it
-        self.cursor = DraftKVCursor()
+        self.cursor = DraftKVCursor()  # where each request's draft KV ends
         self.uniforms = UniformPool(device)  # the draws' uniforms, one per row and position
-        # on CPU the draws are compiled and read the uniforms as numpy (take_host)
-        self._host_draws = torch.device(device).type == "cpu"
-        # vLLM's CPU attention builder, when the draft's layers use it: its decode
-        # metadata is carried from pass to pass (update_cpu_decode_metadata)
-        self._cpu_builder = None
-        # the first pass's host inputs, written where its forward reads them
-        # (FirstPassBuffers); per token count, that forward's inputs (_first_pass_views)
+        self._host_draws = torch.device(device).type == "cpu"  # compiled draws (take_host)
+        self._cpu_builder = None  # vLLM's CPU attention builder, if the draft uses it
+        # first-pass host inputs (FirstPassBuffers); per token count, its forward's views
         self._first_buffers = FirstPassBuffers.of(self, vllm_config)
         self._first_views: dict[int, tuple] = {}
-        # the decode passes' inputs, kept from run to run where they are host tensors
-        # (made with the attention backend, when the draft's layers are known)
-        self._decode_buffers: DecodePassBuffers | None = None
+        self._decode_buffers: DecodePassBuffers | None = None  # see initialize_attn_backend
         self._token_arange_cpu = torch.from_numpy(self.token_arange_np)  # [max_num_tokens]
-        # [num_reqs] draft tokens kept per row of the last propose(); the runner cuts
-        # the rows of the returned [num_reqs, positions] tensor to these lengths.
+        # [num_reqs] draft tokens per row of the last propose(); the runner cuts rows to these
         self.last_lengths: list[int] | None = None
-        # this step's decision for the draft run, made before vLLM prepared its inputs
-        # (propose_before_vllm_inputs), for propose to carry out
-        self._decided: tuple | None = None
-        # With token-level proposers too, the union picks per request among their
-        # candidates and the draft's (see _finish_union).
-        self.union: Union | None = None
+        self._decided: tuple | None = None  # from propose_before_vllm_inputs, for propose
+        self.union: Union | None = None  # picks among token-level proposers and the draft
         self.plan: StepPlan | None = None  # the union's plan of the last step it chose
         token_level = [n for n in plugin_config.proposers if n not in MODEL_PROPOSERS]
         if token_level:
@@ -141,15 +110,10 @@ class PluginDraftProposer(DraftModelProposer):
         self.memory = None if self.union is None else open_memory(
             self.union, plugin_config.state_dir, vllm_config.model_config.model,
             plugin_config.draft_model, k_max, writer=tensor_parallel_rank() == 0)
-        # the draft model alone: whether speculating pays at all, measured (a union
-        # has its own, and then the drafter none)
+        # draft model alone: whether speculating pays at all (a union has its own)
         self.arbiter = arbiter_for(plugin_config) if self.union is None else None
-        # drafts and acceptances per proposer (the union keeps them itself)
         self.proposer_stats = ProposerStats() if self.union is None else self.union.stats
-        # what the drafter learns from a verified step (the draft's outcomes, its cost
-        # model's held steps), held until the step's drafts are made, then run in the
-        # worker's wait for its next step (the union's background, the same one the
-        # union's own learning runs on)
+        # learning held until this step's drafts are made, then run in the worker's wait
         self.background = (Background(deferred=True) if self.union is None
                            else self.union.background)
         self._held_jobs: list = []
@@ -157,9 +121,8 @@ class PluginDraftProposer(DraftModelProposer):
 
     @property
     def last_alternates(self) -> list[list[list[int]]]:
-        """[num_reqs] extra candidates per row of the last ``propose`` (the union's;
-        the batch-expanding scorer verifies them, :mod:`specplugin.vllm_layer.scorer`):
-        vLLM's drafting call returns token ids only, so the runner reads them here."""
+        """[num_reqs] the union's extra candidates per row of the last ``propose``, for the
+        batch-expanding scorer (vLLM's drafting call returns token ids only)."""
         return [] if self.plan is None else self.plan.alternates
 
     def calibrate(self, num_tokens: np.ndarray, seconds: np.ndarray) -> None:
@@ -178,8 +141,7 @@ class PluginDraftProposer(DraftModelProposer):
             self.background.submit(job)
 
     def _settle(self) -> None:
-        """Everything learned so far is in (held jobs included): before anything reads
-        what learning writes."""
+        """Flush all learning (held jobs included) before anything reads what it writes."""
         self._release_learning()
         if self.union is not None:
             self.union.settle()
@@ -200,27 +162,21 @@ class PluginDraftProposer(DraftModelProposer):
                 self.memory.maybe_save(self.union, idle=self.union.idle)
 
     def new_requests(self, num_new: int, num_reqs: int) -> None:
-        """Requests joined the batch this step (see the runner's ``_note_new_requests``):
-        new text, for the union's peeks and the step arbiter."""
+        """Requests joined the batch this step: new text for the union's peeks and arbiter."""
         if self.union is not None:
             self.union.new_requests(num_new, num_reqs)
         elif self.arbiter is not None:
             self.arbiter.new_requests(num_new, num_reqs)
 
     def _peek(self) -> StepBatch:
-        """The batch as it stands, for the union's peek on a plain step (asked only when
-        the arbiter keeps a step plain)."""
+        """The batch as it stands, for the union's peek on a plain step."""
         return self.plugin_runner.peek_batch()
 
     def skip_drafting(self, num_reqs: int, num_query_tokens: int, mostly_sampled: bool,
                       read_prompts: bool = False) -> bool:
-        """The runner asks before a step's drafting, when that step verified no draft:
-        True if the next step decodes plainly too, so that nothing of the draft model's
-        machinery runs (the step's time is observed; the draft KV of the skipped rows is
-        caught up in their next draft pass). Under tensor parallelism every rank decides
-        in the full path from rank 0's clock, so this says False. ``read_prompts``: the
-        step read prompt tokens, and its time teaches no cost model (a prefill's:
-        :meth:`Union._observe <specplugin.adaptive.union.Union._observe>`)."""
+        """Asked when the step just run verified no draft: True if the next is plain too, so
+        no draft machinery runs (skipped rows' draft KV catches up later). False under TP.
+        ``read_prompts``: the step read prompt tokens, so its time teaches no cost model."""
         if self.clock.shared:
             return False
         self._settle()
@@ -264,10 +220,8 @@ class PluginDraftProposer(DraftModelProposer):
         return plain
 
     def plain_steps_ahead(self) -> int:
-        """After :meth:`skip_drafting` kept the next step plain: how many steps after it
-        are plain whatever they measure (the union's :meth:`~Union.plain_steps_ahead`, or
-        the arbiter's when the draft model drafts alone), which the runner may run as
-        vLLM's own plain steps. 0 under tensor parallelism (see :meth:`skip_drafting`)."""
+        """After :meth:`skip_drafting` kept the next step plain: how many more stay plain
+        regardless, for the runner to run as vLLM's own (0 under TP)."""
         try:
             if self.clock.shared:
                 return 0
@@ -279,10 +233,8 @@ class PluginDraftProposer(DraftModelProposer):
             return 0
 
     def learn_plain_steps(self, times: list[float | None], num_reqs: int) -> None:
-        """What :meth:`skip_drafting` would have learned from each step run as vLLM's own:
-        ``times``, their wall times on :attr:`timer` (None: no step measured), ``num_reqs``
-        requests decoding one token each (the runner calls this before the next step it
-        runs reaches the drafter)."""
+        """Learn what :meth:`skip_drafting` would have from steps run as vLLM's own: ``times``
+        their wall times (None: not measured), ``num_reqs`` rows decoding one token each."""
         self._settle()
         try:
             for seconds in times:
@@ -299,9 +251,7 @@ class PluginDraftProposer(DraftModelProposer):
             self.failures.record()
 
     def propose(self, num_speculative_tokens: int, *args, **kwargs) -> torch.Tensor:
-        """vLLM's drafting call (arguments as :meth:`_propose`). A failure here costs the
-        batch this step's drafts (it decodes plainly, still exactly the target's output),
-        never a request; it is counted and logged (:class:`FailureCounter`)."""
+        """vLLM's drafting call; a failure costs only this step's drafts (counted), no request."""
         try:
             return self._propose(num_speculative_tokens, *args, **kwargs)
         except Exception:
@@ -313,15 +263,9 @@ class PluginDraftProposer(DraftModelProposer):
 
     def propose_decided(self, num_speculative_tokens: int, common_attn_metadata,
                         sampling_metadata) -> torch.Tensor:  # [num_reqs, num_positions]
-        """:meth:`propose` without vLLM's preparation of the draft model's inputs, for a
-        step whose decision :meth:`propose_before_vllm_inputs` made (:attr:`decided`):
-        the decision holds what that preparation computes (each row's next token and
-        rejection count, by two kernels, and metadata padded to the verified tokens), and
-        the run reads only the step's block tables (``common_attn_metadata
-        .block_table_tensor``: the target's, which the draft's KV shares) and the
-        temperatures. By py-spy in an engine at batch 1, temperature 1 (validation pair,
-        the union without its arbiter), vLLM's two preparation kernels alone took 3.4% of
-        the engine's step."""
+        """:meth:`propose` for a step decided by :meth:`propose_before_vllm_inputs`, skipping
+        vLLM's draft-input preparation (two kernels, ~3% of a step at batch 1); the run
+        reads only the block tables (the target's, shared by the draft) and temperatures."""
         return self.propose(num_speculative_tokens, target_token_ids=None,
                             target_positions=None, target_hidden_states=None,
                             next_token_ids=None, token_indices_to_sample=None,
@@ -346,25 +290,18 @@ class PluginDraftProposer(DraftModelProposer):
 
     def propose_before_vllm_inputs(self, sampled_token_ids: torch.Tensor,
                                    sampling_metadata) -> list[list[int]] | None:
-        """The runner's call before vLLM prepares the draft model's inputs (its
-        ``propose_draft_token_ids``): this step's whole decision (learning, the arbiter,
-        the token-level proposers, the draft's gate) from the step's sampled tokens
-        (``sampled_token_ids`` [num_reqs, 1 + drafts], -1 past a row's accepted ones).
-        Returns the drafts, one list per row, when the draft model runs for no row: then
-        vLLM's preparation of the draft model's inputs (next tokens, rejection counts,
-        the draft's attention metadata) is skipped too (measured 0.10-0.13 ms a step at
-        batch 1 on this project's machine, 2-3% of the step). None when the draft model
-        runs: vLLM prepares its inputs and calls :meth:`propose`, which drafts from the
-        decision made here."""
+        """Before vLLM prepares the draft inputs: the step's whole decision from
+        ``sampled_token_ids`` [num_reqs, 1 + drafts] (-1 past a row's accepted ones).
+        Returns the drafts when the draft model runs for no row (vLLM's preparation is then
+        skipped); None when it runs: vLLM then calls :meth:`propose` to carry it out."""
         runner = self.plugin_runner
         num_reqs = runner.input_batch.num_reqs
         self._decided = None  # (one decision per step: never an earlier step's)
         try:
             vocab_size = runner.input_batch.vocab_size
-            # [num_reqs][1 + drafts] (the tensor's rows are the batch's: no slice op first)
-            sampled = sampled_token_ids.tolist()[:num_reqs]
+            sampled = sampled_token_ids.tolist()[:num_reqs]  # [num_reqs][1 + drafts]
             valid = [sum(1 for t in row if 0 <= t < vocab_size) for row in sampled]
-            # (rows in chunked prefill have no valid token: they draft nothing, see _caps)
+            # (chunked-prefill rows have no valid token: they draft nothing, see _caps)
             next_tokens = [row[v - 1] if v else 0 for row, v in zip(sampled, valid)]
             context = runner.step_context()
             scheduled = context.num_scheduled_drafts[:num_reqs]
@@ -387,9 +324,7 @@ class PluginDraftProposer(DraftModelProposer):
         return None
 
     def forget_learned(self) -> None:
-        """See :meth:`Union.forget_learned <specplugin.adaptive.union.Union.forget_learned>`
-        (the draft model alone: its step arbiter's rates); the drafting cost model and the
-        draft's acceptance calibration (its stop rule's tables) too."""
+        """Forget what was learned: union or arbiter, drafting cost model, calibration."""
         self._settle()
         self.forget_pending()
         self.costs.forget()
@@ -400,8 +335,7 @@ class PluginDraftProposer(DraftModelProposer):
             self.arbiter.forget()
 
     def forget_pending(self) -> None:
-        """vLLM skipped drafting for a step: the drafts recorded before it were verified
-        in that step, whose results never reach this drafter."""
+        """vLLM skipped drafting for a step: the results of earlier drafts never arrive."""
         self._settle()
         self.outcomes.forget()
         self.cursor.forget_pending()
@@ -410,13 +344,12 @@ class PluginDraftProposer(DraftModelProposer):
             self.union.forget_pending()
 
     def stats(self) -> dict:
-        """The plugin's own counters, JSON-able (published by
-        :mod:`specplugin.vllm_layer.metrics_export`)."""
+        """The plugin's own counters, JSON-able (published by metrics_export)."""
         arbiter = self.arbiter if self.union is None else self.union.arbiter
         failures = self.failures.snapshot()
         self.background.settle()  # (what was handed over; held jobs write nothing yet)
         learning = self.background.failures
-        if learning.count:  # (a counter once it has counted)
+        if learning.count:
             failures[learning.name] = learning.count
         if self.union is not None:  # the union's counter "draft" adds to the drafter's own
             for f in self.union.failures:
@@ -452,7 +385,6 @@ class PluginDraftProposer(DraftModelProposer):
             if isinstance(decided, list):
                 return _as_tensor(decided, self.input_ids.device)
         batch, caps, rule, sampled, finish = decided
-        # (lists: a few rows, where each numpy call costs microseconds of cold caches)
         num_tokens = batch.num_tokens.tolist()  # [num_reqs]
         rows = [r for r, c in enumerate(caps) if c > 0]  # the rows the draft model drafts for
         starts = self.cursor.starts([batch.req_ids[r] for r in rows],
@@ -473,14 +405,9 @@ class PluginDraftProposer(DraftModelProposer):
     def _decide(self, context, num_reqs: int, rejected: list[int] | None,
                 next_tokens: list[int], sampling_metadata):
         """Learn from the step just verified, then decide this one: None for a plain step;
-        the drafts (one list per row) when the draft model runs for no row (the union
-        chose among token-level candidates); else (batch, caps [num_reqs] array, stop rule,
-        sampled rows, the finishing call) for the draft run. ``rejected``: [num_reqs]
-        drafts each row had rejected (None: no row had drafts); ``next_tokens``: [num_reqs]
-        the token each row sampled last.
-
-        Per-row values are Python lists: after the target's forward each numpy or torch
-        call costs several microseconds of cold caches, a list of a few rows far less."""
+        the drafts (a list per row) when the draft model runs for no row; else (batch,
+        caps, stop rule, sampled rows, finishing call). ``rejected`` (None: no drafts) and
+        ``next_tokens``: [num_reqs] lists (cheaper than numpy for a few rows)."""
         self._settle()
         self._last_draft_probs = None
         self.last_lengths = None
@@ -496,8 +423,7 @@ class PluginDraftProposer(DraftModelProposer):
         # rows still in chunked prefill have no token to draft from yet
         caps = _caps(context.remaining_tokens[:num_reqs], context.max_k[:num_reqs],
                      self.plugin_runner.discard_request_mask.np[:num_reqs].tolist())
-        # (rows that draft nothing, such as those in chunked prefill, have no token known)
-        last_tokens = [t if c > 0 else -1 for t, c in zip(next_tokens, caps)]
+        last_tokens = [t if c > 0 else -1 for t, c in zip(next_tokens, caps)]  # -1: unknown
         if not self._speculating(context, scheduled, num_accepted, sampled, last_tokens):
             self._plain_step(num_reqs)
             return None
@@ -514,17 +440,15 @@ class PluginDraftProposer(DraftModelProposer):
                 return self._finish_without_draft(batch, offers)
             finish = (self._finish_held if self.union.holding else
                       functools.partial(self._finish_union, offers=offers))
-        # the stop rule only for a step the draft model runs in (its thresholds are read
-        # from the draft's cost model: a few calls on cold caches, in most steps for nothing)
+        # the stop rule only when the draft runs (reading its thresholds is not free)
         rule = self._rule_with_thresholds()
         return batch, caps, rule, sampled, finish
 
     def _draft(self, run: DraftRun, batch: StepBatch, rows: list[int], starts: list[int],
                ends: list[int], cad, temperature: torch.Tensor | None) -> None:
-        """Draft for ``rows`` (batch rows, ascending) only: a first pass re-reads each
-        row's context from ``starts`` (where its draft KV ends) to its newest token (``ends``:
-        each row's context length), whose output is draft position 0; then one batched
-        forward per position while the rule says so."""
+        """Draft for ``rows`` (ascending): a first pass re-reads each row's context from
+        ``starts`` (its draft KV's end) to ``ends`` (its context length), giving draft
+        position 0; then one batched forward per position while the rule says so."""
         num_rows = len(rows)
         start = time.perf_counter()
         row_array = np.array(rows, dtype=np.int64)  # [num_rows]
@@ -537,22 +461,19 @@ class PluginDraftProposer(DraftModelProposer):
         self.cursor.advance([batch.req_ids[r] for r in rows], ends)
         if temperature is not None and num_rows != temperature.shape[0]:  # (rows ascend)
             temperature = temperature[torch.from_numpy(row_array).to(temperature.device)]
-        # decided once per run, not per draw, from the host's copy of the temperatures:
-        # every drafting row samples, and at temperature 1 (the default: no division)
+        # once per run, from the host temperatures: all rows sample; all at temperature 1
         all_sampled = all(run.sampled)
         host_temperatures = self.plugin_runner.input_batch.temperature_cpu
         unit = all_sampled and temperature is not None and all(
             host_temperatures[r] == 1.0 for r in rows)
         mode = (all_sampled, unit)
-        # one uniform per row and position, drawn once for the run (the host's draws
-        # read a position's as one row of [k_max, num_rows])
+        # one uniform per row and position for the run ([k_max, num_rows] on the host)
         uniforms = (None if temperature is None
                     else self.uniforms.take_host((run.rule.k_max, num_rows))
                     if self._host_draws else self.uniforms.take((run.rule.k_max, num_rows, 1)))
-        # the host's draws write each position's tokens straight into the next decode
-        # pass's input ids (int32, vLLM's buffer), where a copy would cost a call a pass
+        # host draws write tokens straight into the next pass's int32 input ids (no copy)
         next_ids = None if temperature is None else self._views(num_rows)[3]
-        # float32 logits on the host: every position's draw into blocks made once for the run
+        # host draws from float32 logits, into blocks made once per run
         draws = (HostDraws(uniforms, None if unit else
                            host_temperatures[row_array].astype(np.float32), run.sampled,
                            next_ids)
@@ -565,14 +486,11 @@ class PluginDraftProposer(DraftModelProposer):
             self._observe_first_pass(*first_pass, warm)
         if not more:
             return
-        # a cold run's first pass is observed with its first decode pass (see
-        # _observe_decode_pass), which always follows here: the stop rule ends a run at
-        # k_max (StopRule.keeps_drafting), so `more` means at least one decode pass
+        # a cold run's first pass is observed with its first decode pass (_observe_decode_pass)
         cold_first_pass = None if warm else first_pass
         self._switch_to_decode(cad, num_rows)
-        # One padded size for every decode pass (CUDA graphs run a captured batch size):
-        # the slot mapping's padding rows must get the padding slot id, or the dummy rows
-        # would write over real draft KV.
+        # one padded size for every decode pass (CUDA graphs); padding rows must map to
+        # the padding slot id, or the dummy rows overwrite real draft KV
         padding = self._padding(num_rows)
         # [num_padded] and [num_rows]: the same buffer every pass
         padded_ids, input_ids = self._views(padding[1])[2], self._views(num_rows)[2]
@@ -583,9 +501,7 @@ class PluginDraftProposer(DraftModelProposer):
         else:  # (M-RoPE positions: vLLM's update, one pass at a time)
             positions = self.positions[last].clone()  # (a slice for one row: not a view)
             inputs = self._decode_inputs(padding[1])  # (buffer views, rewritten per pass)
-        # One forward context for every decode pass: they share the padded size, hence
-        # vLLM's cudagraph mode and batch descriptor; each pass puts its own attention
-        # metadata and slots in it (_decode_forward)
+        # one forward context for all decode passes; each sets its metadata (_decode_forward)
         with set_forward_context(None, self.vllm_config, num_tokens=padding[1],
                                  num_tokens_across_dp=padding[2],
                                  cudagraph_runtime_mode=padding[0]):
@@ -612,20 +528,14 @@ class PluginDraftProposer(DraftModelProposer):
 
     def _first_pass_inputs(self, batch: StepBatch, rows: np.ndarray, starts: np.ndarray,
                            ends: np.ndarray, cad, sizes: tuple[int, int, int]):
-        """Token ids, positions and attention metadata of the first pass over ``rows``:
-        row i reads positions ``[starts[i], ends[i])`` through its own block table
-        (``sizes``: the tokens in all, the longest query and the longest context, which
-        the caller has as Python ints). Returns (metadata, tokens in all, each row's last
-        token: an index of [num_rows] or, for one row, a slice, the forward's inputs:
-        :meth:`_first_pass_views`)."""
+        """Inputs and attention metadata of the first pass: row i reads ``[starts[i],
+        ends[i])``. ``sizes``: (total tokens, longest query, longest context). Returns
+        (metadata, total tokens, each row's last token index, :meth:`_first_pass_views`)."""
         num_tokens, max_query_len, max_seq_len = sizes
         num_rows = rows.size
         views = self._first_pass_views(num_tokens)
         num_padded = views[3][1]
-        # the integer work on the host in one compiled pass, written where the forward
-        # reads it (on CPU; else into host arrays, then copied): each numpy or torch call
-        # after the target's forward costs microseconds of cold caches, and by py-spy at
-        # batch 1 this method's conversions and copies were 0.7% of the worker's step
+        # integer work in one compiled host pass (on CPU, straight into the forward's inputs)
         buffers = self._first_buffers
         host = buffers.host if buffers is not None else FirstPassBuffers.host_arrays(
             num_padded, num_rows)
@@ -655,17 +565,14 @@ class PluginDraftProposer(DraftModelProposer):
             # (vLLM's M-RoPE update writes the lengths in place: not into seq_lens)
             seq_lens_cpu_upper_bound=(seq_lens_cpu if self._one_dim_positions
                                       else seq_lens_cpu.clone()))
-        # [num_rows] each row's last token: one row's is a view (a slice; a gather by a
-        # tensor index held, by py-spy at batch 1, 3% of the plugin's samples, draft forwards
-        # included)
+        # [num_rows] each row's last token; for one row a slice, far cheaper than a gather
         last = (slice(num_tokens - 1, num_tokens) if num_rows == 1
                 else torch.from_numpy(host[0][1:num_rows + 1] - 1).to(device))
         return sub, num_tokens, last, views
 
     def _copy_first_pass(self, host: tuple, num_rows: int, num_padded: int):
-        """Off the host (another device, M-RoPE positions or other buffer types): the
-        first pass's host arrays (:meth:`FirstPassBuffers.host_arrays`) copied into the
-        proposer's buffers; returns the query starts and sequence lengths as host tensors."""
+        """Off the host path: copy the host arrays into the proposer's buffers; returns
+        query starts and seq lens as host tensors."""
         cu_query_lens, seq_lens, positions, input_ids, slots = host
         device = self.input_ids.device
         self.input_ids[:num_padded].copy_(torch.from_numpy(input_ids).to(device))
@@ -678,11 +585,8 @@ class PluginDraftProposer(DraftModelProposer):
         return torch.from_numpy(cu_query_lens), torch.from_numpy(seq_lens)
 
     def _first_pass_views(self, num_tokens: int) -> tuple:
-        """The first pass's forward inputs over ``num_tokens``: (model inputs, slot
-        mapping per draft layer, the real tokens' slots, vLLM's padding of the forward:
-        :meth:`_padding`), views of the proposer's buffers over the padded count, made
-        once per count up to :data:`_KEPT_FIRST_VIEWS` tokens (each is a few torch
-        calls) where the padding is the count's alone (no data parallelism)."""
+        """First-pass forward inputs (model inputs, slot mappings, real slots, :meth:`_padding`)
+        as buffer views, cached per count up to :data:`_KEPT_FIRST_VIEWS` without DP."""
         views = self._first_views.get(num_tokens)
         if views is not None:
             return views
@@ -705,9 +609,7 @@ class PluginDraftProposer(DraftModelProposer):
 
     def _learn_draft_step(self, context, num_accepted: list[int],
                           rejected: list[int] | None) -> None:
-        """Learn from the step just verified (``num_accepted``: [num_reqs] draft tokens
-        each row had accepted, whichever proposer drafted them): the draft's outcomes and
-        the step's time (the stop rule's thresholds follow, :meth:`_rule_with_thresholds`)."""
+        """Learn the draft's outcomes and the step's time from the step just verified."""
         num_reqs = len(num_accepted)
         pending = self.outcomes.take()  # (this step's drafts are recorded in its place)
         req_ids, scheduled = context.req_ids, context.num_scheduled_drafts[:num_reqs]
@@ -741,9 +643,7 @@ class PluginDraftProposer(DraftModelProposer):
         return self._rule_cache[1]
 
     def _start_run(self, seconds: float, catch_up_tokens: int) -> bool:
-        """The run's first pass is done (``seconds``, reading ``catch_up_tokens`` beyond
-        its rows' newest tokens): whether the run is warm (:attr:`_draft_ran_last_step`);
-        the draft has now run."""
+        """The run's first pass is done: returns whether the run is warm; the draft has run."""
         warm = self._draft_ran_last_step
         if trace.TRACE is not None:
             trace.TRACE.write("first_pass", ms=seconds * 1e3, catch_up=catch_up_tokens,
@@ -753,16 +653,9 @@ class PluginDraftProposer(DraftModelProposer):
 
     def _observe_decode_pass(self, seconds: float,
                              cold_first_pass: tuple[float, int] | None) -> None:
-        """A decode pass's time teaches the draft forward's price; except the first decode
-        pass of a cold run (``cold_first_pass``: that run's first pass, (seconds, catch-up
-        tokens), not observed yet), which still runs on what the steps without the draft
-        swept from the caches: measured 3.33 ms against 1.36 for a warm run's passes and
-        1.36 for the cold runs' later ones (medians; validation pair, fresh engine,
-        server/b8/t1, the trace's ``decode_pass`` records). Timed as forwards, the first
-        passes after a 26-step plain block priced the draft at 7.07 ms against 2.45 in a
-        fresh engine whose draft then never ran again (its price is learned only when it
-        runs). The pass's excess over the forward's price belongs to the cold run, and goes
-        to its first pass's price."""
+        """A decode pass's time teaches the draft forward's price, except a cold run's first
+        (slowed ~2.5x by the caches plain steps swept): its excess over the price goes to
+        the first pass of that run (``cold_first_pass``: (seconds, catch-up tokens))."""
         if trace.TRACE is not None:
             trace.TRACE.write("decode_pass", ms=seconds * 1e3, cold=cold_first_pass is not None)
         if cold_first_pass is None:
@@ -793,8 +686,7 @@ class PluginDraftProposer(DraftModelProposer):
 
     def _agree_on_timings(self, step_seconds: float | None,
                           draft_seconds: float) -> tuple[float | None, float]:
-        """Tensor parallelism: rank 0's step time, draft run time and draft forward times
-        replace this rank's (every rank then takes the same decisions; see ranks.py)."""
+        """Under TP: rank 0's step, draft-run and draft-forward times replace this rank's."""
         forwards = self._forward_seconds
         first_seconds, first_tokens, warm = self._first_pass or (None, None, None)
         step_seconds, draft_seconds, total, count, first_seconds, first_tokens, warm = (
@@ -808,9 +700,7 @@ class PluginDraftProposer(DraftModelProposer):
         return step_seconds, draft_seconds or 0.0
 
     def _forward(self, cad, num_tokens: int, views: tuple) -> torch.Tensor:
-        """The first pass: one draft-model forward over ``num_tokens`` query tokens (many
-        per request) on the paged cache, in its own forward context (``views``: its
-        inputs, :meth:`_first_pass_views`)."""
+        """The first pass: one draft forward over ``num_tokens``, in its own forward context."""
         if self._forward_fault is not None:
             self._forward_fault.tick()
         attn_metadata = self._attn_metadata(cad, 0)
@@ -824,12 +714,8 @@ class PluginDraftProposer(DraftModelProposer):
 
     def _decode_forward(self, context, cad, draft_index: int,
                         inputs: tuple[dict, dict]) -> torch.Tensor:
-        """A decode pass (one query token per row) in the run's forward context
-        ``context`` (vLLM's ``ForwardContext``, entered once for every decode pass of the
-        run: entering one per pass, as vLLM's drafters do, measured ~0.02 ms a pass after
-        the forward before it): the pass's attention metadata and slot mapping go into
-        it, then the model runs. ``inputs``: the pass's model inputs and slot mapping
-        (:meth:`DecodePasses.set_pass`, or :meth:`_decode_inputs` with M-RoPE positions)."""
+        """A decode pass in the run's shared ``ForwardContext`` (one per run, not per pass as
+        vLLM's drafters do: ~0.02 ms a pass): sets the pass's metadata, runs the model."""
         if self._forward_fault is not None:
             self._forward_fault.tick()
         kwargs, context.slot_mapping = inputs
@@ -841,9 +727,8 @@ class PluginDraftProposer(DraftModelProposer):
         return self._run_model(kwargs)
 
     def _attn_metadata(self, cad, draft_index: int) -> dict:
-        """vLLM's attention metadata of a draft forward, per attention layer: what
-        ``build_per_group_and_layer_attn_metadata`` returns second, built straight from
-        the one group a draft model's layers form (a few calls less per pass)."""
+        """Per-layer attention metadata of a draft forward, built directly from the draft's
+        one group (else vLLM's ``build_per_group_and_layer_attn_metadata``)."""
         groups = self.draft_attn_groups
         if self._cpu_builder is not None:  # (one group)
             return dict.fromkeys(groups[0].layer_names,
@@ -855,23 +740,18 @@ class PluginDraftProposer(DraftModelProposer):
             common_attn_metadata=cad, draft_index=draft_index))
 
     def _run_model(self, kwargs: dict) -> torch.Tensor:  # [num_tokens, hidden_size]
-        """The draft model's forward (its own method: the profile times it as the draft's
-        compute, as it times the forward contexts of vLLM's drafters)."""
+        """The draft model's forward (own method: the profile times it as draft compute)."""
         return self.model(**kwargs)
 
     def _decode_inputs(self, num_input_tokens: int) -> tuple[dict, dict]:
-        """A decode pass's model inputs and slot mapping over ``num_input_tokens`` (padded):
-        views of the proposer's buffers, which every pass of a run rewrites in place, so
-        one run takes them once."""
+        """A decode pass's model inputs and slot mapping: buffer views every pass rewrites."""
         kwargs = {"input_ids": self.input_ids[:num_input_tokens],
                   "positions": self._get_positions(num_input_tokens), "inputs_embeds": None}
         return kwargs, self._get_slot_mapping(num_input_tokens)
 
     def _padding(self, num_tokens: int) -> tuple:
-        """vLLM's (cudagraph mode, padded token count, tokens across DP ranks) for a
-        forward over ``num_tokens``: without data parallelism a function of the count
-        alone (the graphs are captured at start-up), so kept per count (a call measured
-        ~0.03 ms after the target's forward); with it, agreed across the ranks each time."""
+        """vLLM's (cudagraph mode, padded tokens, tokens across DP) for ``num_tokens``:
+        cached per count without data parallelism (~0.03 ms a call), else agreed each time."""
         if self.vllm_config.parallel_config.data_parallel_size > 1:
             return self._determine_batch_execution_and_padding(num_tokens)
         padding = self._paddings.get(num_tokens)
@@ -887,12 +767,8 @@ class PluginDraftProposer(DraftModelProposer):
         cad.query_start_loc, cad.query_start_loc_cpu = self._views(num_rows)[:2]
 
     def _views(self, num_rows: int) -> tuple:
-        """The buffer views a run over ``num_rows`` rows (or, as input ids, padded to
-        ``num_rows``) reads, made once per count (each slice is a torch call, which after
-        a forward costs microseconds): the decode passes' query starts on the device and
-        on the host (a view of vLLM's 0..max_num_tokens, which nothing writes: vLLM's own
-        switch copies it), their input ids, and those as the host's draws write them
-        (None where they cannot: another device or dtype)."""
+        """Buffer views for ``num_rows``, made once per count: decode query starts (device,
+        host), input ids, and those as numpy for host draws (None if not possible)."""
         views = self._row_views.get(num_rows)
         if views is None:
             input_ids = self.input_ids[:num_rows]
@@ -904,8 +780,7 @@ class PluginDraftProposer(DraftModelProposer):
         return views
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, vocab_size]
-        """The draft model's LM head (its own method so that the profile counts it as the
-        draft model's compute, as vLLM's drafter's is, not as the plugin's sampling)."""
+        """The draft's LM head (own method: the profile counts it as draft compute)."""
         return self.model.compute_logits(hidden)
 
     def _sample_into(self, run: DraftRun, hidden: torch.Tensor,
@@ -914,12 +789,10 @@ class PluginDraftProposer(DraftModelProposer):
                      uniforms: torch.Tensor | np.ndarray | None = None,
                      next_ids: np.ndarray | None = None,
                      draws: HostDraws | None = None) -> bool:
-        """Draw one draft token per drafting row (hidden: [num_rows, hidden_size];
-        temperature: [num_rows], None when every request is greedy; ``mode``: every row
-        samples, and every row samples at temperature 1; ``uniforms``: [k_max, num_rows,
-        1] the run's uniforms, one per row and position; ``next_ids``: [num_rows] int32,
-        where a host draw also writes the tokens; ``draws``: the run's host draws, which
-        take float32 logits); True if any row keeps drafting."""
+        """Draw one draft token per drafting row; True if any row keeps drafting.
+        ``hidden``: [num_rows, hidden_size]; ``temperature``: [num_rows] (None: all greedy);
+        ``mode``: (all rows sample, all at temperature 1); ``uniforms``: [k_max, num_rows, 1];
+        ``next_ids``: [num_rows] int32, also written by host draws; ``draws``: host draws."""
         logits = self._logits(hidden)  # [num_rows, vocab_size]
         if draws is not None and logits.dtype == torch.float32:
             added = run.add(*draws.draw(run.num_positions, logits))
@@ -942,15 +815,12 @@ class PluginDraftProposer(DraftModelProposer):
         return self._drafts(run, rows, lengths)
 
     def _keep_runs(self, run: DraftRun, rows: list[int], batch: StepBatch) -> list[int]:
-        """Every drafting row sends what its run drafted (the draft model alone, or the
-        union's held step): recorded to learn from, noted for the cursor and the cost
-        model; returns [num_reqs] the draft tokens each row sends."""
+        """Every drafting row sends its whole run; returns [num_reqs] draft tokens sent."""
         lengths = [0] * batch.num_reqs
         for r, n in zip(rows, run.length_list()):
             lengths[r] = n
         self._note_drafts(run, lengths)
-        # what the next step learns from: read only after it settles (see _settle), so
-        # in the worker's wait (Background)
+        # recorded in the worker's wait (read only after _settle)
         self._defer(lambda: self._record_runs(run, rows, batch, lengths))
         return lengths
 
@@ -965,9 +835,7 @@ class PluginDraftProposer(DraftModelProposer):
 
     @staticmethod
     def _drafts(run: DraftRun, rows: list[int], lengths: list[int]) -> list[list[int]]:
-        """[num_reqs] each row's draft tokens as it sends them (``lengths`` [num_reqs]),
-        as lists: vLLM's scheduler takes lists, and a tensor would cost vLLM's copy to the
-        host and its read back."""
+        """[num_reqs] each row's draft tokens as lists (vLLM's scheduler takes lists)."""
         drafts: list[list[int]] = [[] for _ in lengths]
         for r, tokens in zip(rows, run.token_lists([lengths[r] for r in rows])):
             drafts[r] = tokens
@@ -975,10 +843,8 @@ class PluginDraftProposer(DraftModelProposer):
 
     def _note_ahead(self, run: DraftRun, rows: list[int], batch: StepBatch,
                     sent: list[int]) -> None:
-        """Tell the cursor which rows' decode passes read the draft tokens they send
-        (``sent``: [num_reqs] the draft's own tokens each row verifies), for
-        :meth:`DraftKVCursor.accepted`. Not with the batch-expanding scorer: a row's
-        emitted tokens may then be another candidate's."""
+        """Tell the cursor how many ``sent`` tokens each row's decode passes read (not with
+        the batch-expanding scorer: emitted tokens may be another candidate's)."""
         if not rows or self.plugin_runner.expander is not None:
             self.cursor.forget_pending()
             return
@@ -1027,9 +893,8 @@ class PluginDraftProposer(DraftModelProposer):
 
     def _speculating(self, context, scheduled: list[int], num_accepted: list[int],
                      sampled: list[bool], next_tokens: list[int]) -> bool:
-        """Learn from the step just verified (the union) and ask the step arbiter whether
-        this step speculates at all. ``scheduled``: [num_reqs] drafts each row verified;
-        ``next_tokens``: [num_reqs] each row's last emitted token (-1: not known)."""
+        """Learn from the step just verified and ask the arbiter whether this step
+        speculates. ``scheduled``, ``next_tokens``: [num_reqs] drafts verified, last token."""
         num_reqs = len(num_accepted)
         mostly_sampled = 2 * sum(sampled) > num_reqs
         observed, self._observed = self._observed, False
@@ -1063,14 +928,9 @@ class PluginDraftProposer(DraftModelProposer):
         self._last_draft_seconds = 0.0
 
     def _union_offers(self, batch: StepBatch, caps: list[int], remaining_tokens: list[int]):
-        """Ask the token-level proposers, then let the union plan the draft model's part:
-        which rows it drafts for and how far, its forwards priced in
-        (:meth:`Union.plan_draft <specplugin.adaptive.union.Union.plan_draft>`), in the
-        steps the gate is due (:meth:`Union.draft_gate_due
-        <specplugin.adaptive.union.Union.draft_gate_due>`).
-        ``remaining_tokens`` [num_reqs]: what each request may still emit (before this
-        step's tokens), bounded here by the room left before ``max_model_len``.
-        Returns the offers and the draft's per-row caps (0: no draft model for that row)."""
+        """Ask the token-level proposers, then (gate due) let the union plan the draft's
+        rows and lengths; ``remaining_tokens`` [num_reqs] is capped by ``max_model_len``.
+        Returns the offers and the draft's per-row caps (0: no draft for that row)."""
         held = self.union.held_draft(batch, caps) if self.union.holding else None
         if held is not None:  # the last look's plan holds: nothing asked, nothing priced
             return [], held
@@ -1091,29 +951,20 @@ class PluginDraftProposer(DraftModelProposer):
         return offers, caps
 
     def _warm_run_seconds(self, forward: float) -> float | None:
-        """What the first pass's fixed part costs beyond one forward when the draft ran in
-        the step before (None until such a pass was timed): a run after plain steps
-        pays more (:meth:`_first_pass_prices`), once, and the runs after it this."""
+        """A warm first pass's fixed cost beyond one forward (None until one was timed)."""
         price = self.costs.first_pass_price(True, 0.0)
         return None if price is None else max(0.0, price[0] - forward)
 
     @property
     def _draft_ran_last_step(self) -> bool:
-        """Whether the draft ran in the step before this one (its first pass is then
-        warm, see :meth:`CostModel.first_pass_price
-        <specplugin.adaptive.draft_rule.CostModel.first_pass_price>`)."""
+        """Whether the draft ran in the step before (its first pass is then warm)."""
         return self._steps_since_run <= 1
 
     def _first_pass_prices(self, batch: StepBatch, num_rows: int,
                            forward: float) -> tuple[float, list[float]]:
-        """What the draft's first pass costs beyond one forward: (seconds whatever the
-        rows read, [num_reqs] seconds each row adds by its catch-up tokens,
-        :meth:`DraftKVCursor.behind`). As timed (:meth:`CostModel.first_pass_price
-        <specplugin.adaptive.draft_rule.CostModel.first_pass_price>`, warm if the draft
-        ran in the step before); until then nothing fixed, and the catch-up tokens at the
-        target's forward curve (timed at engine start) scaled by what one draft forward
-        measured against the target's for as many rows, which also stands in for the
-        price per token while the timed catch-ups are too alike in size to give one."""
+        """The first pass's cost beyond one forward: (fixed seconds, [num_reqs] catch-up
+        seconds). As timed once known; before, catch-up tokens are priced on the target's
+        forward curve scaled by the draft/target forward ratio."""
         behind = self.cursor.behind(batch.req_ids, batch.num_tokens)
         total = sum(behind)
         cost = self.union.cost
@@ -1130,9 +981,8 @@ class PluginDraftProposer(DraftModelProposer):
         return fixed, [per_token * b for b in behind]
 
     def _forward_price(self, num_rows: int) -> float:
-        """Seconds of one draft forward: measured once the draft has run; before that, the
-        target's forward for as many rows (timed at engine start) scaled by the draft's
-        share of the target's parameters."""
+        """Seconds of one draft forward: as measured; before, the target's for as many rows
+        scaled by the draft/target parameter ratio."""
         if self.costs.draft_forward_s is not None:
             return self.costs.draft_forward_s
         if not self.union.cost.calibrated:
@@ -1145,10 +995,9 @@ class PluginDraftProposer(DraftModelProposer):
 
     def _finish_union(self, run: DraftRun, rows: list[int], batch: StepBatch,
                       offers) -> list[list[int]]:
-        """The union chooses, per request, the draft's candidate or a token-level one (and
-        how much of it). Draft rows keep their draft probabilities; token-level rows are
-        deterministic guesses and get one-hot ones, so at temperature > 0 both kinds are
-        verified losslessly in the same batch."""
+        """The union picks per request the draft's candidate or a token-level one. Draft rows
+        keep their draft probabilities, token-level rows get one-hot ones, so at
+        temperature > 0 both verify losslessly in one batch."""
         token_ids, draft_probs = self._full_rows(run, rows, batch.num_reqs)
         lengths = np.zeros(batch.num_reqs, dtype=np.int64)
         confidences = np.zeros(token_ids.shape)
@@ -1169,8 +1018,7 @@ class PluginDraftProposer(DraftModelProposer):
         else:
             self.outcomes.forget()
         self._note_drafts(run, chosen)
-        # the scorer's decoy test (fault_injection.decoy_primary) put a decoy in place of
-        # greedy rows' drafts, the draft model's included: those rows verify the decoy
+        # decoy test (fault_injection.decoy_primary): greedy rows verify a decoy instead
         decoyed = self.union.decoy_primary & ~np.asarray(batch.sampled, dtype=bool)
         verified = draft_rows & ~decoyed  # [num_reqs] the rows that verify the draft's tokens
         self._note_ahead(run, rows, batch, [c if v else 0 for c, v in zip(chosen, verified)])
@@ -1178,10 +1026,7 @@ class PluginDraftProposer(DraftModelProposer):
 
     def _finish_held(self, run: DraftRun, rows: list[int],
                      batch: StepBatch) -> list[list[int]]:
-        """The union's held step (:meth:`Union.choose_held
-        <specplugin.adaptive.union.Union.choose_held>`): every drafting row keeps what its
-        run drafted, as with the draft model alone (:meth:`_finish`); the union remembers
-        it."""
+        """The union's held step: every drafting row keeps its whole run (as :meth:`_finish`)."""
         lengths = self._keep_runs(run, rows, batch)
         signals: list[list[float]] = [[] for _ in lengths]  # [num_reqs][length]
         for i, r in enumerate(rows):
@@ -1191,31 +1036,26 @@ class PluginDraftProposer(DraftModelProposer):
         return self._drafts(run, rows, lengths)
 
     def _finish_without_draft(self, batch: StepBatch, offers) -> list[list[int]]:
-        """The union's step in which the draft model runs for no row: its choice among the
-        token-level ``offers`` alone (what :meth:`_finish_union` gives then, without a
-        draft run to lay out or record)."""
+        """The union's step without a draft run: its choice among the token-level ``offers``."""
         self.plan = self.union.choose(batch, offers)
         drafts = self.plan.drafts
         self.outcomes.forget()
         self.last_lengths = lengths = [len(d) for d in drafts]
         self._last_forwards, self._last_draft_tokens = 0, sum(lengths)
         self._last_draft_probs = None  # deterministic guesses only: no probabilities
-        # (at temperature > 0 the rejection sampler takes them as one-hot: vLLM's own
-        # token-level methods hand back no draft probabilities either)
+        # (the rejection sampler takes them as one-hot, as for vLLM's token-level methods)
         return drafts
 
     def _mixed_output(self, draft_probs: torch.Tensor | None, drafts,
                       draft_rows: np.ndarray) -> list[list[int]]:
-        """Each row's chosen draft, as lists (``drafts``: a draft row's are a prefix of
-        the draft's run), and [num_reqs, k_out, vocab] probabilities when sampling:
-        ``draft_probs`` [num_reqs, positions, vocab] are the draft model's, taken for the
-        ``draft_rows``; the other rows' drafts are deterministic guesses (one-hot)."""
+        """Each row's chosen draft as lists, and [num_reqs, k_out, vocab] probabilities when
+        sampling: ``draft_probs`` [num_reqs, positions, vocab] for ``draft_rows``, one-hot
+        for the other rows' deterministic guesses."""
         num_reqs, k_out = len(drafts), max(1, max(len(d) for d in drafts))
         probs = None
         guessed = [bool(d) and not draft_rows[r] for r, d in enumerate(drafts)]
         if draft_probs is not None and not any(guessed):
-            # vLLM reads each row's first len(draft) positions only (a row without
-            # drafts, none): the draft's own probabilities serve as they are
+            # vLLM reads only each row's first len(draft) positions: usable as they are
             probs = draft_probs
         elif draft_probs is not None:
             probs = torch.zeros((num_reqs, k_out, draft_probs.shape[-1]),
@@ -1223,7 +1063,7 @@ class PluginDraftProposer(DraftModelProposer):
             lengths = np.array([len(d) for d in drafts], dtype=np.int64)  # [num_reqs]
             for r in np.flatnonzero(draft_rows & (lengths > 0)).tolist():
                 probs[r, :lengths[r]] = draft_probs[r, :lengths[r]]
-            # a deterministic guess: q is one-hot on it, for all its tokens at once
+            # deterministic guesses: one-hot draft probabilities, all at once
             guess = (~draft_rows & (lengths > 0))[:, None] & (
                 np.arange(k_out)[None, :] < lengths[:, None])  # [num_reqs, k_out]
             if guess.any():
@@ -1237,10 +1077,8 @@ class PluginDraftProposer(DraftModelProposer):
 
 
 def cpu_metadata_builder(groups):
-    """The draft's one attention group's builder when it is vLLM's CPU builder for
-    decoder layers over the group's own block table (no kernel block size of its own),
-    whose metadata :func:`cpu_attn_metadata` builds and :func:`update_cpu_decode_metadata`
-    carries from pass to pass; else None (vLLM's builder builds each pass's)."""
+    """The draft's one attention group's builder if it is vLLM's CPU builder for decoder
+    layers over the group's own block table; else None (vLLM builds each pass's metadata)."""
     try:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
     except ImportError:  # (a build without the CPU backend)
@@ -1255,12 +1093,8 @@ def cpu_metadata_builder(groups):
 
 
 def cpu_attn_metadata(builder, cad):
-    """What vLLM's ``CPUAttentionMetadataBuilder.build`` returns for ``cad`` (a draft
-    forward's common metadata: causal, decoder layers, see :func:`cpu_metadata_builder`),
-    without the chain of calls that reaches it (the group's drafting build, its block
-    table mapping, the builder's drafting build, then the build): by py-spy at batch 1,
-    vLLM's side of the draft's metadata builds was 0.2-0.4% of the worker's step beside
-    the scheduler op they all need."""
+    """What vLLM's ``CPUAttentionMetadataBuilder.build`` returns for ``cad`` (causal,
+    decoder layers), without vLLM's chain of drafting-build calls that reaches it."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
     return CPUAttentionMetadata(
         num_actual_tokens=cad.num_actual_tokens, max_query_len=cad.max_query_len,
@@ -1271,14 +1105,8 @@ def cpu_attn_metadata(builder, cad):
 
 
 def update_cpu_decode_metadata(builder, per_layer: dict, cad) -> None:
-    """The previous decode pass's CPU attention metadata (``per_layer``: one object for
-    every layer, :meth:`PluginDraftProposer._attn_metadata`'s) made this pass's, in
-    place, as vLLM's in-place draft update (``update_draft_decode_metadata``, which its
-    CPU builder lacks) does for GPU backends: between decode passes only the sequence
-    lengths, the slots and the scheduler metadata computed from the lengths change; the
-    query layout (one token per row) and the block table stay. What vLLM's
-    ``CPUAttentionMetadataBuilder.build`` computes, without its chain of calls and a new
-    object each pass."""
+    """Update the previous pass's CPU attention metadata in place (vLLM's CPU builder lacks
+    ``update_draft_decode_metadata``): only seq lens, slots and scheduler metadata change."""
     metadata = next(iter(per_layer.values()))
     metadata.seq_lens = cad.seq_lens
     metadata.slot_mapping = cad.slot_mapping
@@ -1289,11 +1117,8 @@ def update_cpu_decode_metadata(builder, per_layer: dict, cad) -> None:
 
 def _scheduler_metadata(builder, cad, query_start_loc: torch.Tensor, causal: bool,
                         dynamic_causal) -> torch.Tensor:
-    """vLLM's CPU attention scheduler metadata for ``cad``'s rows, as its builder asks
-    (``vllm._custom_ops.cpu_attn_get_scheduler_metadata``): its C++ op called with the
-    builder's constants looked up once (:func:`_scheduler_call`), positionally, on the
-    op's one overload; warm, 6.5 us a call here against 10-13 us through vLLM's keyword
-    wrapper and the op's overload lookup, and a run calls it once per pass."""
+    """vLLM's CPU attention scheduler metadata: the C++ op called positionally with cached
+    constants (:func:`_scheduler_call`), about half the cost of vLLM's wrapper."""
     op, heads, rest = _scheduler_call(builder)
     return op(cad.num_reqs, *heads, cad.seq_lens, builder.dtype, query_start_loc, causal,
               *rest, dynamic_causal, builder.kv_cache_dtype)
@@ -1311,30 +1136,21 @@ def _scheduler_call(builder) -> tuple:
 
 @dataclasses.dataclass(frozen=True)
 class DecodePasses:
-    """Inputs of a draft run's decode passes, one row of each tensor per pass:
-    [num_passes, num_padded] positions and slots (int64; the padding columns read position
-    0 into the padding slot) and [num_passes, num_rows] sequence lengths (int32, on the
-    device and on the host), as vLLM's update leaves them after each pass. Computed once
-    for the run (:func:`decode_passes`): vLLM's own update
-    (``_update_positions_dependent_metadata``) made a call per pass that measured ~0.08
-    ms here, most of a pass's glue outside the forward; a pass then reads its row of each
-    as views, where copying them into the proposer's buffers took two copies a pass.
-    ``views``: each pass's views made once (on the host, where the tensors are kept from
-    run to run: :class:`DecodePassBuffers`), else None (sliced per pass)."""
+    """A run's decode-pass inputs, one row per pass, as vLLM's per-pass update leaves them,
+    computed once per run (:func:`decode_passes`; a call per pass cost ~0.08 ms).
+    ``views``: each pass's views made once (host buffers), else None (sliced per pass)."""
 
-    positions: torch.Tensor
-    slots: torch.Tensor
-    seq_lens: torch.Tensor
-    seq_lens_cpu: torch.Tensor
+    positions: torch.Tensor  # [num_passes, num_padded] int64
+    slots: torch.Tensor  # [num_passes, num_padded] int64; padding columns: padding slot
+    seq_lens: torch.Tensor  # [num_passes, num_rows] int32
+    seq_lens_cpu: torch.Tensor  # [num_passes, num_rows] int32
     max_model_len: int
     views: list[PassViews] | None = None
 
     def set_pass(self, index: int, cad, input_ids: torch.Tensor,
                  layer_names) -> tuple[dict, dict]:
-        """Pass ``index`` (0: the first decode pass) into the run's attention metadata
-        ``cad``; returns the pass's model inputs (``input_ids``: [num_padded], the buffer
-        the loop writes each pass's tokens into) and its slot mapping for ``layer_names``
-        (the draft's attention layers), as :meth:`PluginDraftProposer._forward` takes them."""
+        """Set pass ``index`` (0: the first decode pass) into ``cad``; returns its model
+        inputs (``input_ids``: the [num_padded] buffer the loop writes) and slot mapping."""
         views = (self.views[index] if self.views is not None
                  else PassViews.of(self, index, layer_names))
         cad.slot_mapping = views.slots
@@ -1347,8 +1163,7 @@ class DecodePasses:
 
 @dataclasses.dataclass(frozen=True)
 class PassViews:
-    """One decode pass's rows of :class:`DecodePasses`' tensors, and its slot mapping
-    per draft attention layer (the padded slots)."""
+    """One decode pass's rows of :class:`DecodePasses`, and its slot mapping per layer."""
 
     positions: torch.Tensor  # [num_padded]
     slots: torch.Tensor  # [num_rows]
@@ -1367,10 +1182,7 @@ class PassViews:
 
 
 class DecodePassBuffers:
-    """Host tensors for :func:`decode_passes`, kept from run to run per (passes, rows,
-    padded rows), with every pass's views (:class:`PassViews`) made once: a run then
-    costs the kernel's call alone, where allocating the run's tensors and slicing each
-    pass's rows out of them took, by py-spy at batch 1, 0.4-0.7% of the worker's step."""
+    """Host tensors for :func:`decode_passes` and their views, kept per (passes, rows, padded)."""
 
     def __init__(self, layer_names):
         self.layer_names = layer_names
@@ -1397,18 +1209,11 @@ def decode_passes(block_table: torch.Tensor,  # [num_rows, max_blocks] the rows'
                   num_passes: int, block_size: int, max_model_len: int,
                   num_padded: int | None = None,
                   buffers: DecodePassBuffers | None = None) -> DecodePasses:
-    """What vLLM's per-pass update (``eagle_step_update_slot_mapping_and_metadata``)
-    gives for passes 1..``num_passes`` after a first pass that ended at each row's
-    newest token (position ``ends - 1``): pass j reads position ``ends - 1 + j``, or,
-    past ``max_model_len`` (a row that stopped drafting, still computed), position 0
-    into the padding slot with a sequence of 1. ``num_padded`` (default the rows): the
-    forwards' padded token count (CUDA graphs run a captured batch size), whose dummy
-    rows must write into the padding slot, never over real draft KV. ``buffers``: on the
-    host, where the tensors are kept (the block table on the host too); else they are
-    made for the run."""
-    # One int64 tensor holds positions and slots ([2, num_passes, num_padded]), filled in
-    # one compiled pass, where each numpy or torch call after the draft forward costs
-    # microseconds of cold caches.
+    """What vLLM's ``eagle_step_update_slot_mapping_and_metadata`` gives for passes
+    1..``num_passes``: pass j reads ``ends - 1 + j``, or past ``max_model_len`` position 0
+    into the padding slot (sequence of 1). Dummy rows up to ``num_padded`` write the
+    padding slot, never real draft KV. ``buffers``: kept host tensors."""
+    # positions and slots in one int64 [2, num_passes, num_padded], one compiled pass
     num_padded = num_padded or ends.size
     ends = ends.astype(np.int64, copy=False)
     if buffers is not None:
@@ -1430,26 +1235,21 @@ def decode_passes(block_table: torch.Tensor,  # [num_rows, max_blocks] the rows'
 
 
 def _row_aligned(shape: tuple[int, int, int]) -> torch.Tensor:  # int64
-    """An int64 tensor of ``shape`` whose rows each start on 64 bytes (the row stride is
-    rounded up to 8 values): each pass's row is a compiled model's input, as the
-    proposer's own buffers are."""
+    """An int64 tensor of ``shape`` whose rows start on 64 bytes (stride rounded up to 8),
+    like the proposer's buffers: each row is a compiled model's input."""
     *outer, num_padded = shape
     return torch.empty((*outer, -(-num_padded // 8) * 8), dtype=torch.int64)[..., :num_padded]
 
 
-# the first pass's forward inputs are kept per token count up to this many tokens (a
-# steady run re-reads a few per row; a prompt's first read is long and seen once)
+# first-pass views are cached per token count up to this (long prompt reads are one-off)
 _KEPT_FIRST_VIEWS = 256
 
 
 @dataclasses.dataclass(frozen=True)
 class FirstPassBuffers:
-    """Where :func:`host_kernels.first_pass_inputs <specplugin.host_kernels.first_pass_inputs>`
-    writes a first pass's inputs when the proposer's buffers are host memory of its types
-    (CPU, positions in one row, int32 token ids): numpy views of the proposer's token id,
-    position and slot buffers (the forward reads them as they are: no conversion, no
-    copy), and two host tensors of the pass's own for the rows' query starts and
-    sequence lengths (their numpy views in :attr:`host`, in the kernel's order)."""
+    """Where ``host_kernels.first_pass_inputs`` writes a first pass's inputs when the
+    proposer's buffers are host memory of its types (CPU, 1-D positions, int32 ids): numpy
+    views of them, plus host tensors for query starts and seq lens."""
 
     query_start_loc: torch.Tensor  # [max_num_reqs + 1] int32
     seq_lens: torch.Tensor  # [max_num_reqs] int32
@@ -1459,8 +1259,7 @@ class FirstPassBuffers:
     _views: dict = dataclasses.field(default_factory=dict)  # rows -> row_views
 
     def row_views(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[num_rows + 1] query starts and [num_rows] sequence lengths, views made once
-        per count."""
+        """[num_rows + 1] query starts and [num_rows] seq lens, views made once per count."""
         views = self._views.get(num_rows)
         if views is None:
             views = self._views[num_rows] = (self.query_start_loc[:num_rows + 1],
@@ -1469,8 +1268,7 @@ class FirstPassBuffers:
 
     @classmethod
     def of(cls, proposer, vllm_config) -> FirstPassBuffers | None:
-        """The proposer's buffers as the kernel writes them; None where they are not host
-        memory of its types (the first pass then copies: ``_copy_first_pass``)."""
+        """The proposer's buffers for the kernel; None if not host memory of its types."""
         buffers = (proposer.input_ids, getattr(proposer, "positions", None),
                    proposer._slot_mapping_buffer)
         types = (torch.int32, torch.int64, torch.int64)
@@ -1487,25 +1285,21 @@ class FirstPassBuffers:
 
     @staticmethod
     def host_arrays(num_padded: int, num_rows: int) -> tuple:
-        """Host arrays of :attr:`host`'s kinds for one pass (``_copy_first_pass``). The
-        positions and token ids start at 0: the kernel leaves the padding tokens' own
-        (it writes only their slots) and ``_copy_first_pass`` copies all ``num_padded``
-        into the forward's buffers, where an uninitialised id or position would index
-        the embedding or the rotary table out of range."""
+        """Host arrays of :attr:`host`'s kinds for one pass (``_copy_first_pass``). Ids and
+        positions start at 0: padding tokens' are copied too, and garbage would index the
+        embedding or rotary table out of range."""
         return (np.empty(num_rows + 1, dtype=np.int32), np.empty(num_rows, dtype=np.int32),
                 np.zeros(num_padded, dtype=np.int64), np.zeros(num_padded, dtype=np.int32),
                 np.empty(num_padded, dtype=np.int64))
 
 
 def _host(table: torch.Tensor) -> np.ndarray:
-    """A block table's values on the host: a view of it on CPU, a copy from another
-    device (the step synced already: the drafter read the tokens it sampled)."""
+    """A block table on the host: a view on CPU, else a copy (the step has synced already)."""
     return table.numpy() if table.device.type == "cpu" else table.cpu().numpy()
 
 
 def _as_tensor(drafts: list[list[int]], device) -> torch.Tensor:  # [num_reqs, k_out]
-    """Drafts of different lengths as one tensor, zero-padded (the rows' lengths are the
-    drafter's ``last_lengths``)."""
+    """Drafts of different lengths as one zero-padded tensor (lengths: ``last_lengths``)."""
     k_out = max(1, max((len(d) for d in drafts), default=0))
     return torch.tensor([d + [0] * (k_out - len(d)) for d in drafts], dtype=torch.int64,
                         device=device)
@@ -1513,16 +1307,9 @@ def _as_tensor(drafts: list[list[int]], device) -> torch.Tensor:  # [num_reqs, k
 
 def _step_batch(input_batch, context, sampled: list[bool], caps: list[int],
                 num_accepted: list[int], next_tokens: list[int]) -> StepBatch:
-    """The batch as token-level proposers see it, before vLLM's bookkeeping: each row's
-    context is its tokens so far, the drafts it just had accepted (already in the token
-    buffer, where the scheduler put them) and the token this step sampled.
-
-    A view of the runner's token buffer, no copy: each drafting row's sampled token is
-    written where vLLM's bookkeeping writes it later in this step (position
-    ``num_tokens_no_spec + accepted``: its accepted drafts end there, and what the
-    buffer held there is the first rejected draft, or nothing yet). Rows that do not
-    draft (chunked prefill: their token is a placeholder) are left alone; a row with no
-    room left in the buffer drafts nothing (``caps`` set to 0 in place)."""
+    """The batch as token-level proposers see it (tokens, accepted drafts, sampled token):
+    a view of the runner's token buffer, each drafting row's sampled token written where
+    vLLM writes it later. A row with no room left drafts nothing (``caps`` set to 0)."""
     num_reqs = len(caps)
     known = [n + a for n, a in zip(input_batch.num_tokens_no_spec[:num_reqs].tolist(),
                                    num_accepted)]  # [num_reqs]
@@ -1533,7 +1320,6 @@ def _step_batch(input_batch, context, sampled: list[bool], caps: list[int],
     rows = tuple(r for r, c in enumerate(caps) if c > 0)
     for r in rows:
         buffer[r, known[r]] = next_tokens[r]
-    # (one numpy call per array: after the forward each costs microseconds)
     return StepBatch(tuple(context.req_ids[:num_reqs]), buffer,
                      np.array([n + 1 for n in known], dtype=np.int64),
                      context.num_prompt_tokens[:num_reqs],
@@ -1550,11 +1336,8 @@ def _num_accepted(scheduled: list[int], rejected: list[int] | None) -> list[int]
 
 
 def _sampled_rows(sampling_metadata, num_reqs: int) -> list[bool]:  # [num_reqs]
-    """Which rows sample. A batch that is all greedy or all sampled (vLLM's flags: a
-    request samples when its temperature is at least ``_SAMPLING_EPS``) needs no look
-    at the temperatures (a device tensor; on CPU after the step's forward, ~35 us at
-    batch 1 for the comparison and its host copy, measured with the profile's fine
-    timers)."""
+    """Which rows sample (temperature >= ``_SAMPLING_EPS``); vLLM's all-greedy/all-random
+    flags spare reading the device temperatures (~35 us on CPU at batch 1)."""
     if sampling_metadata.all_greedy:
         return [False] * num_reqs
     if sampling_metadata.all_random:
@@ -1563,10 +1346,8 @@ def _sampled_rows(sampling_metadata, num_reqs: int) -> list[bool]:  # [num_reqs]
 
 
 def _caps(remaining_tokens: list[int], max_k, prefilling: list[bool]) -> list[int]:
-    """[num_reqs] most useful draft tokens per row, at most the request's ``max_k``, 0 for
-    rows still in chunked prefill: a request that may emit only n more tokens gains
-    nothing from drafts past n - 1 (the last one comes as the bonus).
-    ``remaining_tokens`` does not count this step's own tokens yet (at least one), so
-    ``remaining - 2`` is an upper bound that never cuts a useful draft."""
+    """[num_reqs] useful draft tokens per row: at most ``max_k``, 0 in chunked prefill, at
+    most n - 1 when n tokens may still be emitted (the last comes as the bonus). As
+    ``remaining_tokens`` excludes this step's token(s), ``remaining - 2`` cuts nothing useful."""
     return [0 if p else min(max(r - 2, 0), k)
             for r, k, p in zip(remaining_tokens, max_k, prefilling)]

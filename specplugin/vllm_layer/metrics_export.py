@@ -1,47 +1,17 @@
 """The plugin's counters in vLLM's Prometheus output (``/metrics``, ``LLM.get_metrics()``).
 
-The counters live in the worker that drafts (the engine core's process, or a worker
-process under tensor parallelism), the Prometheus registry that vLLM serves lives in
-the front end, and vLLM 0.32 has no channel from one to the other for a plugin's own
-numbers. So the drafting worker (tensor-parallel rank 0 only: every rank drafts the
-same) *publishes* a JSON snapshot of its counters (the drafter's ``stats()``) to a
-small file at most every :data:`PUBLISH_EVERY_S` seconds (in the worker's wait between
-steps, :mod:`specplugin.vllm_layer.worker_wait`), under a folder named after
-the engine's ``VllmConfig.instance_id`` (the same in every process of one engine);
-the front end registers a Prometheus collector that reads its engines' files when
-``/metrics`` is scraped. Figures therefore lag the engine by at most that period
-while it runs; an idle engine has published all but its last steps' work, which
-appear with its next step. Offline, :func:`engine_stats` asks the workers directly
-(``LLM.collective_rpc``) and is exact.
+The counters live in the drafting worker; the Prometheus registry lives in the front end,
+and vLLM has no channel between them for a plugin's numbers. So the drafting worker
+(tensor-parallel rank 0) writes a JSON snapshot of ``stats()`` at most every
+:data:`PUBLISH_EVERY_S` seconds (in the worker's wait, :mod:`.worker_wait`) to a folder
+named after ``VllmConfig.instance_id``; a front-end collector reads those files at scrape
+time, so figures lag by at most that period. Offline, :func:`engine_stats` asks the
+workers directly and is exact.
 
-Names (counters; ``proposer`` label where it applies):
-
-- ``vllm:specplugin_drafts_total{proposer}``: drafts verified (one request, one step);
-- ``vllm:specplugin_draft_tokens_total{proposer}``, ``..._accepted_tokens_total{proposer}``;
-- ``vllm:specplugin_draft_tokens_per_pos_total{proposer,position}`` and
-  ``..._accepted_tokens_per_pos_total{proposer,position}``;
-- ``vllm:specplugin_chosen_total{proposer}``: how often the controller sent its candidate;
-- ``vllm:specplugin_k_total{k}``: requests per step by the draft length chosen (0: none);
-- ``vllm:specplugin_steps_total``, ``vllm:specplugin_steps_without_drafts_total``,
-  ``vllm:specplugin_steps_skipped_total``, ``vllm:specplugin_steps_peeked_total``,
-  ``vllm:specplugin_steps_without_draft_model_total``,
-  ``vllm:specplugin_steps_verified_greedy_total`` (speculative steps of all-greedy batches
-  verified by the plugin, not vLLM's rejection sampler: see verification.py); one table,
-  :data:`specplugin.metrics.STEP_COUNTERS`, names them and their help texts;
-- ``vllm:specplugin_arbiter_blocks_total{mode}``: blocks the step arbiter ran speculating
-  or plain;
-- ``vllm:specplugin_proposer_failures_total{proposer}``: failures caught (each cost its
-  step's drafts, never a request); ``union`` is the drafting step as a whole;
-  ``recovered draw`` and ``expected acceptance`` (once they failed) are the plugin's
-  shortcuts inside vLLM's rejection sampler, ``greedy verification`` the one in its place
-  (each failure cost its step the shortcut: vLLM's own draw, the verdicts alone, vLLM's
-  rejection sampler);
-- ``vllm:specplugin_scorer_{extra_rows,extra_tokens,wins}_total``: the batch-expanding
-  scorer's extra candidates, their query tokens, and how many beat the request's draft.
-
-With several API-server processes (``--api-server-count`` > 1) vLLM serves a
-multiprocess registry that this collector does not join: the plugin's counters are
-then not in ``/metrics`` (open work).
+Metric names and meanings: docs/operations.md (``vllm:specplugin_*`` counters; step
+counters come from :data:`specplugin.metrics.STEP_COUNTERS`). Not supported: several
+API-server processes (``--api-server-count`` > 1), whose multiprocess registry this
+collector does not join.
 """
 
 from __future__ import annotations
@@ -82,7 +52,7 @@ class StatsPublisher:
         self.clock = clock
         self._last: float | None = None
         self._broken = False
-        self.busy_s = 0.0  # seconds spent writing snapshots (the profile's off-step figure)
+        self.busy_s = 0.0  # seconds spent writing snapshots (reported by the profiler)
 
     def maybe_publish(self, stats: Callable[[], dict[str, Any]], force: bool = False) -> None:
         now = self.clock()
@@ -209,8 +179,7 @@ _COLLECTOR: _Collector | None = None
 
 
 def watch_engine(instance_id: str) -> None:
-    """Front end: include the engine ``instance_id`` in this process's ``/metrics``
-    (called when the plugin's config check passes; the collector registers once)."""
+    """Front end: include engine ``instance_id`` in this process's ``/metrics``."""
     global _COLLECTOR
     if _COLLECTOR is None:
         from prometheus_client import REGISTRY
@@ -228,6 +197,5 @@ def _remove_folders(collector: _Collector) -> None:
 
 
 def engine_stats(llm) -> dict[str, Any]:
-    """Offline: the plugin's counters, exact, from the drafting worker of ``llm``
-    (a ``vllm.LLM`` started with the plugin): the snapshot ``/metrics`` is built from."""
+    """Offline: the plugin's exact counters from the drafting worker of ``llm`` (a ``vllm.LLM``)."""
     return llm.collective_rpc("specplugin_stats")[0]

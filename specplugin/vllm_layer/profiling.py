@@ -1,23 +1,12 @@
 """Timers on vLLM's and the plugin's per-step methods, for ``specplugin profile`` only.
 
-Nothing here runs in a normal engine. ``specplugin profile`` starts its engine child
-with ``SPECPLUGIN_PROFILE=1``; ``register()`` then wraps one method,
-``EngineCore.collective_rpc``, so that ``llm.collective_rpc("specplugin_profile",
-args=(action,))`` reaches the engine-core process and, through vLLM's executor, every
-worker process (vLLM runs its workers in processes of their own on CPU). ``"start"``
-wraps the methods of :data:`ENGINE_TIMED` (engine core) and :data:`WORKER_TIMED`
-(worker) through the patch registry, once per process, and switches each process's
-:class:`~specplugin.profiling.PhaseClock` on; ``"stop"`` switches them off and returns
-both ledgers, which :func:`specplugin.profiling.combine` joins. Every wrapper first
-checks whether a step is being timed, so outside the window a wrapped method costs one
-attribute read.
-
-The step is ``EngineCoreProc._process_engine_step`` (schedule, execute, sample, draft,
-update, outputs to the queue: one busy-loop iteration with work); in the worker, the
-model runner's ``execute_model``, ``sample_tokens`` and ``take_draft_token_ids`` are its
-roots. Every phase is charged its exclusive time (:mod:`specplugin.profiling`). A method
-that vLLM or the plugin renames makes ``start`` fail loudly (the patch registry cannot
-find it), and ``tests/test_profile.py`` checks that every row still names a real method.
+Nothing here runs in a normal engine. With ``SPECPLUGIN_PROFILE=1``, ``register()`` wraps
+``EngineCore.collective_rpc`` so ``llm.collective_rpc("specplugin_profile", args=(action,))``
+reaches the engine core and every worker. ``"start"`` wraps the tables' methods and
+switches each process's :class:`~specplugin.profiling.PhaseClock` on; ``"stop"`` returns
+the ledgers. Each phase is charged its exclusive time; outside a timed step a wrapper
+costs one attribute read. A renamed method makes ``start`` fail loudly
+(``tests/test_profile.py`` checks every row).
 """
 
 from __future__ import annotations
@@ -39,14 +28,14 @@ from specplugin.stack_samples import StackRoles
 from specplugin.vllm_layer import draft_handoff, patches
 
 ENV = "SPECPLUGIN_PROFILE"  # "1" in specplugin profile's engine children only
-# "coarse": the worker times the plugin at its entry points only (see COARSE_PLUGIN_ROWS)
+# "coarse": time the plugin at its entry points only (COARSE_PLUGIN_ROWS)
 TIMERS_ENV = "SPECPLUGIN_PROFILE_TIMERS"
 DRAFT_FORWARD = "draft forward"  # the draft model's compute: its forwards and LM heads
 DRAFT_LM_HEAD = "_logits"  # PluginDraftProposer's
 RPC = "specplugin_profile"
-# each worker of an engine started with PROBE_ENV answers this (memory_probe_ms)
+# answered by each worker of an engine started with PROBE_ENV (memory_probe_ms)
 PROBE_RPC = "specplugin_memory_probe"
-# One clock per process: the engine core's, and each worker's.
+# one clock per process
 CLOCK = PhaseClock()
 
 _RUNNER = "vllm.v1.worker.gpu_model_runner"
@@ -55,10 +44,10 @@ _DRAFT = "specplugin.vllm_layer.draft_proposer"
 _UNION = "specplugin.adaptive.union"
 _VERIFY = "specplugin.vllm_layer.verification"
 
-# (module, class (None: a module-level function), attribute, phase). Phase names with a
-# "plugin:", "propose:", "draft:" or "scorer:" prefix are the plugin's own work.
+# (module, class or None for a function, attribute, phase); "plugin:", "propose:",
+# "draft:" and "scorer:" phases are the plugin's own work.
 Timed = tuple[tuple[str, str | None, str, str], ...]
-# The engine-core process: the scheduler, and the waits on the workers.
+# engine-core process: the scheduler and the waits on the workers
 ENGINE_TIMED: Timed = (
     ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", "schedule"),
     ("vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output", "update_from_output"),
@@ -67,20 +56,18 @@ ENGINE_TIMED: Timed = (
     ("vllm.v1.executor.multiproc_executor", "FutureWrapper", "result", WORKER),
 )
 ENGINE_ROOT = ("vllm.v1.engine.core", "EngineCoreProc", "_process_engine_step")
-# Where the engine core hands a step's drafts to the scheduler: counted (DRAFTED).
+# counted (DRAFTED): the engine core hands a step's drafts to the scheduler
 ENGINE_DRAFTS = ("vllm.v1.core.sched.scheduler", "Scheduler", "update_draft_token_ids")
-# The worker's calls of one step: each is a root in the worker's own process (nested
-# phases if the worker shares the engine core's process). The first is the step.
+# the worker's per-step calls, each a root (nested if in the engine core's process);
+# the first is the step
 WORKER_ROOTS: Timed = (
     (_RUNNER, "GPUModelRunner", "execute_model", "runner (other)"),
     (_RUNNER, "GPUModelRunner", "sample_tokens", "runner (other)"),
     (_RUNNER, "GPUModelRunner", "take_draft_token_ids", "draft handoff"),
-    # the plugin's runner decides around vLLM's sampling whether the next step drafts at
-    # all (its plain-step path, "plugin: plain step"); untimed, that work would be
-    # counted as executor IPC
+    # the plain-step decision around vLLM's sampling; untimed it would count as IPC
     (_PLUGIN_RUNNER, "PluginRunnerMixin", "sample_tokens", "plugin: runner"),
 )
-# The worker process: vLLM's model runner, for every method, then the plugin.
+# worker process: vLLM's model runner, then the plugin
 WORKER_TIMED: Timed = (
     (_RUNNER, "GPUModelRunner", "_update_states", "update_states"),
     (_RUNNER, "GPUModelRunner", "_prepare_inputs", "prepare_inputs"),
@@ -117,12 +104,11 @@ WORKER_TIMED: Timed = (
     (_DRAFT, "PluginDraftProposer", "_forward", "draft: inputs"),  # metadata around the forward
     (_DRAFT, "PluginDraftProposer", "_decode_forward", "draft: inputs"),
     (_DRAFT, None, "decode_passes", "draft: inputs"),
-    # inside them, per forward: vLLM's attention metadata (its CPU builder's scheduler
-    # metadata included), and the next decode pass's positions and slots
+    # per forward: vLLM's attention metadata, the next pass's positions and slots
     (_DRAFT, "PluginDraftProposer", "_attn_metadata", "draft: metadata"),
     (_DRAFT, "DecodePasses", "set_pass", "draft: metadata"),
     (_DRAFT, "PluginDraftProposer", "_sample_into", "draft: sample"),
-    # inside it: the draw from the draft's logits, and the stop rule's bookkeeping
+    # inside it: the draw and the stop rule
     (_DRAFT, None, "sample_draft_tokens", "draft: draw"),
     (_DRAFT, None, "greedy_draft_tokens", "draft: draw"),
     ("specplugin.adaptive.draft_rule", "DraftRun", "add", "draft: stop rule"),
@@ -134,12 +120,10 @@ WORKER_TIMED: Timed = (
     (_DRAFT, "PluginDraftProposer", "_finish_held", "plugin: hand back"),
     (_DRAFT, "PluginDraftProposer", "_full_rows", "plugin: hand back"),
     (_DRAFT, "PluginDraftProposer", "_mixed_output", "plugin: hand back"),
-    # the plugin's code inside vLLM's rejection sampler (specplugin.vllm_layer.verification):
-    # the sampled draft tokens' expected acceptance, and the recovered tokens' draw that
-    # replaces vLLM's; untimed, both would be counted as vLLM's sampling
+    # the plugin's code inside vLLM's rejection sampler (untimed it counts as vLLM's)
     (_VERIFY, None, "expected_acceptance", "plugin: verify"),
     (_VERIFY, None, "draw_recovered", "plugin: verify"),
-    # a batch verified by the plugin instead of vLLM's rejection sampler (all greedy; sampled)
+    # batches verified by the plugin instead of vLLM's rejection sampler
     (_VERIFY, None, "verify_greedy", "plugin: verify"),
     (_VERIFY, None, "verify_sampled", "plugin: verify"),
     # the union (vLLM-free core)
@@ -157,12 +141,8 @@ WORKER_TIMED: Timed = (
     ("specplugin.proposers.suffix", "SuffixProposer", "propose", "propose: suffix"),
     ("specplugin.proposers.draft", "DraftCandidates", "propose", "propose: draft"),
 )
-# The plugin's rows kept when the timers are coarse (``specplugin profile --timers
-# coarse``): the entry points through which vLLM hands the plugin control, and the draft
-# model's compute inside them. Every other plugin row is nested in one of these, so its
-# time is still the plugin's own work, charged to the entry point; what goes is the
-# timers' own cost, which on this machine's cold caches measured +4% of the step with
-# every row timed (a few microseconds a timed call, most of them in the plugin's rows).
+# ``--timers coarse``: only the plugin's entry points and the draft model's compute;
+# nested rows are charged to their entry point. Full timing costs ~4% of a step.
 COARSE_PLUGIN_ROWS = frozenset({
     ("PluginRunnerMixin", "_update_states"), ("PluginRunnerMixin", "_prepare_inputs"),
     ("PluginRunnerMixin", "_model_forward"), ("PluginRunnerMixin", "_sample"),
@@ -174,13 +154,11 @@ COARSE_PLUGIN_ROWS = frozenset({
     (None, "expected_acceptance"), (None, "draw_recovered"), (None, "verify_greedy"),
     (None, "verify_sampled"),
 })
-# Modules whose draft-model forwards run inside ``with set_forward_context(...)``, one
-# with-block a forward ("draft forward", counted): vLLM's draft_model's. The plugin's
-# decode passes share one forward context (PluginDraftProposer._decode_forward), so its
-# forwards are its model calls (DRAFT_FORWARD_METHOD), timed and counted the same way.
+# vLLM drafters: one ``set_forward_context`` block per forward ("draft forward", counted).
+# The plugin's passes share one context, so its forwards are its model calls instead.
 DRAFT_FORWARD_MODULES = ("vllm.v1.spec_decode.llm_base_proposer",)
 DRAFT_FORWARD_METHOD = (_DRAFT, "PluginDraftProposer", "_run_model")
-# Tensor methods that wait for the device and copy to the host: counted per phase.
+# tensor methods that sync with the device: counted per phase
 SYNC_METHODS = ("cpu", "item", "tolist")
 
 
@@ -200,9 +178,8 @@ def _timed(phase: str, clock: PhaseClock | None = None):
 
 
 def timed_call_cost_s(repeats: int = 20000) -> float:
-    """Seconds one timed call adds, measured here: a method wrapped exactly as the
-    methods of the tables are (the patch registry's wrapper around :func:`_timed`), called
-    inside an open step, minus the same method called plainly."""
+    """Seconds one timed call adds: a method wrapped as the tables' are, inside an open
+    step, minus the same call unwrapped."""
 
     class Probe:
         def method(self):
@@ -271,8 +248,7 @@ def _counted_schedule(original, self, *args, **kwargs):
 
 
 def _counted_drafts(original, self, *args, **kwargs):
-    """The engine core hands a step's drafts to the scheduler: drafting ran in the step
-    (a plain step in which the plugin skipped drafting hands none)."""
+    """Count that drafting ran in the step (a skipped-drafting plain step hands none)."""
     if CLOCK.stack:
         CLOCK.count(DRAFTED)
     return original(self, *args, **kwargs)
@@ -296,8 +272,7 @@ def _timed_forward_context(original):
 
 
 def _timed_draft_forward(original, self, *args, **kwargs):
-    """The plugin's draft forward: timed and counted as a forward context of vLLM's
-    drafters is (:func:`_timed_forward_context`)."""
+    """The plugin's draft forward, timed and counted like :func:`_timed_forward_context`."""
     if not CLOCK.stack:
         return original(self, *args, **kwargs)
     CLOCK.count(DRAFT_FORWARDS)
@@ -319,9 +294,7 @@ def _counted_sync(original):
 
 
 def stack_roles() -> StackRoles:
-    """The plugin's model compute for ``specplugin profile --timers sampled``
-    (:mod:`specplugin.stack_samples`): the draft's model call and its LM head, named by
-    the functions themselves (the rows the timed ledger charges to ``draft forward``)."""
+    """The draft's model call and LM head, for ``--timers sampled``."""
     owner = _owner(*DRAFT_FORWARD_METHOD[:2])
     return StackRoles(frozenset(getattr(owner, name).__qualname__
                                 for name in (DRAFT_FORWARD_METHOD[2], DRAFT_LM_HEAD)))
@@ -360,9 +333,8 @@ def install_engine_core() -> None:
 
 
 def install_worker(runner) -> None:
-    """A worker process's timers (once): the model runner's and the plugin's phases,
-    draft forwards, host syncs; the target's ``compute_logits`` (an attribute of the
-    loaded model, wrapped on the instance) is charged to ``forward``."""
+    """A worker process's timers (once); the target's ``compute_logits`` (wrapped on the
+    model instance) is charged to ``forward``."""
     first = _owner(*WORKER_ROOTS[0][:2])
     if patches.is_patched(first, WORKER_ROOTS[0][2]):
         return
@@ -389,34 +361,16 @@ def install_worker(runner) -> None:
 
 
 class PlainStepAB:
-    """``specplugin profile --step-ab``: in steady plain decoding, blocks of steps run
-    without the plugin, so that a plain step's cost with the plugin can be set against
-    vLLM's own plain step in the same engine, a few steps apart.
+    """``specplugin profile --step-ab``: A/B a plain step with the plugin against vLLM's own
+    plain step in the same engine, a few steps apart.
 
-    Installed on one worker's model runner (instance attributes over its
-    ``execute_model`` and ``sample_tokens``). A step is *eligible* when it decodes every
-    request with one token and no draft (no request joins, leaves or resumes) and the
-    :data:`~specplugin.profiling.SETTLED` steps before it neither verified nor handed
-    back drafts. Eligible steps in a row go in blocks of 2 or 3 steps (drawn at random),
-    arms alternating (``plugin``, ``vllm``, ``plugin``, ...). In a ``vllm`` step the
-    runner *is* vLLM's runner: its class is the one the plugin's mixin was put in front of
-    and its speculative config is None, exactly vLLM's plain step, none of the plugin's
-    code runs; the output carries no drafts, as a plugin plain step's (the engine core
-    then asks no worker for drafts, :mod:`.draft_handoff`). Only each block's last step
-    is recorded: its predecessor ran the same code, so one arm's aftermath does not land
-    in the other's. The blocks' lengths are random because the plugin's own plain steps
-    are not all alike (the union peeks every few plain steps, its arbiter closes a block
-    every few): a fixed length could record the same places of that cycle every time. A
-    ``plugin`` step that handed back drafts was no plain step and is not recorded. The
-    drafter's step clock restarts after a ``vllm`` step (it did not see that step): its next
-    lap is the step after it alone.
+    Eligible steps (one-token decodes, no drafts for :data:`~specplugin.profiling.SETTLED`
+    steps) go in blocks of 2 or 3 (random, to not align with the plugin's peek cycle),
+    arms alternating. A ``vllm`` step swaps the runner's class to vLLM's with no
+    speculative config. Only each block's last step is recorded.
 
-    Records: ``[arm, seconds, segment, plugin_ran]``, ``seconds`` the worker's wall time of
-    the step (``execute_model`` plus ``sample_tokens``; the engine core's side of a plain
-    step is the same code in both arms), ``segment`` numbering runs of eligible steps, so
-    that pairs are only made within one run
-    (:func:`specplugin.bench.profile.step_ab_summary`), ``plugin_ran`` whether the
-    plugin's runner saw the step (it must not in a ``vllm`` one).
+    Records: ``[arm, seconds, segment, plugin_ran]``; ``segment`` numbers runs of eligible
+    steps (pairs are made within one); ``plugin_ran`` must be False in a ``vllm`` step.
     """
 
     BLOCKS = (2, 3)  # steps per block, drawn
@@ -432,7 +386,7 @@ class PlainStepAB:
         self._rng = random.Random(seed)
         self._quiet = 0  # steps in a row that neither verified nor handed back drafts
         self._left = 0  # steps left in the running block
-        self._block_arm = "vllm"  # the running block's (the first block is the plugin's)
+        self._block_arm = "vllm"  # the running block's arm (so the first is the plugin's)
         self._segment = 0
         self._in_run = False  # the last step was eligible
         self._arm: str | None = None
@@ -493,16 +447,12 @@ class PlainStepAB:
         if vllm_step:
             draft_handoff.attach(output, None)  # as a plugin plain step's output
             timer = getattr(runner.drafter, "timer", None)
-            if timer is not None:  # its next lap would hold this step: it starts here
-                # (not a lap of no step: a plain block whose steps measure nothing runs
-                # longer and is decided more often, so the plugin arm would pay more
-                # full decisions than the plugin does in a run of its own)
+            if timer is not None:  # the drafter did not see this step: restart its lap
                 timer.restart()
         drafted = getattr(output, draft_handoff.ATTRIBUTE, None) is not None
         self._quiet = 0 if drafted or self._verifies else self._quiet + 1
         if self._recorded and not drafted:
-            # whether the plugin's runner saw the step (its _update_states keeps the
-            # scheduler output): the check that a ``vllm`` step ran none of its code
+            # the plugin's _update_states keeps the scheduler output: did it see the step?
             plugin_ran = runner.__dict__.get("step_scheduler_output") is self._scheduled
             self.records.append([self._arm, seconds, self._segment, plugin_ran])
         self._scheduled = None
@@ -545,16 +495,14 @@ def _act(action: str, install) -> Any:
 
 
 def worker_rpc(worker, action: str) -> Any:
-    """Sent by the engine core to every worker (vLLM's executor pickles it).
-    ``step_ab_on`` / ``step_ab_off``: :class:`PlainStepAB` on this worker's runner
-    (:func:`_step_ab`)."""
+    """Sent by the engine core to every worker; ``step_ab_on``/``_off``: :func:`_step_ab`."""
     if action in ("step_ab_on", "step_ab_off"):
         return _step_ab(worker.model_runner, action == "step_ab_on")
     if action == "device":
         return ("cuda (timers synchronise)" if worker.model_runner.device.type == "cuda"
                 else "cpu (every phase synchronous)")
     runner = worker.model_runner
-    if action == "start":  # the background's seconds in the window, not its whole life
+    if action == "start":  # baseline: count background seconds in the window only
         runner.__dict__["_specplugin_background_s"] = _background_s(runner)
     out = _act(action, lambda: install_worker(runner))
     if action == "stop":
@@ -566,9 +514,8 @@ def worker_rpc(worker, action: str) -> Any:
 
 
 def _background_s(runner) -> tuple[float, float]:
-    """Seconds the worker's wait ran the plugin's work (the drafter's held learning; the
-    counters' publishing once it moved there), and seconds the held learning ran on a
-    step (publishing at the start of a step is timed on the step: "plugin: metrics")."""
+    """(seconds the worker's wait ran plugin work: held learning and publishing; seconds
+    held learning ran on a step)."""
     from specplugin.vllm_layer.worker import learning_background
 
     background = learning_background(runner)
@@ -583,9 +530,8 @@ def _background_s(runner) -> tuple[float, float]:
 
 
 def _step_ab(runner, on: bool) -> bool | list[list]:
-    """``step_ab_on``: install :class:`PlainStepAB` (False: the runner is not the plugin's,
-    or decodes under tensor parallelism, where every step takes the full path);
-    ``step_ab_off``: remove it, its records (None if it was not on)."""
+    """On: install :class:`PlainStepAB` (False if not the plugin's runner, or under tensor
+    parallelism). Off: remove it and return its records (None if it was not on)."""
     ab = runner.__dict__.get("_specplugin_step_ab")
     if not on:
         if ab is None:
@@ -604,17 +550,10 @@ def _step_ab(runner, on: bool) -> bool | list[list]:
 
 
 def memory_probe_ms(worker=None, num_floats: int = 4_000_000, repeats: int = 30) -> float:
-    """Milliseconds to copy ``num_floats`` float32 (16 MB) in this process, the median of
-    ``repeats`` copies after five unmeasured ones: the memory speed the process gets
-    (``worker``: unused; vLLM's executor passes the worker to a function it runs there).
-
-    Why: on this project's 2-vCPU virtual machine one engine decodes up to 1.5x slower
-    than the next, in every phase alike. Measured on the validation target, compiled,
-    twenty engines one after another (batch 1, greedy, 128 tokens, the median of three
-    generations): every engine whose worker copied 16 MB in over 0.58 ms decoded at
-    3.47-3.72 ms a token, every other one at 2.22-2.90; correlation 0.86. The same copy
-    in the front-end process did not follow the worker's. A matrix product and a Python
-    loop did not move at all: it is the memory, not the core."""
+    """Median ms to copy ``num_floats`` float32 (16 MB) over ``repeats`` copies (after 5
+    warm-ups): the memory speed this process gets. ``worker``: unused (vLLM's executor
+    passes it). On the 2-vCPU VM an engine's decode speed varies up to 1.5x with its
+    worker's memory speed (correlation ~0.86), so benchmarks record it."""
     source = torch.ones(num_floats, dtype=torch.float32)
     target = torch.empty_like(source)
     times = []
@@ -628,9 +567,9 @@ def memory_probe_ms(worker=None, num_floats: int = 4_000_000, repeats: int = 30)
 
 
 def engine_rpc(original, engine_core, method, timeout=None, args=(), kwargs=None):
-    """Around ``EngineCore.collective_rpc``: ``specplugin_profile`` is answered by the
-    engine core and its workers, ``[{"engine": ..., "worker": ...}]`` (one per worker);
-    ``specplugin_memory_probe`` by the workers, each one's :func:`memory_probe_ms`."""
+    """Around ``EngineCore.collective_rpc``: ``specplugin_profile`` returns
+    ``[{"engine": ..., "worker": ...}]`` per worker; ``specplugin_memory_probe`` each
+    worker's :func:`memory_probe_ms`."""
     if method == PROBE_RPC:
         return original(engine_core, memory_probe_ms, timeout, (), None)
     if method != RPC:
@@ -641,8 +580,7 @@ def engine_rpc(original, engine_core, method, timeout=None, args=(), kwargs=None
 
 
 def install_rpc() -> None:
-    """``register()`` calls this in every vLLM process when ``SPECPLUGIN_PROFILE=1`` or
-    ``SPECPLUGIN_MEMORY_PROBE=1`` (:func:`probe_requested`)."""
+    """Called by ``register()`` when ``SPECPLUGIN_PROFILE=1`` or ``SPECPLUGIN_MEMORY_PROBE=1``."""
     from vllm.v1.engine.core import EngineCore
 
     if not patches.is_patched(EngineCore, "collective_rpc"):
@@ -658,8 +596,7 @@ def probe_requested() -> bool:
     return os.environ.get(PROBE_ENV) == "1"
 
 
-# the front end (the process that calls LLM.generate): its output processing runs
-# beside the engine core's steps, reported next to the ledger, not in its sum
+# front-end output processing runs beside the engine's steps: reported, not summed
 FRONT_END = ("vllm.v1.engine.output_processor", "OutputProcessor", "process_outputs")
 
 

@@ -1,18 +1,10 @@
 """Tensor parallelism: every rank takes the same drafting decisions, from rank 0's clock.
 
-Under tensor parallelism each rank runs the plugin's drafter. The scheduler verifies
-rank 0's drafts, but every rank must still do the same work: the draft model's
-forward is sharded across the ranks (a rank that skips a pass, or runs a different
-number of rows, stalls the others in a collective), and at temperature > 0 each rank's
-rejection sampler needs the draft probabilities of exactly the drafts the scheduler
-sent. The inputs of every decision are the same on every rank (token ids, verified
-counts, logits gathered across ranks, seeded random draws) except one: wall-clock
-time, which feeds the cost models, the draft's stopping threshold and the step
-arbiter. So those times are measured on rank 0 and broadcast (one small tensor per
-step); on one rank nothing is sent.
-
-Token-level proposers alone (``specplugin.Speculator``) need none of this: they run no
-collective, and what a rank other than 0 drafts is never verified.
+Every rank runs the drafter and must do the same work (sharded draft forwards stall on
+collectives otherwise; each rank's rejection sampler needs the draft probs of the drafts
+the scheduler sent). All decision inputs agree across ranks except wall-clock time, so
+timings are measured on rank 0 and broadcast (one small tensor per step; none on one rank).
+Token-level proposers (``specplugin.Speculator``) need none of this.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Front-end check of each request's ``specplugin_*`` options, before it is scheduled.
 
-vLLM validates every request's ``SamplingParams`` in its ``InputProcessor`` (front-end
-process: ``LLM`` offline, the API server online) before the request reaches the
-engine; the plugin's patch (:mod:`specplugin.vllm_layer.patches`, installed by
-``register()``) runs :func:`check_request` right after vLLM's own checks. A refused
-request raises :class:`RequestRefused`, a ``VLLMValidationError`` (the API server
-answers HTTP 400 with the key as ``param``) that is also a ``ValueError`` (what
-``LLM.generate`` users catch); other requests are untouched. The parsing and the
-bounds are the vLLM-free :mod:`specplugin.request_options`.
+Patched in after vLLM's ``InputProcessor._validate_params`` (front-end process). A refused
+request raises :class:`RequestRefused`: a ``VLLMValidationError`` (HTTP 400 on the server)
+and a ``ValueError`` (for ``LLM.generate``). Parsing and bounds: :mod:`specplugin.request_options`.
 """
 
 from __future__ import annotations
@@ -49,8 +44,7 @@ def check_request_of(input_processor, params, *args, **kwargs) -> None:
     check_request(input_processor.vllm_config, params)
 
 
-# id(vllm_config) -> (vllm_config, bounds): the settings are parsed once per config (the
-# config is kept so that its id cannot be reused by another object)
+# id(vllm_config) -> (vllm_config, bounds); the config is kept so its id is not reused
 _BOUNDS: dict[int, tuple[object, tuple[int, tuple[str, ...]]]] = {}
 
 

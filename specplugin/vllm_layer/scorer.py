@@ -1,42 +1,20 @@
 """The batch-expanding scorer inside vLLM: a request's extra candidates as extra rows of
-the target's one forward pass.
+the target's one forward pass (see docs/design.md).
 
-vLLM verifies one draft per request: the scheduler appends it to the request's next
-step, and the target runs it as extra query tokens. When the union offers a request
-more than one good candidate (:func:`specplugin.adaptive.controller.expand`), the
-scheduler is sent the primary one (never shorter than the others: vLLM rolls a
-request back by ``scheduled - accepted``), and this module verifies the others in the
-same forward:
+vLLM verifies one draft per request. When the union offers several candidates
+(:func:`specplugin.adaptive.controller.expand`), the scheduler gets the primary (never
+shorter than the others: vLLM rolls back by ``scheduled - accepted``) and this module
+verifies the rest in the same forward:
 
-- **rows**: each extra candidate becomes one more row after the batch's own rows: the
-  request's last token and the candidate's tokens, at the request's positions. vLLM's
-  CPU attention has no custom mask, so candidates cannot share a row.
-- **blocks**: the row's block table is the request's own for the context; the block
-  holding the first new position is a copy of the request's partly filled block (none
-  needed when the context ends on a block boundary, "exactly full"), and later blocks
-  are fresh, all from a small pool of *scratch blocks* the scheduler never sees
-  (:func:`reserve_scratch_blocks` shrinks the scheduler's pool by that many; the
-  workers keep all blocks, so the last ones are private). Nothing of the scheduler's
-  changes: scratch ids never leave the worker.
-- **attention**: new metadata for the expanded batch from each KV cache group's own
-  builder, and a forward context whose slot mappings cover the extra rows; the model
-  runs once over ``T + E`` tokens and vLLM gets its own ``T`` rows of hidden states back.
-- **acceptance** (:meth:`BatchExpander.resolve`, after vLLM's rejection sampler):
-  greedy, the longest prefix of any candidate that matches the target's argmax
-  (:func:`~specplugin.scorers.multi_draft.longest_accepted`; the row's own draft wins
-  ties); temperature > 0, recursive rejection sampling over the row's own draft and
-  its extra candidates, all deterministic
-  (:func:`~specplugin.scorers.multi_draft.one_hot_multi_draft_verify`), replacing
-  vLLM's draw for that row. If an extra candidate wins, the row's sampled tokens are
-  replaced, and the scratch blocks holding the winner's accepted positions are copied
-  over the request's own blocks (whole blocks: nothing here reads a backend's block
-  interior), so the next step reads the winner's context.
+- **rows**: one extra row per candidate (vLLM's CPU attention has no custom mask);
+- **blocks**: new positions go to private *scratch blocks* that
+  :func:`reserve_scratch_blocks` keeps out of the scheduler's pool;
+- **attention**: metadata rebuilt for ``T + E`` tokens; vLLM gets its own ``T`` rows back;
+- **acceptance** (:meth:`BatchExpander.resolve`): longest accepted prefix (greedy) or
+  recursive rejection sampling; a winning extra's scratch blocks replace the request's.
 
-Requests whose sampling the plugin does not reproduce exactly are never expanded:
-penalties, logit bias, bad words, allowed tokens, min_tokens, logprobs, structured
-output, top-k/top-p/min-p, per-request seeds (:func:`acceptance_kind`); and at
-temperature > 0, candidates of the draft model (sampled, with their own
-probabilities). They verify one chain, as before.
+Requests whose sampling the plugin cannot reproduce exactly (:func:`acceptance_kind`) and,
+at temperature > 0, draft-model candidates are never expanded.
 """
 
 from __future__ import annotations
@@ -52,7 +30,7 @@ from vllm.forward_context import get_forward_context, override_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.sample.sampler import _SAMPLING_EPS
 
-from specplugin.adaptive.controller import MAX_EXTRA_ROWS  # the scratch pool is sized for them
+from specplugin.adaptive.controller import MAX_EXTRA_ROWS  # sizes the scratch pool
 from specplugin.adaptive.union import Scored
 from specplugin.scorers.multi_draft import longest_accepted, one_hot_multi_draft_verify
 
@@ -61,8 +39,7 @@ PLACEHOLDER_TOKEN_ID = -1  # vLLM's padding in the rejection sampler's output
 
 
 def blocks_per_row(num_speculative_tokens: int, block_size: int) -> int:
-    """Blocks an extra row may need: the ``1 + K`` positions it writes span at most
-    ``K // block_size + 2`` blocks."""
+    """Blocks an extra row may need: its ``1 + K`` positions span at most this many."""
     return num_speculative_tokens // block_size + 2
 
 
@@ -77,11 +54,8 @@ GREEDY, SAMPLED = "greedy", "sampled"
 
 
 def acceptance_kind(params) -> str | None:
-    """How :meth:`BatchExpander.resolve` accepts this request's candidates: ``"greedy"``
-    (argmax of the raw logits), ``"sampled"`` (``softmax(logits / temperature)``, no
-    other processing, drawn from torch's default generator as vLLM does for requests
-    without a seed), or None: the plugin would not reproduce vLLM's sampling exactly,
-    so the request is never expanded."""
+    """``"greedy"`` (raw argmax), ``"sampled"`` (plain ``softmax(logits / temperature)``,
+    unseeded), or None: vLLM's sampling would not be reproduced exactly; never expanded."""
     if params is None or not (
             params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
             and params.repetition_penalty == 1.0 and not params.logit_bias
@@ -102,12 +76,11 @@ class ExtraRow:
     """One extra candidate of batch row ``row``, verified as its own row."""
 
     row: int
-    index: int  # its place among the request's extra candidates, as the drafter sent them
+    index: int  # its index among the request's extra candidates as sent
     draft_ids: tuple[int, ...]  # [k] the candidate's tokens (k <= the row's scheduled drafts)
     start: int  # offset of its first query token in the expanded batch (>= T)
     first_position: int  # position of its first query token (the request's last token)
-    # (block index in the request's table, scratch block, the request's own block) for
-    # each block its positions touch
+    # per block its positions touch: (index in the request's table, scratch block, own block)
     blocks: tuple[tuple[int, int, int], ...]
     slots: torch.Tensor  # [1 + k] where this row writes its KV (scratch blocks)
 
@@ -123,8 +96,7 @@ class ScorerStats:
     won_tokens: int = 0  # accepted tokens the winners added over the primary
     copied_blocks: int = 0  # copy-on-write copies of a partly filled last block
     aligned_starts: int = 0  # extra rows whose context ended exactly on a block boundary
-    # the highest block id the scheduler handed out, and how many of its ids were
-    # scratch blocks (must stay 0: the scheduler's pool ends where the scratch begins)
+    # highest block id the scheduler handed out; scratch ids among them (must stay 0)
     max_scheduled_block: int = 0
     scheduled_scratch_blocks: int = 0
     skipped: Counter = dataclasses.field(default_factory=Counter)  # reason -> rows
@@ -135,8 +107,8 @@ class ScorerStats:
 
 
 class BatchExpander:
-    """Keeps the extra candidates sent with a step's drafts, runs them in the next
-    forward and resolves them after vLLM's sampler. One per model runner."""
+    """Keeps a step's extra candidates, runs them in the next forward and resolves them
+    after vLLM's sampler. One per model runner."""
 
     def __init__(self, runner, plugin_config):
         kv_config = runner.kv_cache_config
@@ -147,21 +119,19 @@ class BatchExpander:
         self.per_row = blocks_per_row(plugin_config.num_speculative_tokens, self.block_size)
         draft_layers = set(getattr(runner.drafter, "_draft_attn_layer_names", ()) or ())
         self._layers = runner.compilation_config.static_forward_context
-        # the target's layers: the winner's KV is copied in these only (the draft
-        # model's cache, if any, is written by its own forward)
+        # target layers only: the draft model's cache is written by its own forward
         self._layer_names = [name for g in groups for name in g.layer_names
                              if name not in draft_layers]
         backends = {g.backend.get_name() for g in runner.attn_groups[0]} if groups else set()
         self.usable = (len(groups) == 1 and backends == {"CPU_ATTN"} and self.num_scratch > 0
                        and self.first_scratch > 0)
         if not self.usable:
-            # CPU_ATTN: KV caches are [num_blocks, ...], so a block is cache[b]; other
-            # backends lay blocks out differently (e.g. [2, num_blocks, ...]): not run here
+            # needs CPU_ATTN's [num_blocks, ...] layout (a block is cache[b])
             logger.warning("specplugin: max_candidates > 1 needs one KV cache group on the "
                            "CPU attention backend; here %d group(s), backends %s: each request "
                            "verifies one candidate.", len(groups), sorted(backends))
         self.pending: dict[str, list[tuple[int, ...]]] = {}  # req_id -> extra candidates
-        # req_id -> how its candidates fared in the step just verified (for the drafter)
+        # req_id -> how its candidates fared in the step just verified
         self.outcomes: dict[str, Scored] = {}
         self.stats = ScorerStats()
         self._rows: list[ExtraRow] = []
@@ -186,8 +156,7 @@ class BatchExpander:
 
     # -- drafting side ------------------------------------------------------------------
     def remember(self, req_ids, alternates) -> None:
-        """The extra candidates of the drafts just proposed (``alternates[row]``: a list
-        of token lists), verified with them in the next step."""
+        """Extra candidates of the drafts just proposed (``alternates[row]``: token lists)."""
         self.pending = {req_ids[r]: [tuple(int(t) for t in c) for c in cands]
                         for r, cands in enumerate(alternates) if cands}
 
@@ -196,8 +165,8 @@ class BatchExpander:
 
     # -- forward ------------------------------------------------------------------------
     def forward(self, runner, forward, input_ids, positions, **kwargs):
-        """``forward(input_ids=..., positions=..., **kwargs)`` over the batch plus the
-        extra rows; returns the batch's own hidden states (``[T, hidden_size]``)."""
+        """Run ``forward`` over the batch plus extra rows; return the batch's own hidden
+        states ``[T, hidden_size]``."""
         self._rows, self._hidden, self._sampled, self.outcomes = [], None, {}, {}
         pending, self.pending = self.pending, {}
         if not pending or not self.usable or positions is None or positions.dim() != 1:
@@ -211,7 +180,7 @@ class BatchExpander:
         with override_forward_context(expanded):
             output = forward(input_ids=torch.cat([input_ids, extra_ids]),
                              positions=torch.cat([positions, extra_positions]), **kwargs)
-        if not isinstance(output, torch.Tensor):  # e.g. auxiliary hidden states: not ours
+        if not isinstance(output, torch.Tensor):  # e.g. auxiliary hidden states
             raise RuntimeError("specplugin's scorer expects the target to return one tensor")
         self._rows, self._hidden = rows, output[num_tokens:]
         self.stats.steps += 1
@@ -226,7 +195,7 @@ class BatchExpander:
             return None
         meta = next(iter(metadata.values()))
         num_tokens = input_ids.shape[0]
-        if meta.num_actual_tokens != num_tokens:  # padded batch: keep it simple, skip
+        if meta.num_actual_tokens != num_tokens:  # padded batch: skip
             self.stats.skipped["padded batch"] += len(pending)
             return None
         self._zero_scratch_once()
@@ -271,9 +240,8 @@ class BatchExpander:
 
     def _row_table(self, own_table: torch.Tensor, first_position: int, k: int,
                    next_block: int) -> tuple[torch.Tensor, tuple[tuple[int, int, int], ...]]:
-        """The extra row's block table: the request's, with the blocks of positions
-        ``first_position .. first_position + k`` replaced by scratch blocks (the first a
-        copy of the request's block when the context ends inside it)."""
+        """The request's block table with the blocks of positions ``first_position ..
+        first_position + k`` replaced by scratch blocks (the first copied if partly filled)."""
         table = own_table.clone()  # [max_num_blocks_per_req]
         first, last = first_position // self.block_size, (first_position + k) // self.block_size
         blocks = tuple((b, next_block + i, int(own_table[b]))
@@ -293,8 +261,7 @@ class BatchExpander:
                 + pos % self.block_size).to(torch.int64)
 
     def _expanded_context(self, runner, context, rows, tables, extra_positions):
-        """The forward context of the expanded batch: attention metadata from each
-        group's own builder, slot mappings extended by the extra rows' slots."""
+        """The expanded batch's forward context (per-group metadata, extended slot mappings)."""
         extra_slots = torch.cat([r.slots for r in rows])
         by_group = {}
         for group in runner.attn_groups[0]:
@@ -330,9 +297,8 @@ class BatchExpander:
 
     # -- acceptance ---------------------------------------------------------------------
     def keep_target_logits(self, logits: torch.Tensor, spec_decode_metadata) -> None:
-        """Before vLLM's sampler (which may scale logits in place): the target logits of
-        the sampled rows that have extra candidates. ``logits``: [num_logits, vocab_size],
-        each row's ``1 + drafts`` positions in turn."""
+        """Before vLLM's sampler (which may scale logits in place): copy the sampled rows'
+        target logits. ``logits``: [num_logits, vocab_size]."""
         self._target_logits = {}
         if not self._sampled or spec_decode_metadata is None:
             return
@@ -342,10 +308,8 @@ class BatchExpander:
             self._target_logits[row] = logits[ends[row] - size: ends[row]].clone()
 
     def resolve(self, runner, sampler_output) -> None:
-        """After vLLM's rejection sampler: a request with extra candidates emits what
-        multi-draft acceptance gives over all of them (greedy: the longest accepted
-        prefix; sampled: recursive rejection sampling). When an extra candidate wins,
-        its tokens replace the row's and its KV the request's."""
+        """After vLLM's rejection sampler: apply multi-draft acceptance to rows with extras;
+        a winning extra's tokens replace the row's and its KV the request's."""
         rows, hidden, sampled_rows = self._rows, self._hidden, self._sampled
         target_logits, self._target_logits = self._target_logits, {}
         self._rows, self._hidden, self._sampled = [], None, {}
@@ -375,8 +339,8 @@ class BatchExpander:
                 self._keep_winner(winner, len(tokens) - 1)
 
     def _greedy_row(self, own_output: torch.Tensor, extras):
-        """(tokens, winning extra row, outcome): tokens None when the row's own output
-        stands (its accepted prefix is the longest; it wins ties, then the lower index)."""
+        """(tokens, winner, outcome); tokens None when the row's own output stands (it wins
+        ties, then the lower index)."""
         own = best = int((own_output != PLACEHOLDER_TOKEN_ID).sum()) - 1  # accepted by vLLM
         choice, accepted_by_index = None, {}
         for r, span in extras:
@@ -393,8 +357,7 @@ class BatchExpander:
         return list(r.draft_ids[:best]) + [int(target[best])], r, outcome
 
     def _sample_row(self, runner, row: int, extras, own_logits, temperature: float):
-        """Recursive rejection sampling over the row's own draft and its extra
-        candidates (all deterministic), replacing vLLM's draw for this row."""
+        """Recursive rejection sampling over own draft + extras, replacing vLLM's draw."""
         if own_logits is None:
             return None, None, None
         req_id = runner.input_batch.req_ids[row]
@@ -405,17 +368,15 @@ class BatchExpander:
             [own_ids] + [torch.tensor(r.draft_ids) for r, _ in extras], probs)
         winner = None if result.winner == 0 else extras[result.winner - 1][0]
         accepted = len(result.token_ids) - 1
-        # only the winner's acceptance is known: the others were judged on another draw
+        # only the winner's acceptance is known
         outcome = _outcome(accepted if winner is None else None,
                            {} if winner is None else {winner.index: (accepted, len(winner.draft_ids))},
                            None if winner is None else winner.index)
         return result.token_ids.tolist(), winner, outcome
 
     def _keep_winner(self, r: ExtraRow, accepted: int) -> None:
-        """The winner's KV: the scratch blocks holding its accepted positions replace the
-        request's (position 0 holds the same token on the same context in both rows;
-        positions past the accepted ones are stale in both, and rewritten before they
-        are read)."""
+        """Copy the scratch blocks holding the winner's accepted positions over the request's
+        (later positions are stale in both and rewritten before they are read)."""
         last = (r.first_position + accepted) // self.block_size
         for b, scratch, own in r.blocks:
             if b <= last:
@@ -427,14 +388,13 @@ class BatchExpander:
         return [self._layers[name].kv_cache for name in self._layer_names]
 
     def _zero_scratch_once(self) -> None:
-        if not self._zeroed:  # never touched by vLLM: zeroed once, before first use
+        if not self._zeroed:  # vLLM never touches them
             for cache in self.kv_caches():
                 cache[self.first_scratch:].zero_()
             self._zeroed = True
 
     def _copy_block(self, src: int, dst: int) -> None:
-        """Whole blocks, so that nothing here depends on how a backend lays out a
-        block's interior (vLLM's CPU kernels pack it per instruction set)."""
+        """Whole blocks: a block's interior layout is backend-specific."""
         for cache in self.kv_caches():  # [num_blocks, ...]
             cache[dst].copy_(cache[src])
 
@@ -449,9 +409,8 @@ def _outcome(own: int | None, accepted_by_index: dict[int, tuple[int, int]],
 
 
 def reserve_scratch_blocks(initialize_kv_caches, engine_core, vllm_config):
-    """Around ``EngineCore._initialize_kv_caches``: with the scorer on, the scheduler's
-    KV pool is the workers' minus :func:`num_scratch_blocks` (the scheduler hands out
-    ids ``[0, n - S)``; ids ``[n - S, n)`` are the scorer's scratch blocks)."""
+    """Around ``EngineCore._initialize_kv_caches``: with the scorer on, the scheduler gets
+    ids ``[0, n - S)``; ``[n - S, n)`` are the scorer's scratch blocks."""
     from vllm.v1.engine import core
 
     from specplugin.vllm_layer import patches

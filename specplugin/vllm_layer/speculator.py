@@ -1,18 +1,10 @@
 """``specplugin.Speculator``: the drafter of the plugin's token-level proposers inside vLLM.
 
-vLLM's ``custom_class`` hook builds it in each worker from the user's switch
-(``speculative_config.model = "specplugin.Speculator"``); the plugin's model runner
-(:mod:`specplugin.vllm_layer.worker`, which the config hook always selects) then
-attaches itself, so that each step the Speculator sees what the hook alone does not
-give: request ids, sampling parameters, the tokens each request may still emit,
-which drafts the scheduler verified and when requests finish. It turns those into
-the vLLM-free :class:`~specplugin.proposers.base.StepBatch` and
-:class:`~specplugin.adaptive.union.Verified` records and lets the
-:class:`~specplugin.adaptive.union.Union` of proposers, the difficulty estimator and
-the K controller choose each request's draft. vLLM verifies the drafts with its own
-rejection sampler (one-hot drafts), so output stays exactly the target's.
-
-A failure anywhere in drafting costs that step its drafts, never a request.
+Built by vLLM's ``custom_class`` hook; the plugin's runner (:mod:`.worker`) attaches to
+supply request ids, sampling params and verification results, which become vLLM-free
+records for the :class:`~specplugin.adaptive.union.Union`. vLLM's rejection sampler
+verifies the drafts, so output stays exactly the target's. A failure in drafting costs
+that step its drafts, never a request.
 """
 
 from __future__ import annotations
@@ -51,7 +43,7 @@ class Speculator:
                            decoy_primary=self.config.fault_injection.decoy_primary,
                            # learning in the worker's wait for its next step
                            background=Background(deferred=True))
-        self.background = self.union.background  # (the worker runs its pending jobs)
+        self.background = self.union.background
         self.memory = open_memory(self.union, self.config.state_dir,
                                   vllm_config.model_config.model, None,
                                   self.num_speculative_tokens,
@@ -60,7 +52,7 @@ class Speculator:
         self.runner = None
         self.plan: StepPlan | None = None  # the union's plan of the last propose
         self.timer = StepTimer()
-        # skip_drafting read this step's wall time and the full path has yet to use it
+        # skip_drafting already read this step's wall time (see _this_step)
         self._step_seconds: float | None = None
         self._step_timed = False
 
@@ -69,7 +61,7 @@ class Speculator:
         self.runner = runner
 
     def load_model(self, target_model) -> None:
-        """Token-level proposers need no weights; the target model is not used."""
+        """Token-level proposers need no weights."""
 
     def calibrate(self, num_tokens: np.ndarray, seconds: np.ndarray) -> None:
         """Timed target forwards from engine start (see the worker)."""
@@ -98,17 +90,14 @@ class Speculator:
             return [[] for _ in range(num_reqs)]
 
     def _peek(self) -> StepBatch:
-        """The batch as it stands, for the union's peek on a plain step (asked only when
-        the arbiter keeps a step plain)."""
+        """The current batch, for the union's peek on a plain step."""
         return self.runner.peek_batch()
 
     def skip_drafting(self, num_reqs: int, num_query_tokens: int, mostly_sampled: bool,
                       read_prompts: bool = False) -> bool:
-        """The runner asks before a step's drafting, when that step verified no draft:
-        True if the next step decodes plainly too, so drafting is skipped altogether
-        (:meth:`Union.plain_step <specplugin.adaptive.union.Union.plain_step>`: the
-        step's time is observed, no proposer runs). When it says False the full path
-        runs next, in the same step, and takes the time read here (:meth:`_this_step`).
+        """Asked before drafting on a step that verified no draft: True if the next step
+        decodes plainly too, so no proposer runs (``Union.plain_step``). On False the full
+        path runs in the same step and reuses the time read here (:meth:`_this_step`).
         ``read_prompts``: the step read prompt tokens (its time teaches nothing)."""
         seconds = self._step_seconds = self.timer.lap()
         self._step_timed = True
@@ -121,10 +110,8 @@ class Speculator:
             return False
 
     def plain_steps_ahead(self) -> int:
-        """After :meth:`skip_drafting` kept the next step plain: how many steps after it
-        are plain whatever they measure (:meth:`Union.plain_steps_ahead
-        <specplugin.adaptive.union.Union.plain_steps_ahead>`), which the runner may run
-        as vLLM's own plain steps."""
+        """After :meth:`skip_drafting` said True: how many further steps are plain regardless
+        (``Union.plain_steps_ahead``); the runner may run them as vLLM's own."""
         try:
             return self.union.plain_steps_ahead()
         except Exception:  # a bug here costs the fast path, never a request
@@ -132,8 +119,7 @@ class Speculator:
             return 0
 
     def learn_plain_steps(self, times: list[float | None], num_reqs: int) -> None:
-        """What :meth:`skip_drafting` would have learned from each step run as vLLM's own
-        (``times`` on :attr:`timer`, ``num_reqs`` requests)."""
+        """Learn what :meth:`skip_drafting` would have from steps run as vLLM's own."""
         try:
             self.union.plain_steps_ran(times, num_reqs)
         except Exception:
@@ -144,9 +130,8 @@ class Speculator:
         self.union.new_requests(num_new, num_reqs)
 
     def _this_step(self) -> float | None:
-        """The wall time of the step just run, read once per step: by :meth:`skip_drafting`
-        if it ran this step (a second read would measure only the time since it, and the
-        cost model would learn that steps cost nothing), else now."""
+        """The wall time of the step just run, read once per step (by :meth:`skip_drafting`
+        if it ran; a second lap would teach the cost model that steps cost nothing)."""
         if self._step_timed:
             self._step_timed = False
             return self._step_seconds
@@ -163,8 +148,7 @@ class Speculator:
     def _batch(self, context, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> StepBatch:
         num_reqs = len(sampled_token_ids)
         num_tokens = num_tokens_no_spec[:num_reqs]
-        # a request that may emit r more tokens gains nothing from drafts past r - 1
-        # (the last comes as the bonus); the context must stay within max_model_len
+        # r tokens left: at most r - 1 drafts (the last is the bonus); stay within max_model_len
         remaining = np.asarray(context.remaining_tokens[:num_reqs]) - 1
         limit = np.minimum(self.max_model_len - num_tokens, remaining)
         # and no request drafts past its own specplugin_max_k
@@ -178,9 +162,8 @@ class Speculator:
 
     @property
     def last_alternates(self) -> list[list[list[int]]]:
-        """[num_reqs] the extra candidates each row of the last ``propose`` verifies too
-        (the batch-expanding scorer, :mod:`specplugin.vllm_layer.scorer`): vLLM's drafting
-        call returns token ids only, so the runner reads them here."""
+        """[num_reqs] extra candidates per row for the batch-expanding scorer (vLLM's
+        drafting call returns token ids only, so the runner reads them here)."""
         return [] if self.plan is None else self.plan.alternates
 
     def finish_requests(self, req_ids) -> None:
@@ -189,7 +172,7 @@ class Speculator:
             self.memory.maybe_save(self.union, idle=self.union.idle)
 
     def forget_learned(self) -> None:
-        """See :meth:`Union.forget_learned <specplugin.adaptive.union.Union.forget_learned>`."""
+        """See ``Union.forget_learned``."""
         self._step_timed = False
         self.union.forget_learned()
 
@@ -198,13 +181,12 @@ class Speculator:
         self.union.forget_pending()
 
     def stats(self) -> dict:
-        """The plugin's own counters, JSON-able (published by
-        :mod:`specplugin.vllm_layer.metrics_export`)."""
-        self.union.background.settle()  # (what was handed over; held jobs write nothing yet)
+        """The plugin's counters, JSON-able (for :mod:`.metrics_export`)."""
+        self.union.background.settle()
         failures = {f.name: f.count for f in self.union.failures}
         failures[self.failures.name] = self.failures.count
         learning = self.union.background.failures
-        if learning.count:  # (a counter once it has counted)
+        if learning.count:
             failures[learning.name] = learning.count
         failures.update(verification.failures())
         return {**self.union.stats.as_dict(), "proposer_failures": failures,

