@@ -119,12 +119,6 @@ class PluginDraftProposer(DraftModelProposer):
         self._held_jobs: list = []
         self.costs.deferred_flush = True
 
-    @property
-    def last_alternates(self) -> list[list[list[int]]]:
-        """[num_reqs] the union's extra candidates per row of the last ``propose``, for the
-        batch-expanding scorer (vLLM's drafting call returns token ids only)."""
-        return [] if self.plan is None else self.plan.alternates
-
     def calibrate(self, num_tokens: np.ndarray, seconds: np.ndarray) -> None:
         """Timed target forwards from engine start (see the worker)."""
         if self.union is not None:

@@ -51,6 +51,7 @@ class Speculator:
         self.failures = FailureCounter("union", logger)
         self.runner = None
         self.plan: StepPlan | None = None  # the union's plan of the last propose
+        self.last_lengths = None  # (drafts are lists already cut to their lengths)
         self.timer = StepTimer()
         # skip_drafting already read this step's wall time (see _this_step)
         self._step_seconds: float | None = None
@@ -160,11 +161,8 @@ class Speculator:
                          np.asarray(context.num_prompt_tokens[:num_reqs]), max_draft_lens,
                          sampled, rows, context.allowed)
 
-    @property
-    def last_alternates(self) -> list[list[list[int]]]:
-        """[num_reqs] extra candidates per row for the batch-expanding scorer (vLLM's
-        drafting call returns token ids only, so the runner reads them here)."""
-        return [] if self.plan is None else self.plan.alternates
+    def restart_requests(self, req_ids) -> None:
+        """Resumed after preemption: token-level proposers keep no KV, nothing restarts."""
 
     def finish_requests(self, req_ids) -> None:
         self.union.finish_requests(list(req_ids))

@@ -93,7 +93,9 @@ class PluginRunnerMixin:
         self._heard = None
         # the batch-expanding scorer (max_candidates > 1), built with the KV cache
         self.expander = None
-        if "draft" in config.proposers:
+        # the draft-model drafter decides before vLLM prepares its inputs
+        self._drafts_with_model = "draft" in config.proposers
+        if self._drafts_with_model:
             self.drafter = PluginDraftProposer(self.vllm_config, self.device, self, config)
         else:  # vLLM built specplugin.Speculator through its custom_class hook
             self.drafter.attach(self)
@@ -202,9 +204,6 @@ class PluginRunnerMixin:
         """Time target forwards of 1, 2, 4, ... query tokens before the first request, for the
         cost model, at a modest :data:`CALIBRATION_CONTEXT_LEN` (the curve has no context
         dimension; with none, attention would do no work)."""
-        calibrate = getattr(self.drafter, "calibrate", None)
-        if calibrate is None:
-            return
         shapes = calibration_shapes(self.scheduler_config.max_num_seqs,
                                     self.uniform_decode_query_len, self.max_num_tokens)
         longest = max(query_len for _, query_len in shapes)
@@ -216,7 +215,7 @@ class PluginRunnerMixin:
         seconds = agree_array(RankZeroClock(), np.array(seconds))
         # monotone: more tokens never cost less
         seconds = np.minimum.accumulate(np.array(seconds)[::-1])[::-1]
-        calibrate(np.array(knots), seconds)
+        self.drafter.calibrate(np.array(knots), seconds)
         self.calibration = {f"{r}x{q}": round(float(t) * 1e3, 3)
                             for (r, q), t in zip(shapes, seconds)}
         logger.info("specplugin: target forward ms by rows x query tokens %s", self.calibration)
@@ -322,13 +321,12 @@ class PluginRunnerMixin:
         if self._stats_publisher is not None and not self.publishes_in_wait:
             self._stats_publisher.maybe_publish(self.plugin_stats)
         finished = scheduler_output.finished_req_ids
-        if finished and hasattr(self.drafter, "finish_requests"):
-            self.drafter.finish_requests(finished)
         if finished:
+            self.drafter.finish_requests(finished)
             self.request_options.forget(finished)
         # resumed after preemption: new KV blocks, the drafter's KV state is stale
         resumed = scheduler_output.scheduled_cached_reqs.resumed_req_ids
-        if resumed and hasattr(self.drafter, "restart_requests"):
+        if resumed:
             self.drafter.restart_requests(resumed)
         return super()._update_states(scheduler_output)
 
@@ -354,10 +352,10 @@ class PluginRunnerMixin:
         """The draft-model drafter decides before vLLM prepares the draft model's inputs
         (``propose_before_vllm_inputs``): with no draft-model row it returns lists, as
         token-level methods do; otherwise ``propose_decided`` skips vLLM's preparation."""
-        decide = getattr(self.drafter, "propose_before_vllm_inputs", None)
-        if decide is not None and torch.is_tensor(sampled_token_ids):
+        if self._drafts_with_model and torch.is_tensor(sampled_token_ids):
             self._draft_probs = self._draft_prob_req_ids = None  # as vLLM's call does
-            drafts = decide(sampled_token_ids, sampling_metadata)
+            drafts = self.drafter.propose_before_vllm_inputs(sampled_token_ids,
+                                                             sampling_metadata)
             if drafts is not None:
                 return drafts
             if self.drafter.decided:
@@ -384,10 +382,12 @@ class PluginRunnerMixin:
                 self.expander.forget()
         else:
             # tensor rows are cut to the drafter's lengths; lists are already as sent
-            self._draft_lengths = (getattr(self.drafter, "last_lengths", None)
+            self._draft_lengths = (self.drafter.last_lengths
                                    if torch.is_tensor(self._draft_token_ids) else None)
             if self.expander is not None:
-                self.expander.remember(self.input_batch.req_ids, self.drafter.last_alternates)
+                plan = self.drafter.plan
+                self.expander.remember(self.input_batch.req_ids,
+                                       [] if plan is None else plan.alternates)
 
     def _get_spec_decode_draft_probs(self, spec_decode_metadata):
         """Draft probs for the rejection sampler, [num_draft_tokens_total, vocab_size]: a view
@@ -453,16 +453,14 @@ class PluginRunnerMixin:
     def _note_new_requests(self) -> None:
         """Tell the drafter's step arbiter that requests joined the batch this step."""
         so = self.step_scheduler_output
-        note = getattr(self.drafter, "new_requests", None)
-        if note is not None and getattr(so, "scheduled_new_reqs", None):
-            note(len(so.scheduled_new_reqs), self.input_batch.num_reqs)
+        if getattr(so, "scheduled_new_reqs", None):
+            self.drafter.new_requests(len(so.scheduled_new_reqs), self.input_batch.num_reqs)
 
     def _skip_drafting(self) -> bool:
         """Skip this step's drafting: it verified no draft, the model allows plain steps,
         one rank only, and the drafter's arbiter keeps the next step plain."""
         so = self.step_scheduler_output
-        skip = getattr(self.drafter, "skip_drafting", None)
-        if (skip is None or not self._plain_steps_allowed or so is None
+        if (not self._plain_steps_allowed or so is None
                 or self.execute_model_state is None
                 or self.parallel_config.tensor_parallel_size > 1
                 or any(so.scheduled_spec_decode_tokens.values())):
@@ -470,8 +468,8 @@ class PluginRunnerMixin:
         num_reqs = self.input_batch.num_reqs
         # sampling requests, from vLLM's own set (cheap: runs every plain step)
         num_sampled = len(self.input_batch.random_reqs)
-        return skip(num_reqs, so.total_num_scheduled_tokens, 2 * num_sampled > num_reqs,
-                    _read_prompts(so))
+        return self.drafter.skip_drafting(num_reqs, so.total_num_scheduled_tokens,
+                                          2 * num_sampled > num_reqs, _read_prompts(so))
 
     def _get_draft_token_ids_cpu(self) -> tuple[list[list[int]], list[str]]:
         draft_token_ids, req_ids = super()._get_draft_token_ids_cpu()
@@ -543,14 +541,11 @@ class PluginWorkerMixin:
 
     def specplugin_forget_learned(self) -> bool:
         """``collective_rpc("specplugin_forget_learned")``, between requests: reset what the
-        drafter learned (bench warm-up). False when the drafter learns nothing."""
+        drafter learned (bench warm-up)."""
         runner = self.model_runner
-        forget = getattr(runner.drafter, "forget_learned", None)
-        if forget is None:
-            return False
         runner._learn_plain_steps()  # flush, so they are forgotten too
         runner._plain_ahead = 0  # a fresh engine's arbiter foretells nothing yet
-        forget()
+        runner.drafter.forget_learned()
         return True
 
 
