@@ -204,17 +204,17 @@ DraftKVCursor.accepted = accepted
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer as Base
 
 prepared = {"vllm": 0, "decided": 0}
-orig_prepare, orig_decided = Base.prepare_next_token_ids_padded, P.propose_decided
+orig_prepare, orig_step = Base.prepare_next_token_ids_padded, P.draft_step
 
 def prepare(self, *args, **kwargs):
     prepared["vllm"] += 1
     return orig_prepare(self, *args, **kwargs)
 
-def propose_decided(self, *args, **kwargs):
+def draft_step(self, *args, **kwargs):
     prepared["decided"] += 1
-    return orig_decided(self, *args, **kwargs)
+    return orig_step(self, *args, **kwargs)
 
-Base.prepare_next_token_ids_padded, P.propose_decided = prepare, propose_decided
+Base.prepare_next_token_ids_padded, P.draft_step = prepare, draft_step
 
 # These cells are short: every step speculates (the step arbiter, which would switch some
 # to plain decoding, is tested on its own), so the draft's own rule has steps to learn from.
@@ -417,7 +417,7 @@ def _bare_drafter(num_reqs: int, scheduled: list[int]):
     drafter.cursor = DraftKVCursor()
     drafter.proposer_stats = ProposerStats()
     drafter.timer = StepTimer()
-    drafter._decided = None
+    drafter._run = drafter._run_probs = None
     drafter.background, drafter._held_jobs = Background(), []
     return drafter, context
 
@@ -442,7 +442,7 @@ def test_the_drafter_forgets_its_calibration_and_its_prices_with_what_it_learned
     assert calibration.estimate_rows([0.95], [1], 0) == [0.95]  # the bucket's own confidence
 
 
-def test_the_early_decision_reads_next_tokens_and_rejections_as_vllm_counts_them():
+def test_the_draft_step_reads_next_tokens_and_rejections_as_vllm_counts_them():
     """Before vLLM prepares the draft model's inputs, the drafter reads from the step's
     sampled tokens ([rows, 1 + drafts], -1 past the accepted ones) what vLLM's preparation
     gives: each row's last valid token, and drafts verified + 1 - tokens emitted."""
@@ -450,22 +450,18 @@ def test_the_early_decision_reads_next_tokens_and_rejections_as_vllm_counts_them
 
     drafter, context = _bare_drafter(3, [2, 0, 2])
     seen = []
-    drafter._decide = lambda *args: seen.append(args) or [[4], [], [9, 9]]
+    drafter._step = lambda *args: seen.append(args) or [[4], [], [9, 9]]
     sampled = torch.tensor([[5, 6, -1], [7, -1, -1], [8, 1, 2]])
-    assert drafter.propose_before_vllm_inputs(sampled, "meta") == [[4], [], [9, 9]]
-    ctx, num_reqs, rejected, next_tokens, meta = seen[0]
-    assert (ctx, num_reqs, meta) == (context, 3, "meta")
+    assert drafter.draft_step(sampled, "meta", "cad") == [[4], [], [9, 9]]
+    ctx, num_reqs, rejected, next_tokens, meta, cad = seen[0]
+    assert (ctx, num_reqs, meta, cad) == (context, 3, "meta", "cad")
     assert next_tokens == [6, 7, 2] and rejected == [1, 0, 0]
-    assert drafter.proposer_stats.steps_without_draft_model == 1
     context.num_scheduled_drafts = [0, 0, 0]  # no row had drafts: no rejection counts
-    drafter.propose_before_vllm_inputs(sampled[:, :1], "meta")
+    drafter.draft_step(sampled[:, :1], "meta", "cad")
     assert seen[1][2] is None and seen[1][3] == [5, 7, 8]
-    drafter._decide = lambda *args: ("batch", "caps", "rule", "sampled", "finish")
-    assert drafter.propose_before_vllm_inputs(sampled, "meta") is None  # the draft runs:
-    assert drafter._decided == ("batch", "caps", "rule", "sampled", "finish")  # for propose
 
 
-def test_a_failing_early_decision_costs_its_drafts_not_the_requests():
+def test_a_failing_draft_step_costs_its_drafts_not_the_requests():
     import torch
 
     drafter, _ = _bare_drafter(2, [0, 0])
@@ -473,10 +469,9 @@ def test_a_failing_early_decision_costs_its_drafts_not_the_requests():
     def broken(*args):
         raise RuntimeError("union exploded")
 
-    drafter._decide = broken
-    drafter._decided = ("stale",)
-    assert drafter.propose_before_vllm_inputs(torch.tensor([[3], [4]]), None) == [[], []]
-    assert drafter.last_lengths == [0, 0] and drafter._decided is None
+    drafter._step = broken
+    assert drafter.draft_step(torch.tensor([[3], [4]]), None, None) == [[], []]
+    assert drafter.last_lengths == [0, 0] and drafter._run is None
     assert drafter.stats()["proposer_failures"] == {"draft": 1}
 
 

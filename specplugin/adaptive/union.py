@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -134,6 +135,41 @@ class StepPlan:
         """No row verifies anything."""
         return cls([[] for _ in range(num_reqs)], [None] * num_reqs,
                    [[] for _ in range(num_reqs)])
+
+
+@dataclass(slots=True)
+class DraftPrices:
+    """What running the draft model would cost this step (see :meth:`Union.plan_draft`)."""
+
+    forward_s: float  # one batched draft forward
+    run_s: float  # a run's cost beyond its forwards (its first pass's inputs and draw)
+    catch_up_s: list[float]  # [num_reqs] the first pass's extra reading per row
+    warm_run_s: float | None  # run_s right after another run (None: this is one, or untimed)
+    remaining_tokens: list[int]  # [num_reqs] tokens each row may still emit
+
+
+@dataclass(slots=True)
+class DraftOutput:
+    """One draft-model run: per row, the tokens its stop rule kept."""
+
+    lengths: list[int]  # [num_reqs] draft tokens per row (0: it did not draft)
+    signals: list[list[float]]  # [num_reqs][length] the draft's confidence per token
+    num_forwards: int  # forwards the run made (its first pass included)
+    # [num_reqs] the rows' drafts as candidates (None in a held step, which needs none)
+    candidates: list[Candidate | None] | None = None
+
+
+class DraftModel(Protocol):
+    """The draft model as the vLLM layer runs it inside :meth:`Union.step`."""
+
+    def prices(self, batch: StepBatch, num_rows: int) -> DraftPrices:
+        """Its prices for a run over ``num_rows`` rows of ``batch``."""
+        ...
+
+    def run(self, batch: StepBatch, caps: list[int], held: bool) -> DraftOutput:
+        """Draft up to ``caps[r]`` tokens for each row with ``caps[r] > 0`` (``held``: no
+        candidates needed)."""
+        ...
 
 
 @dataclass
@@ -376,11 +412,52 @@ class Union:
         if self.arbiter is not None:
             self.arbiter.forget()
 
-    def step(self, batch: StepBatch, verified: Verified | None) -> StepPlan:
-        """Learn from ``verified``, then the step's plan for ``batch``."""
+    def step(self, batch: StepBatch, verified: Verified | None,
+             draft: DraftModel | None = None) -> StepPlan:
+        """Learn from ``verified``, then the step's plan for ``batch``: ask the proposers,
+        run ``draft`` (the draft model, if the union has one) where the gate says it pays,
+        estimate, plan and remember (see the module docstring)."""
         if not self.begin(verified, batch.num_reqs, bool(np.mean(batch.sampled) > 0.5)):
             return StepPlan.plain(batch.num_reqs)
-        return self.choose(batch, self.ask(batch, range(len(self.proposers))))
+        index = self._draft_index
+        if draft is None or index is None:
+            return self.choose(batch, self.ask(batch, range(len(self.proposers))))
+        caps = self._draft_caps(batch)
+        held = self.held_draft(batch, caps) if self.holding else None
+        if held is not None:  # the last look's plan holds: nothing asked, nothing priced
+            out = draft.run(batch, held, held=True)
+            return self.choose_held(batch, out.lengths, out.signals, out.num_forwards)
+        offers = self.ask(batch, [i for i in range(len(self.proposers)) if i != index])
+        rows = sum(1 for c in caps if c > 0)
+        k = None
+        if rows and self.draft_gate_due():
+            price = draft.prices(batch, rows)
+            k = self.plan_draft(batch, offers, index, caps, price.forward_s, price.catch_up_s,
+                                price.remaining_tokens, run_seconds=price.run_s,
+                                warm_run_seconds=price.warm_run_s)
+        if k is None or not any(k):  # no draft-model machinery at all
+            self.stats.steps_without_draft_model += 1
+            return self.choose(batch, offers)
+        out = draft.run(batch, k, held=False)
+        allowed = batch.for_proposer(self.proposers[index].name).rows
+        offers += [(r, index, c) for r, c in enumerate(out.candidates)
+                   if c is not None and len(c) and r in allowed]
+        return self.choose(batch, offers, draft_forwards=out.num_forwards)
+
+    @property
+    def draft_index(self) -> int | None:
+        """The draft model's index among :attr:`proposers` (None: the union has none)."""
+        return self._draft_index
+
+    def _draft_caps(self, batch: StepBatch) -> list[int]:
+        """[num_reqs] most draft-model tokens per row: its K limit where the row drafts and
+        its request allows the draft model, else 0."""
+        name = self.proposers[self._draft_index].name
+        caps = [0] * batch.num_reqs
+        for r in batch.rows:
+            if batch.allowed is None or batch.allowed[r] is None or name in batch.allowed[r]:
+                caps[r] = int(batch.max_draft_lens[r])
+        return caps
 
     def begin(self, verified: Verified | None, num_reqs: int, sampled: bool) -> bool:
         """Learn from ``verified``; return whether this step speculates (the arbiter's call;

@@ -275,24 +275,14 @@ def truncate_rows(draft_token_ids: list[list[int]], lengths: list[int]) -> list[
 
 
 class DraftCandidates:
-    """The draft model as a union :class:`~specplugin.proposers.base.Proposer`: the vLLM
-    layer runs it and hands the drafts in with :meth:`set`; signal: the draft's confidence."""
+    """The draft model's place among the union's proposers (its name, its estimator cells):
+    the vLLM layer runs it inside :meth:`Union.step <specplugin.adaptive.union.Union.step>`,
+    which takes its candidates from the run; asked like a proposer, it has none."""
 
     name = "draft"
 
-    def __init__(self):
-        self._candidates: list[Candidate | None] = []
-
-    def set(self, token_ids: np.ndarray,  # [num_reqs, num_positions]
-            confidences: np.ndarray,  # [num_reqs, num_positions]
-            lengths: np.ndarray) -> None:  # [num_reqs]
-        self._candidates = [
-            Candidate(token_ids[r, :n].astype(np.int64), confidences[r, :n].astype(np.float64))
-            if n > 0 else None for r, n in enumerate(lengths.tolist())]
-
     def propose(self, batch: StepBatch) -> list[Candidate | None]:
-        assert len(self._candidates) == batch.num_reqs, "set() the step's drafts first"
-        return [c if r in batch.rows else None for r, c in enumerate(self._candidates)]
+        return [None] * batch.num_reqs
 
     def finish_requests(self, req_ids: Iterable[str]) -> None:
         """The draft's per-request state is its KV in vLLM's cache, freed by vLLM."""

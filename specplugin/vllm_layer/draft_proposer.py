@@ -35,12 +35,13 @@ from specplugin.config import SpecPluginConfig
 from specplugin.proposers.faults import EveryNth
 from specplugin.metrics import FailureCounter, ProposerStats
 from specplugin.proposers import MODEL_PROPOSERS, StepBatch, build_proposer
+from specplugin.proposers.base import Candidate
 from specplugin.adaptive.draft_rule import (AcceptanceCalibration, CostModel, DraftRun,
                                              OutcomeTracker, StopRule)
 from specplugin.proposers.draft import (DraftCandidates, DraftKVCursor, HostDraws,
                                         UniformPool, greedy_draft_tokens,
                                         sample_draft_tokens)
-from specplugin.adaptive.union import StepPlan, Union, Verified
+from specplugin.adaptive.union import DraftOutput, DraftPrices, StepPlan, Union, Verified
 from specplugin.vllm_layer.ranks import RankZeroClock, tensor_parallel_rank
 from specplugin.vllm_layer import verification
 
@@ -91,7 +92,11 @@ class PluginDraftProposer(DraftModelProposer):
         self._token_arange_cpu = torch.from_numpy(self.token_arange_np)  # [max_num_tokens]
         # [num_reqs] draft tokens per row of the last propose(); the runner cuts rows to these
         self.last_lengths: list[int] | None = None
-        self._decided: tuple | None = None  # from propose_before_vllm_inputs, for propose
+        # this step's run (DraftRun, its rows) and draft probabilities, and the inputs a run
+        # reads (set by _step)
+        self._run: tuple[DraftRun, list[int]] | None = None
+        self._run_probs: torch.Tensor | None = None
+        self._run_inputs: tuple | None = None
         self.union: Union | None = None  # picks among token-level proposers and the draft
         self.plan: StepPlan | None = None  # the union's plan of the last step it chose
         token_level = [n for n in plugin_config.proposers if n not in MODEL_PROPOSERS]
@@ -244,53 +249,36 @@ class PluginDraftProposer(DraftModelProposer):
         except Exception:
             self.failures.record()
 
-    def propose(self, num_speculative_tokens: int, *args, **kwargs) -> torch.Tensor:
-        """vLLM's drafting call; a failure costs only this step's drafts (counted), no request."""
+    def propose(self, num_speculative_tokens: int, *args, **kwargs) -> list[list[int]]:
+        """vLLM's drafting call, where the worker could not call :meth:`draft_step` (its
+        sampled tokens were not a tensor); a failure costs this step's drafts, no request."""
         try:
-            return self._propose(num_speculative_tokens, *args, **kwargs)
+            return self._propose(*args, **kwargs)
         except Exception:
-            num_reqs = len(self.plugin_runner.input_batch.req_ids)
+            num_reqs = self.plugin_runner.input_batch.num_reqs
             self._failed(num_reqs)
-            return torch.zeros((num_reqs, 1), dtype=torch.int64, device=self.device)
+            return [[] for _ in range(num_reqs)]
         finally:
             self._release_learning()
-
-    def propose_decided(self, num_speculative_tokens: int, common_attn_metadata,
-                        sampling_metadata) -> torch.Tensor:  # [num_reqs, num_positions]
-        """:meth:`propose` for a step decided by :meth:`propose_before_vllm_inputs`, skipping
-        vLLM's draft-input preparation (two kernels, ~3% of a step at batch 1); the run
-        reads only the block tables (the target's, shared by the draft) and temperatures."""
-        return self.propose(num_speculative_tokens, target_token_ids=None,
-                            target_positions=None, target_hidden_states=None,
-                            next_token_ids=None, token_indices_to_sample=None,
-                            common_attn_metadata=common_attn_metadata,
-                            sampling_metadata=sampling_metadata)
-
-    @property
-    def decided(self) -> bool:
-        """This step was decided before vLLM's preparation, and the draft model runs."""
-        return self._decided is not None
 
     def _failed(self, num_reqs: int) -> None:
         """This step drafts nothing after a failure (counted): nothing pending, no timing."""
         self.failures.record()
         self.last_lengths = [0] * num_reqs
         self.plan = None
+        self._run = None
         self._last_draft_probs = None
         self._last_draft_seconds = 0.0
-        self._decided = None
         self.forget_pending()
         self.timer.reset()
 
-    def propose_before_vllm_inputs(self, sampled_token_ids: torch.Tensor,
-                                   sampling_metadata) -> list[list[int]] | None:
-        """Before vLLM prepares the draft inputs: the step's whole decision from
-        ``sampled_token_ids`` [num_reqs, 1 + drafts] (-1 past a row's accepted ones).
-        Returns the drafts when the draft model runs for no row (vLLM's preparation is then
-        skipped); None when it runs: vLLM then calls :meth:`propose` to carry it out."""
+    def draft_step(self, sampled_token_ids: torch.Tensor, sampling_metadata,
+                   cad) -> list[list[int]]:
+        """The step's drafts from ``sampled_token_ids`` [num_reqs, 1 + drafts] (-1 past a
+        row's accepted ones), before vLLM prepares any draft input (it needs none: the run
+        reads the block tables of ``cad``, the target's, and the temperatures)."""
         runner = self.plugin_runner
         num_reqs = runner.input_batch.num_reqs
-        self._decided = None  # (one decision per step: never an earlier step's)
         try:
             vocab_size = runner.input_batch.vocab_size
             sampled = sampled_token_ids.tolist()[:num_reqs]  # [num_reqs][1 + drafts]
@@ -302,20 +290,12 @@ class PluginDraftProposer(DraftModelProposer):
             # as vLLM counts them: drafts verified + 1 - tokens emitted (None: no drafts)
             rejected = ([s + 1 - v for s, v in zip(scheduled, valid)] if any(scheduled)
                         else None)
-            decided = self._decide(context, num_reqs, rejected, next_tokens, sampling_metadata)
+            return self._step(context, num_reqs, rejected, next_tokens, sampling_metadata, cad)
         except Exception:
             self._failed(num_reqs)
-            self._release_learning()
             return [[] for _ in range(num_reqs)]
-        if decided is None:
+        finally:
             self._release_learning()
-            return [[] for _ in range(num_reqs)]
-        if isinstance(decided, list):
-            self.proposer_stats.steps_without_draft_model += 1
-            self._release_learning()
-            return decided
-        self._decided = decided  # (the draft runs: propose releases the learning)
-        return None
 
     def forget_learned(self) -> None:
         """Forget what was learned: union or arbiter, drafting cost model, calibration."""
@@ -354,58 +334,33 @@ class PluginDraftProposer(DraftModelProposer):
 
     def _propose(
         self,
-        num_speculative_tokens: int,
-        target_token_ids: torch.Tensor,  # [num_tokens]
-        target_positions: torch.Tensor,  # [num_tokens]
-        target_hidden_states: torch.Tensor,  # [num_tokens, hidden_size] (unused by draft models)
+        target_token_ids: torch.Tensor,  # [num_tokens] (unused: the draft re-reads its KV)
+        target_positions: torch.Tensor,  # [num_tokens] (unused)
+        target_hidden_states: torch.Tensor,  # [num_tokens, hidden_size] (unused)
         next_token_ids: torch.Tensor,  # [num_reqs]
-        token_indices_to_sample: torch.Tensor | None,
+        token_indices_to_sample: torch.Tensor | None,  # (unused)
         common_attn_metadata,
         sampling_metadata,
-        mm_embed_inputs=None,
+        mm_embed_inputs=None,  # (unused)
         num_rejected_tokens_gpu: torch.Tensor | None = None,  # [num_reqs]
-        slot_mappings=None,
-    ) -> torch.Tensor:  # [num_reqs, num_positions]; rows valid up to last_lengths
-        self.num_speculative_tokens = num_speculative_tokens
-        decided, self._decided = self._decided, None
-        if decided is None:  # (not decided before vLLM's preparation: decided now)
-            num_reqs = common_attn_metadata.batch_size()
-            rejected = (None if num_rejected_tokens_gpu is None
-                        else num_rejected_tokens_gpu[:num_reqs].tolist())
-            decided = self._decide(self.plugin_runner.step_context(), num_reqs, rejected,
-                                   next_token_ids[:num_reqs].tolist(), sampling_metadata)
-            if decided is None:  # a plain step
-                return torch.zeros((num_reqs, 1), dtype=torch.int64, device=self.input_ids.device)
-            if isinstance(decided, list):
-                return _as_tensor(decided, self.input_ids.device)
-        batch, caps, rule, sampled, finish = decided
-        num_tokens = batch.num_tokens.tolist()  # [num_reqs]
-        rows = [r for r, c in enumerate(caps) if c > 0]  # the rows the draft model drafts for
-        starts = self.cursor.starts([batch.req_ids[r] for r in rows],
-                                    [num_tokens[r] for r in rows], self.max_num_tokens)
-        if -1 in starts:  # (rows whose re-read would overflow the buffers wait)
-            rows = [r for r, s in zip(rows, starts) if s >= 0]
-            starts = [s for s in starts if s >= 0]
-        run = DraftRun(rule, self.calibration, [sampled[r] for r in rows],
-                       caps=[caps[r] for r in rows])
-        self._last_draft_seconds = 0.0
-        if rows:
-            start = time.perf_counter()
-            self._draft(run, batch, rows, starts, [num_tokens[r] for r in rows],
-                        common_attn_metadata, sampling_metadata.temperature)
-            self._last_draft_seconds = time.perf_counter() - start
-        return finish(run, rows, batch)
+        slot_mappings=None,  # (unused)
+    ) -> list[list[int]]:
+        num_reqs = common_attn_metadata.batch_size()
+        rejected = (None if num_rejected_tokens_gpu is None
+                    else num_rejected_tokens_gpu[:num_reqs].tolist())
+        return self._step(self.plugin_runner.step_context(), num_reqs, rejected,
+                          next_token_ids[:num_reqs].tolist(), sampling_metadata,
+                          common_attn_metadata)
 
-    def _decide(self, context, num_reqs: int, rejected: list[int] | None,
-                next_tokens: list[int], sampling_metadata):
-        """Learn from the step just verified, then decide this one: None for a plain step;
-        the drafts (a list per row) when the draft model runs for no row; else (batch,
-        caps, stop rule, sampled rows, finishing call). ``rejected`` (None: no drafts) and
-        ``next_tokens``: [num_reqs] lists (cheaper than numpy for a few rows)."""
+    def _step(self, context, num_reqs: int, rejected: list[int] | None,
+              next_tokens: list[int], sampling_metadata, cad) -> list[list[int]]:
+        """Learn from the step just verified, then this step's drafts. ``rejected`` (None: no
+        drafts) and ``next_tokens``: [num_reqs] lists (cheaper than numpy for a few rows)."""
         self._settle()
         self._last_draft_probs = None
         self.last_lengths = None
         self.plan = None
+        self._run = None
         self._steps_since_run += 1
         # [num_reqs] draft tokens each row had verified in that step, and accepted
         scheduled = list(context.num_scheduled_drafts[:num_reqs])
@@ -418,25 +373,46 @@ class PluginDraftProposer(DraftModelProposer):
         caps = _caps(context.remaining_tokens[:num_reqs], context.max_k[:num_reqs],
                      self.plugin_runner.discard_request_mask.np[:num_reqs].tolist())
         last_tokens = [t if c > 0 else -1 for t, c in zip(next_tokens, caps)]  # -1: unknown
+        self._run_inputs = (cad, sampling_metadata.temperature, sampled,
+                            context.remaining_tokens)
+        if self.union is not None:
+            verified = self._verified(context, scheduled, num_accepted, last_tokens)
+            self._last_draft_seconds = 0.0
+            batch = _step_batch(self.plugin_runner.input_batch, context, sampled, caps,
+                                num_accepted, next_tokens)
+            self.plan = self.union.step(batch, verified, draft=self)
+            return self._union_drafts(batch, self.plan)
         if not self._speculating(context, scheduled, num_accepted, sampled, last_tokens):
             self._plain_step(num_reqs)
-            return None
+            return [[] for _ in range(num_reqs)]
         batch = _step_batch(self.plugin_runner.input_batch, context, sampled, caps,
                             num_accepted, next_tokens)
         if batch.allowed is not None:  # requests whose specplugin_proposers leave out the draft
             caps = [c if a is None or DraftCandidates.name in a else 0
                     for c, a in zip(caps, batch.allowed)]
-        finish = self._finish
-        if self.union is not None:  # token-level candidates first: they may spare drafting
-            offers, caps = self._union_offers(batch, caps, context.remaining_tokens)
-            if not any(caps):  # no draft-model machinery at all
-                self._last_draft_seconds = 0.0
-                return self._finish_without_draft(batch, offers)
-            finish = (self._finish_held if self.union.holding else
-                      functools.partial(self._finish_union, offers=offers))
+        run, rows = self._run_draft(batch, caps)
+        return self._finish(run, rows, batch)
+
+    def _run_draft(self, batch: StepBatch, caps: list[int]) -> tuple[DraftRun, list[int]]:
+        """Run the draft model for the rows with ``caps[r] > 0``, each up to its cap."""
+        cad, temperature, sampled, _ = self._run_inputs
+        num_tokens = batch.num_tokens.tolist()  # [num_reqs]
+        rows = [r for r, c in enumerate(caps) if c > 0]  # the rows the draft model drafts for
+        starts = self.cursor.starts([batch.req_ids[r] for r in rows],
+                                    [num_tokens[r] for r in rows], self.max_num_tokens)
+        if -1 in starts:  # (rows whose re-read would overflow the buffers wait)
+            rows = [r for r, s in zip(rows, starts) if s >= 0]
+            starts = [s for s in starts if s >= 0]
         # the stop rule only when the draft runs (reading its thresholds is not free)
-        rule = self._rule_with_thresholds()
-        return batch, caps, rule, sampled, finish
+        run = DraftRun(self._rule_with_thresholds(), self.calibration,
+                       [sampled[r] for r in rows], caps=[caps[r] for r in rows])
+        self._last_draft_seconds = 0.0
+        if rows:
+            start = time.perf_counter()
+            self._draft(run, batch, rows, starts, [num_tokens[r] for r in rows], cad,
+                        temperature)
+            self._last_draft_seconds = time.perf_counter() - start
+        return run, rows
 
     def _draft(self, run: DraftRun, batch: StepBatch, rows: list[int], starts: list[int],
                ends: list[int], cad, temperature: torch.Tensor | None) -> None:
@@ -887,30 +863,33 @@ class PluginDraftProposer(DraftModelProposer):
 
     def _speculating(self, context, scheduled: list[int], num_accepted: list[int],
                      sampled: list[bool], next_tokens: list[int]) -> bool:
-        """Learn from the step just verified and ask the arbiter whether this step
-        speculates. ``scheduled``, ``next_tokens``: [num_reqs] drafts verified, last token."""
+        """The draft model alone: learn from the step just verified, and ask the arbiter
+        whether this step speculates. ``scheduled``, ``next_tokens``: [num_reqs]."""
         num_reqs = len(num_accepted)
         mostly_sampled = 2 * sum(sampled) > num_reqs
         observed, self._observed = self._observed, False
-        if self.union is None:
-            for k, a in zip(scheduled, num_accepted):  # the rows whose drafts were verified
-                if k > 0:
-                    self.proposer_stats.verified(DraftCandidates.name, k, a)
-            if self.arbiter is None or observed:  # (skip_drafting decided: speculate)
-                return True
-            # sampled rows' drafts at their acceptance probabilities (see expected_emitted)
-            self.arbiter.observe(
-                expected_emitted(scheduled, [a + 1 for a in num_accepted],
-                                 context.expected_acceptance, sampled),
-                None if context.read_prompts else self._step_seconds)
-            return self.arbiter.speculate(num_reqs, mostly_sampled)
-        verified = Verified(tuple(context.req_ids[:num_reqs]), scheduled,
-                            [a + 1 for a in num_accepted], self._step_seconds,
-                            context.num_query_tokens, context.scored,
-                            draft_seconds=self._last_draft_seconds,
-                            expected=context.expected_acceptance,
-                            read_prompts=context.read_prompts, next_tokens=next_tokens)
-        return self.union.begin(verified, num_reqs, mostly_sampled)
+        for k, a in zip(scheduled, num_accepted):  # the rows whose drafts were verified
+            if k > 0:
+                self.proposer_stats.verified(DraftCandidates.name, k, a)
+        if self.arbiter is None or observed:  # (skip_drafting decided: speculate)
+            return True
+        # sampled rows' drafts at their acceptance probabilities (see expected_emitted)
+        self.arbiter.observe(
+            expected_emitted(scheduled, [a + 1 for a in num_accepted],
+                             context.expected_acceptance, sampled),
+            None if context.read_prompts else self._step_seconds)
+        return self.arbiter.speculate(num_reqs, mostly_sampled)
+
+    def _verified(self, context, scheduled: list[int], num_accepted: list[int],
+                  next_tokens: list[int]) -> Verified:
+        """The step just verified, for the union (skip_drafting's timing was its own)."""
+        self._observed = False
+        return Verified(tuple(context.req_ids[:len(scheduled)]), scheduled,
+                        [a + 1 for a in num_accepted], self._step_seconds,
+                        context.num_query_tokens, context.scored,
+                        draft_seconds=self._last_draft_seconds,
+                        expected=context.expected_acceptance,
+                        read_prompts=context.read_prompts, next_tokens=next_tokens)
 
     def _plain_step(self, num_reqs: int) -> None:
         """No drafts this step: nothing runs, nothing is pending verification."""
@@ -921,28 +900,36 @@ class PluginDraftProposer(DraftModelProposer):
         self._last_forwards = self._last_draft_tokens = 0
         self._last_draft_seconds = 0.0
 
-    def _union_offers(self, batch: StepBatch, caps: list[int], remaining_tokens: list[int]):
-        """Ask the token-level proposers, then (gate due) let the union plan the draft's
-        rows and lengths; ``remaining_tokens`` [num_reqs] is capped by ``max_model_len``.
-        Returns the offers and the draft's per-row caps (0: no draft for that row)."""
-        held = self.union.held_draft(batch, caps) if self.union.holding else None
-        if held is not None:  # the last look's plan holds: nothing asked, nothing priced
-            return [], held
-        draft_index = len(self.union.proposers) - 1
-        offers = self.union.ask(batch, range(draft_index))
-        rows = sum(1 for c in caps if c > 0)
-        if not rows or not self.union.draft_gate_due():
-            return offers, [0] * len(caps)  # (the gate's prices not even computed)
-        forward = self._forward_price(rows)
-        room = self.max_model_len
+    def prices(self, batch: StepBatch, num_rows: int) -> DraftPrices:
+        """What a run over ``num_rows`` rows would cost (the union's gate weighs it)."""
+        forward = self._forward_price(num_rows)
+        room, remaining_tokens = self.max_model_len, self._run_inputs[3]
         remaining = [min(left, room - n) for left, n in
                      zip(remaining_tokens[:batch.num_reqs], batch.num_tokens.tolist())]
-        run_seconds, catch_up = self._first_pass_prices(batch, rows, forward)
+        run_seconds, catch_up = self._first_pass_prices(batch, num_rows, forward)
         warm = None if self._draft_ran_last_step else self._warm_run_seconds(forward)
-        caps = self.union.plan_draft(batch, offers, draft_index, caps, forward, catch_up,
-                                     remaining, run_seconds=run_seconds,
-                                     warm_run_seconds=warm)
-        return offers, caps
+        return DraftPrices(forward, run_seconds, catch_up, warm, remaining)
+
+    def run(self, batch: StepBatch, caps: list[int], held: bool) -> DraftOutput:
+        """The union's draft run: up to ``caps[r]`` tokens per row, cut by the stop rule."""
+        run, rows = self._run = self._run_draft(batch, caps)
+        if held:  # every drafting row sends its whole run
+            lengths = self._keep_runs(run, rows, batch)
+            signals: list[list[float]] = [[] for _ in lengths]  # [num_reqs][length]
+            for i, r in enumerate(rows):
+                signals[r] = run.row_confidences(i, lengths[r])
+            return DraftOutput(lengths, signals, run.num_positions)
+        token_ids, self._run_probs = self._full_rows(run, rows, batch.num_reqs)
+        lengths = np.zeros(batch.num_reqs, dtype=np.int64)
+        confidences = np.zeros(token_ids.shape)
+        if rows:
+            lengths[rows] = run.lengths()
+            confidences[rows] = run.stacked_confidences()
+        token_ids = token_ids.cpu().numpy()
+        candidates = [Candidate(token_ids[r, :n].astype(np.int64),
+                                confidences[r, :n].astype(np.float64)) if n > 0 else None
+                      for r, n in enumerate(lengths.tolist())]
+        return DraftOutput(lengths.tolist(), [], run.num_positions, candidates)
 
     def _warm_run_seconds(self, forward: float) -> float | None:
         """A warm first pass's fixed cost beyond one forward (None until one was timed)."""
@@ -987,24 +974,23 @@ class PluginDraftProposer(DraftModelProposer):
                                  / max(1, sum(p.numel() for p in target.parameters())))
         return self._param_ratio * self.union.cost.forward_one(max(1, num_rows))
 
-    def _finish_union(self, run: DraftRun, rows: list[int], batch: StepBatch,
-                      offers) -> list[list[int]]:
-        """The union picks per request the draft's candidate or a token-level one. Draft rows
-        keep their draft probabilities, token-level rows get one-hot ones, so at
-        temperature > 0 both verify losslessly in one batch."""
-        token_ids, draft_probs = self._full_rows(run, rows, batch.num_reqs)
-        lengths = np.zeros(batch.num_reqs, dtype=np.int64)
-        confidences = np.zeros(token_ids.shape)
-        if rows:
-            lengths[rows] = run.lengths()
-            confidences[rows] = run.stacked_confidences()
-        self.draft_candidates.set(token_ids.cpu().numpy(), confidences, lengths)
-        draft_index = len(self.union.proposers) - 1
-        self.plan = self.union.choose(batch, offers + self.union.ask(batch, [draft_index]),
-                                      draft_forwards=run.num_positions)
-        drafts = self.plan.drafts
-        draft_rows = np.array([source == draft_index for source in self.plan.sources],
-                              dtype=bool)
+    def _union_drafts(self, batch: StepBatch, plan: StepPlan) -> list[list[int]]:
+        """The union's plan as vLLM's drafts, with what the run needs noted (outcomes to
+        learn, the cursor, the cost model's counts, draft probabilities)."""
+        if self._run is None:  # the draft model did not run
+            drafts = plan.drafts
+            self.outcomes.forget()
+            self.last_lengths = lengths = [len(d) for d in drafts]
+            self._last_forwards, self._last_draft_tokens = 0, sum(lengths)
+            # deterministic guesses only: one-hot, as for vLLM's token-level methods
+            self._last_draft_probs = None
+            return drafts
+        run, rows = self._run
+        if plan.drafts is None:  # a held step: every drafting row sent its whole run
+            self._last_draft_probs = self._full_probs(run, rows, batch.num_reqs)
+            return self._drafts(run, rows, self.last_lengths)
+        drafts, draft_index = plan.drafts, self.union.draft_index
+        draft_rows = np.array([source == draft_index for source in plan.sources], dtype=bool)
         chosen = [len(d) for d in drafts]
         if rows:
             self.outcomes.record([batch.req_ids[r] for r in rows], run,
@@ -1016,29 +1002,7 @@ class PluginDraftProposer(DraftModelProposer):
         decoyed = self.union.decoy_primary & ~np.asarray(batch.sampled, dtype=bool)
         verified = draft_rows & ~decoyed  # [num_reqs] the rows that verify the draft's tokens
         self._note_ahead(run, rows, batch, [c if v else 0 for c, v in zip(chosen, verified)])
-        return self._mixed_output(draft_probs, drafts, verified)
-
-    def _finish_held(self, run: DraftRun, rows: list[int],
-                     batch: StepBatch) -> list[list[int]]:
-        """The union's held step: every drafting row keeps its whole run (as :meth:`_finish`)."""
-        lengths = self._keep_runs(run, rows, batch)
-        signals: list[list[float]] = [[] for _ in lengths]  # [num_reqs][length]
-        for i, r in enumerate(rows):
-            signals[r] = run.row_confidences(i, lengths[r])
-        self.plan = self.union.choose_held(batch, lengths, signals, run.num_positions)
-        self._last_draft_probs = self._full_probs(run, rows, batch.num_reqs)
-        return self._drafts(run, rows, lengths)
-
-    def _finish_without_draft(self, batch: StepBatch, offers) -> list[list[int]]:
-        """The union's step without a draft run: its choice among the token-level ``offers``."""
-        self.plan = self.union.choose(batch, offers)
-        drafts = self.plan.drafts
-        self.outcomes.forget()
-        self.last_lengths = lengths = [len(d) for d in drafts]
-        self._last_forwards, self._last_draft_tokens = 0, sum(lengths)
-        self._last_draft_probs = None  # deterministic guesses only: no probabilities
-        # (the rejection sampler takes them as one-hot, as for vLLM's token-level methods)
-        return drafts
+        return self._mixed_output(self._run_probs, drafts, verified)
 
     def _mixed_output(self, draft_probs: torch.Tensor | None, drafts,
                       draft_rows: np.ndarray) -> list[list[int]]:

@@ -95,11 +95,11 @@ WORKER_TIMED: Timed = (
     ("specplugin.vllm_layer.speculator", "Speculator", "_verified", "plugin: context"),
     # the draft-model drafter
     (_DRAFT, "PluginDraftProposer", "propose", "plugin: other"),
-    (_DRAFT, "PluginDraftProposer", "propose_before_vllm_inputs", "plugin: other"),
+    (_DRAFT, "PluginDraftProposer", "draft_step", "plugin: other"),
     (_DRAFT, "PluginDraftProposer", "_learn_draft_step", "plugin: learn"),
     (_DRAFT, "PluginDraftProposer", "_speculating", "plugin: learn"),
     (_DRAFT, None, "_step_batch", "plugin: context"),
-    (_DRAFT, "PluginDraftProposer", "_union_offers", "plugin: plan"),
+    (_DRAFT, "PluginDraftProposer", "prices", "plugin: plan"),
     (_DRAFT, "PluginDraftProposer", "_first_pass_inputs", "draft: inputs"),
     (_DRAFT, "PluginDraftProposer", "_forward", "draft: inputs"),  # metadata around the forward
     (_DRAFT, "PluginDraftProposer", "_decode_forward", "draft: inputs"),
@@ -115,9 +115,7 @@ WORKER_TIMED: Timed = (
     (_DRAFT, "PluginDraftProposer", DRAFT_LM_HEAD, DRAFT_FORWARD),  # the LM head: model compute
     (_DRAFT, "PluginDraftProposer", "_draft", "draft: loop"),
     (_DRAFT, "PluginDraftProposer", "_finish", "plugin: hand back"),
-    (_DRAFT, "PluginDraftProposer", "_finish_union", "plugin: hand back"),
-    (_DRAFT, "PluginDraftProposer", "_finish_without_draft", "plugin: hand back"),
-    (_DRAFT, "PluginDraftProposer", "_finish_held", "plugin: hand back"),
+    (_DRAFT, "PluginDraftProposer", "_union_drafts", "plugin: hand back"),
     (_DRAFT, "PluginDraftProposer", "_full_rows", "plugin: hand back"),
     (_DRAFT, "PluginDraftProposer", "_mixed_output", "plugin: hand back"),
     # the plugin's code inside vLLM's rejection sampler (untimed it counts as vLLM's)
@@ -150,6 +148,7 @@ COARSE_PLUGIN_ROWS = frozenset({
     ("PluginRunnerMixin", "_get_draft_token_ids_cpu"), ("PluginRunnerMixin", "_skip_drafting"),
     ("PluginRunnerMixin", "propose_draft_token_ids"),
     ("Speculator", "propose"), ("PluginDraftProposer", "propose"),
+    ("PluginDraftProposer", "draft_step"),
     ("PluginDraftProposer", "_logits"),
     (None, "expected_acceptance"), (None, "draw_recovered"), (None, "verify_greedy"),
     (None, "verify_sampled"),

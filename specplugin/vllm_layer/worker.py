@@ -349,24 +349,18 @@ class PluginRunnerMixin:
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
                                 hidden_states, sample_hidden_states, aux_hidden_states,
                                 spec_decode_metadata, common_attn_metadata, slot_mappings):
-        """The draft-model drafter decides before vLLM prepares the draft model's inputs
-        (``propose_before_vllm_inputs``): with no draft-model row it returns lists, as
-        token-level methods do; otherwise ``propose_decided`` skips vLLM's preparation."""
+        """The draft-model drafter drafts before vLLM prepares the draft model's inputs
+        (:meth:`~specplugin.vllm_layer.draft_proposer.PluginDraftProposer.draft_step`: its
+        runs read the target's block tables, nothing vLLM prepares)."""
         if self._drafts_with_model and torch.is_tensor(sampled_token_ids):
             self._draft_probs = self._draft_prob_req_ids = None  # as vLLM's call does
-            drafts = self.drafter.propose_before_vllm_inputs(sampled_token_ids,
-                                                             sampling_metadata)
-            if drafts is not None:
-                return drafts
-            if self.drafter.decided:
-                drafts = self.drafter.propose_decided(
-                    scheduler_output.num_spec_tokens_to_schedule, common_attn_metadata,
-                    sampling_metadata)
-                draft_probs = self.drafter.take_last_draft_probs()
-                if draft_probs is not None:  # kept as vLLM's call keeps them
-                    self._draft_probs = draft_probs
-                    self._draft_prob_req_ids = self.input_batch.req_ids.copy()
-                return drafts
+            drafts = self.drafter.draft_step(sampled_token_ids, sampling_metadata,
+                                             common_attn_metadata)
+            draft_probs = self.drafter.take_last_draft_probs()
+            if draft_probs is not None:  # kept as vLLM's call keeps them
+                self._draft_probs = draft_probs
+                self._draft_prob_req_ids = self.input_batch.req_ids.copy()
+            return drafts
         return super().propose_draft_token_ids(
             scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
             sample_hidden_states, aux_hidden_states, spec_decode_metadata,
