@@ -94,19 +94,16 @@ def test_forgetting_what_was_learned_gives_a_fresh_engines_choices():
 def test_a_restored_state_is_what_the_estimates_read(tmp_path):
     """The estimator keeps its counts' sums between changes: a state restored after it
     estimated must be what it estimates from next, not the sums of its old counts."""
-    from specplugin.adaptive.estimator import TokenCells
-
     first = _union()
     memory = _open(first, tmp_path)
     _teach(first, 1, 0.9)
     memory.save(first)
-    cells = TokenCells(proposer=np.array([1]), sampled=np.array([False]),
-                       position=np.array([0]), signal=np.array([0.5]), history=np.array([0]))
     second = _union()
-    before = second.estimator.estimate(cells, signal_known=False)  # sums of empty counts
+    # proposer 1's first token, greedy, history 0, its signal not known (pooled)
+    before = second.estimator.pooled_cells(1, False, 0, 1)  # sums of empty counts
     _open(second, tmp_path)
-    after = second.estimator.estimate(cells, signal_known=False)
-    assert after == pytest.approx(first.estimator.estimate(cells, signal_known=False))
+    after = second.estimator.pooled_cells(1, False, 0, 1)
+    assert after == pytest.approx(first.estimator.pooled_cells(1, False, 0, 1))
     assert abs(after[0] - before[0]) > 0.05
 
 
