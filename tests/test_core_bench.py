@@ -18,15 +18,6 @@ def test_the_core_benchmark_runs_and_prints_its_figure():
         assert "ms a step" in out.stdout and ("cold" in out.stdout) == bool(extra)
 
 
-def test_the_choose_stage_runs_and_prints_its_figure():
-    """``--choose-only`` times Union.choose alone (the compiled plan and its glue)."""
-    out = subprocess.run([sys.executable, str(SCRIPT), "--batch", "2", "--steps", "5",
-                          "--repeats", "1", "--choose-only"], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "choose, warm caches" in out.stdout
-
-
 def test_the_ngram_benchmark_runs_and_prints_its_figure():
     """scripts/ngram_bench.py (the n-gram proposer alone) runs on the proposer's interface."""
     script = SCRIPT.parent / "ngram_bench.py"

@@ -605,44 +605,41 @@ def test_shared_vocabulary_passes_for_equal_tokenizers_and_names_a_mismatch(tmp_
 
 
 def test_the_draft_runs_catch_up_is_priced_by_the_rows_it_reads():
-    """``_first_pass_prices``: before any first pass was timed, nothing fixed, and each
-    row's catch-up in proportion to the tokens it reads, at the target's forward curve
-    scaled by what one draft forward costs against the target's for as many rows. Once
-    timed, the measured price: a cold pass's fixed part and price per token, or a warm
-    one's (the draft ran in the step before)."""
-    from types import SimpleNamespace
-
+    """``draft_prices``: before anything was timed, a forward at the parameter ratio of
+    the target's, nothing fixed, and each row's catch-up in proportion to the tokens it
+    reads, at the target's forward curve scaled by what one draft forward costs against
+    the target's for as many rows. Once timed, the measured prices: a cold pass's fixed
+    part and price per token, or a warm one's (the draft ran in the step before), and
+    the warm run's fixed part beside a cold one's."""
     from specplugin.adaptive.cost import StepCostModel
-    from specplugin.proposers.base import StepBatch
-    from specplugin.vllm_layer.draft_proposer import PluginDraftProposer
+    from specplugin.adaptive.draft_rule import draft_prices
 
     cost = StepCostModel(max_tokens=64)
     cost.calibrate(np.array([1, 64]), np.array([0.005, 0.068]))  # 1 ms per extra token
-    drafter = SimpleNamespace(cursor=DraftKVCursor(), union=SimpleNamespace(cost=cost),
-                              costs=CostModel(), _draft_ran_last_step=False)
-    drafter.cursor.advance(["a"], np.array([8]))
-    batch = StepBatch(("a", "b"), np.zeros((2, 32), dtype=np.int32), np.array([10, 21]),
-                      np.full(2, 5), np.full(2, 8), np.zeros(2, bool), (0, 1))
-    # rows read 1 and 20 tokens beyond their newest; the draft costs half the target
-    prices = PluginDraftProposer._first_pass_prices
-    forward = 0.5 * cost.forward_one(2)
-    fixed, seconds = prices(drafter, batch, 2, forward)
-    assert fixed == 0.0 and seconds == pytest.approx([0.0005, 0.010])
-    assert prices(drafter, batch, 2, 0.0) == (0.0, [0.0, 0.0])
+    costs = CostModel()
+    behind = [1, 20]  # rows read 1 and 20 tokens beyond their newest
+    price = draft_prices(costs, cost, 2, behind, False, lambda: 0.5)  # the draft: half
+    assert price.forward_s == pytest.approx(0.5 * cost.forward_one(2))
+    assert price.run_s == 0.0 and price.catch_up_s == pytest.approx([0.0005, 0.010])
+    assert price.warm_run_s is None
+    assert draft_prices(costs, StepCostModel(), 2, behind, False, lambda: 0.5).catch_up_s == [
+        0.0, 0.0]  # no curve timed: nothing priced
     # timed cold passes: 2.3 ms + 10 us per catch-up token; warm ones: 0.7 ms (after the
     # engine's first forwards, which pay one-time costs)
-    drafter.costs.observe_first_pass(0.05, 200, warm=False)
-    assert drafter.costs.first_pass_price(False, 0.0) is None
+    costs.observe_first_pass(0.05, 200, warm=False)
+    assert costs.first_pass_price(False, 0.0) is None
     for _ in range(WARMUP_FORWARDS + 1):
-        drafter.costs.observe_forward(0.0005)
+        costs.observe_forward(0.0005)
     for tokens in (4, 40, 210, 20):
-        drafter.costs.observe_first_pass(0.0023 + 1e-5 * tokens, tokens, warm=False)
-    drafter.costs.observe_first_pass(0.0007, 2, warm=True)
-    fixed, seconds = prices(drafter, batch, 2, 0.0005)
-    assert fixed == pytest.approx(0.0018) and seconds == pytest.approx([1e-5, 2e-4])
-    drafter._draft_ran_last_step = True
-    fixed, seconds = prices(drafter, batch, 2, 0.0005)
-    assert fixed == pytest.approx(0.0002) and seconds == pytest.approx([1e-5, 2e-4])
+        costs.observe_first_pass(0.0023 + 1e-5 * tokens, tokens, warm=False)
+    costs.observe_first_pass(0.0007, 2, warm=True)
+    price = draft_prices(costs, cost, 2, behind, False, lambda: 0.5)
+    assert price.forward_s == pytest.approx(0.0005)
+    assert price.run_s == pytest.approx(0.0018) and price.catch_up_s == pytest.approx([1e-5, 2e-4])
+    assert price.warm_run_s == pytest.approx(0.0002)
+    price = draft_prices(costs, cost, 2, behind, True, lambda: 0.5)
+    assert price.run_s == pytest.approx(0.0002) and price.catch_up_s == pytest.approx([1e-5, 2e-4])
+    assert price.warm_run_s is None
 
 
 def test_a_cold_runs_first_decode_pass_is_priced_with_its_run_not_as_a_forward():

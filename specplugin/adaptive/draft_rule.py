@@ -21,13 +21,13 @@ changes the output distribution, only the draft's length.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from specplugin.adaptive.cost import LEARN_EVERY, StepSums
+from specplugin.adaptive.cost import LEARN_EVERY, StepCostModel, StepSums
 from specplugin.adaptive.estimator import as_list, judged_outcomes
 
 # An engine's first draft forwards pay one-time costs (~2-4x a later one) and are left
@@ -205,6 +205,48 @@ class CostModel:
         if self._num_steps < self.warmup or self.draft_forward_s is None:
             return self.fallback
         return self.verify_s / self.token_s, self.draft_forward_s / self.token_s
+
+
+@dataclass(slots=True)
+class DraftPrices:
+    """What running the draft model would cost this step (see ``Union.plan_draft``)."""
+
+    forward_s: float  # one batched draft forward
+    run_s: float  # a run's cost beyond its forwards (its first pass's inputs and draw)
+    catch_up_s: list[float]  # [num_reqs] the first pass's extra reading per row
+    warm_run_s: float | None  # run_s right after another run (None: this is one, or untimed)
+
+
+def draft_prices(costs: CostModel, step_cost: StepCostModel, num_rows: int,
+                 behind: Sequence[int], warm: bool, param_ratio: Callable[[], float]
+                 ) -> DraftPrices:
+    """The draft's prices for a run over ``num_rows`` rows: as ``costs`` timed them, and
+    before that from the target's forward curve ``step_cost``: a forward at
+    ``param_ratio()`` (draft / target parameters) of the target's for as many rows, a
+    catch-up token at the curve's slope scaled by the forward ratio. ``behind``
+    [num_reqs]: tokens each row's first pass reads beyond its newest; ``warm``: the
+    draft ran in the step before."""
+    if costs.draft_forward_s is not None:
+        forward = costs.draft_forward_s
+    elif step_cost.calibrated:
+        forward = param_ratio() * step_cost.forward_one(max(1, num_rows))
+    else:
+        forward = 0.0
+    total, per_token = sum(behind), 0.0
+    if total and step_cost.calibrated and forward > 0.0:
+        base = max(1, num_rows)
+        target = step_cost.forward_one(base)  # F(rows)
+        per_token = (forward / max(target, 1e-9)
+                     * (step_cost.forward_one(base + total) - target) / total)
+    fixed = 0.0
+    price = costs.first_pass_price(warm, per_token)
+    if price is not None:
+        fixed, per_token = max(0.0, price[0] - forward), price[1]
+    warm_run = None
+    if not warm:  # what the same run would cost right after another
+        warm_price = costs.first_pass_price(True, 0.0)
+        warm_run = None if warm_price is None else max(0.0, warm_price[0] - forward)
+    return DraftPrices(forward, fixed, [per_token * b for b in behind], warm_run)
 
 
 class AcceptanceCalibration:

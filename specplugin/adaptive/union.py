@@ -43,6 +43,7 @@ from specplugin.adaptive.controller import (NO_CANDIDATE, Choice, cumulative,
                                            divergence, expand, plan, planned, token_price,
                                            with_candidates)
 from specplugin.adaptive.cost import StepCostModel
+from specplugin.adaptive.draft_rule import CostModel as DraftCostModel, draft_prices
 from specplugin.adaptive.estimator import (AcceptanceEstimator, RequestHistory, as_list,
                                            expected_emitted, history_bucket, judged_outcomes)
 from specplugin import trace
@@ -138,17 +139,6 @@ class StepPlan:
 
 
 @dataclass(slots=True)
-class DraftPrices:
-    """What running the draft model would cost this step (see :meth:`Union.plan_draft`)."""
-
-    forward_s: float  # one batched draft forward
-    run_s: float  # a run's cost beyond its forwards (its first pass's inputs and draw)
-    catch_up_s: list[float]  # [num_reqs] the first pass's extra reading per row
-    warm_run_s: float | None  # run_s right after another run (None: this is one, or untimed)
-    remaining_tokens: list[int]  # [num_reqs] tokens each row may still emit
-
-
-@dataclass(slots=True)
 class DraftOutput:
     """One draft-model run: per row, the tokens its stop rule kept."""
 
@@ -160,10 +150,17 @@ class DraftOutput:
 
 
 class DraftModel(Protocol):
-    """The draft model as the vLLM layer runs it inside :meth:`Union.step`."""
+    """The draft model as the vLLM layer runs it inside :meth:`Union.step`: the facts its
+    prices need, and its run."""
 
-    def prices(self, batch: StepBatch, num_rows: int) -> DraftPrices:
-        """Its prices for a run over ``num_rows`` rows of ``batch``."""
+    ran_last_step: bool  # it ran in the step before (its first pass is then warm)
+
+    def catch_up_tokens(self, batch: StepBatch) -> list[int]:
+        """[num_reqs] tokens each row's first pass would read beyond its newest."""
+        ...
+
+    def param_ratio(self) -> float:
+        """Draft / target parameters (its forward's price before one was timed)."""
         ...
 
     def run(self, batch: StepBatch, caps: list[int], held: bool) -> DraftOutput:
@@ -320,6 +317,8 @@ class Union:
         names = tuple(p.name for p in self.proposers)
         self.estimator = estimator or AcceptanceEstimator(names)
         self.cost = cost or StepCostModel()
+        self.draft_costs = DraftCostModel()  # what the draft model's runs cost, as timed
+        self.draft_costs.deferred_flush = True  # (learned in the background, as the steps)
         self.failures = [FailureCounter(name, logger) for name in names]
         self.stats = ProposerStats()
         self.max_candidates = max_candidates
@@ -409,6 +408,7 @@ class Union:
         self.estimator.set_counts(0.0, 0.0)
         self.history = RequestHistory(self.history.alpha)
         self.cost.forget()
+        self.draft_costs.forget()
         if self.arbiter is not None:
             self.arbiter.forget()
 
@@ -431,9 +431,10 @@ class Union:
         rows = sum(1 for c in caps if c > 0)
         k = None
         if rows and self.draft_gate_due():
-            price = draft.prices(batch, rows)
+            price = draft_prices(self.draft_costs, self.cost, rows, draft.catch_up_tokens(batch),
+                                 draft.ran_last_step, draft.param_ratio)
             k = self.plan_draft(batch, offers, index, caps, price.forward_s, price.catch_up_s,
-                                price.remaining_tokens, run_seconds=price.run_s,
+                                batch.remaining_tokens, run_seconds=price.run_s,
                                 warm_run_seconds=price.warm_run_s)
         if k is None or not any(k):  # no draft-model machinery at all
             self.stats.steps_without_draft_model += 1

@@ -10,7 +10,7 @@ on :meth:`Proposer.finish_requests`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,6 +36,8 @@ class StepBatch:
     sampled: np.ndarray  # [num_reqs] bool: temperature > 0 (else greedy)
     rows: tuple[int, ...]
     allowed: tuple[frozenset[str] | None, ...] | None = None  # [num_reqs]
+    # [num_reqs] tokens each row may still emit within max_model_len (None: not known)
+    remaining_tokens: Sequence[int] | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -41,7 +41,7 @@ from specplugin.adaptive.draft_rule import (AcceptanceCalibration, CostModel, Dr
 from specplugin.proposers.draft import (DraftCandidates, DraftKVCursor, HostDraws,
                                         UniformPool, greedy_draft_tokens,
                                         sample_draft_tokens)
-from specplugin.adaptive.union import DraftOutput, DraftPrices, StepPlan, Union, Verified
+from specplugin.adaptive.union import DraftOutput, StepPlan, Union, Verified
 from specplugin.vllm_layer.ranks import RankZeroClock, tensor_parallel_rank
 from specplugin.vllm_layer import verification
 
@@ -66,12 +66,11 @@ class PluginDraftProposer(DraftModelProposer):
         self._rule_cache: tuple[tuple[float, float], StopRule] | None = None
         self.calibration = AcceptanceCalibration()
         self.outcomes = OutcomeTracker(self.calibration)
-        self.costs = CostModel()
         self.timer = StepTimer()  # wall time between drafting calls
         self._step_seconds: float | None = None  # wall time of the step just run
         self._last_forwards = self._last_draft_tokens = 0  # of the previous propose()
         self._last_draft_seconds = 0.0  # the previous propose()'s draft run, wall time
-        self._param_ratio: float | None = None  # draft / target parameters (see _forward_price)
+        self._param_ratio: float | None = None  # draft / target parameters (see param_ratio)
         self._observed = False  # skip_drafting already timed this step, chose to speculate
         self.failures = FailureCounter("draft", logger)
         self.clock = RankZeroClock()  # under TP every rank uses rank 0's timings (ranks.py)
@@ -112,6 +111,8 @@ class PluginDraftProposer(DraftModelProposer):
                                draft_always=plugin_config.fault_injection.draft_always,
                                # learning in the worker's wait for its next step
                                background=Background(deferred=True))
+        # what drafting costs, as timed (the union prices its gate with it)
+        self.costs = CostModel() if self.union is None else self.union.draft_costs
         self.memory = None if self.union is None else open_memory(
             self.union, plugin_config.state_dir, vllm_config.model_config.model,
             plugin_config.draft_model, k_max, writer=tensor_parallel_rank() == 0)
@@ -373,8 +374,7 @@ class PluginDraftProposer(DraftModelProposer):
         caps = _caps(context.remaining_tokens[:num_reqs], context.max_k[:num_reqs],
                      self.plugin_runner.discard_request_mask.np[:num_reqs].tolist())
         last_tokens = [t if c > 0 else -1 for t, c in zip(next_tokens, caps)]  # -1: unknown
-        self._run_inputs = (cad, sampling_metadata.temperature, sampled,
-                            context.remaining_tokens)
+        self._run_inputs = (cad, sampling_metadata.temperature, sampled)
         if self.union is not None:
             verified = self._verified(context, scheduled, num_accepted, last_tokens)
             self._last_draft_seconds = 0.0
@@ -395,7 +395,7 @@ class PluginDraftProposer(DraftModelProposer):
 
     def _run_draft(self, batch: StepBatch, caps: list[int]) -> tuple[DraftRun, list[int]]:
         """Run the draft model for the rows with ``caps[r] > 0``, each up to its cap."""
-        cad, temperature, sampled, _ = self._run_inputs
+        cad, temperature, sampled = self._run_inputs
         num_tokens = batch.num_tokens.tolist()  # [num_reqs]
         rows = [r for r, c in enumerate(caps) if c > 0]  # the rows the draft model drafts for
         starts = self.cursor.starts([batch.req_ids[r] for r in rows],
@@ -614,7 +614,7 @@ class PluginDraftProposer(DraftModelProposer):
 
     def _start_run(self, seconds: float, catch_up_tokens: int) -> bool:
         """The run's first pass is done: returns whether the run is warm; the draft has run."""
-        warm = self._draft_ran_last_step
+        warm = self.ran_last_step
         if trace.TRACE is not None:
             trace.TRACE.write("first_pass", ms=seconds * 1e3, catch_up=catch_up_tokens,
                               since=self._steps_since_run, warm=warm)
@@ -900,15 +900,17 @@ class PluginDraftProposer(DraftModelProposer):
         self._last_forwards = self._last_draft_tokens = 0
         self._last_draft_seconds = 0.0
 
-    def prices(self, batch: StepBatch, num_rows: int) -> DraftPrices:
-        """What a run over ``num_rows`` rows would cost (the union's gate weighs it)."""
-        forward = self._forward_price(num_rows)
-        room, remaining_tokens = self.max_model_len, self._run_inputs[3]
-        remaining = [min(left, room - n) for left, n in
-                     zip(remaining_tokens[:batch.num_reqs], batch.num_tokens.tolist())]
-        run_seconds, catch_up = self._first_pass_prices(batch, num_rows, forward)
-        warm = None if self._draft_ran_last_step else self._warm_run_seconds(forward)
-        return DraftPrices(forward, run_seconds, catch_up, warm, remaining)
+    def catch_up_tokens(self, batch: StepBatch) -> list[int]:
+        """[num_reqs] tokens each row's first pass reads beyond its newest (its draft KV's gap)."""
+        return self.cursor.behind(batch.req_ids, batch.num_tokens)
+
+    def param_ratio(self) -> float:
+        """Draft / target parameters (the union prices an untimed forward with it)."""
+        if self._param_ratio is None:
+            target = self.plugin_runner.get_model()
+            self._param_ratio = (sum(p.numel() for p in self.model.parameters())
+                                 / max(1, sum(p.numel() for p in target.parameters())))
+        return self._param_ratio
 
     def run(self, batch: StepBatch, caps: list[int], held: bool) -> DraftOutput:
         """The union's draft run: up to ``caps[r]`` tokens per row, cut by the stop rule."""
@@ -931,48 +933,10 @@ class PluginDraftProposer(DraftModelProposer):
                       for r, n in enumerate(lengths.tolist())]
         return DraftOutput(lengths.tolist(), [], run.num_positions, candidates)
 
-    def _warm_run_seconds(self, forward: float) -> float | None:
-        """A warm first pass's fixed cost beyond one forward (None until one was timed)."""
-        price = self.costs.first_pass_price(True, 0.0)
-        return None if price is None else max(0.0, price[0] - forward)
-
     @property
-    def _draft_ran_last_step(self) -> bool:
+    def ran_last_step(self) -> bool:
         """Whether the draft ran in the step before (its first pass is then warm)."""
         return self._steps_since_run <= 1
-
-    def _first_pass_prices(self, batch: StepBatch, num_rows: int,
-                           forward: float) -> tuple[float, list[float]]:
-        """The first pass's cost beyond one forward: (fixed seconds, [num_reqs] catch-up
-        seconds). As timed once known; before, catch-up tokens are priced on the target's
-        forward curve scaled by the draft/target forward ratio."""
-        behind = self.cursor.behind(batch.req_ids, batch.num_tokens)
-        total = sum(behind)
-        cost = self.union.cost
-        per_token = 0.0
-        if total and cost.calibrated and forward > 0.0:
-            base = max(1, num_rows)
-            target = cost.forward_one(base)  # F(rows)
-            per_token = (forward / max(target, 1e-9)
-                         * (cost.forward_one(base + total) - target) / total)
-        fixed = 0.0
-        price = self.costs.first_pass_price(self._draft_ran_last_step, per_token)
-        if price is not None:
-            fixed, per_token = max(0.0, price[0] - forward), price[1]
-        return fixed, [per_token * b for b in behind]
-
-    def _forward_price(self, num_rows: int) -> float:
-        """Seconds of one draft forward: as measured; before, the target's for as many rows
-        scaled by the draft/target parameter ratio."""
-        if self.costs.draft_forward_s is not None:
-            return self.costs.draft_forward_s
-        if not self.union.cost.calibrated:
-            return 0.0
-        if self._param_ratio is None:
-            target = self.plugin_runner.get_model()
-            self._param_ratio = (sum(p.numel() for p in self.model.parameters())
-                                 / max(1, sum(p.numel() for p in target.parameters())))
-        return self._param_ratio * self.union.cost.forward_one(max(1, num_rows))
 
     def _union_drafts(self, batch: StepBatch, plan: StepPlan) -> list[list[int]]:
         """The union's plan as vLLM's drafts, with what the run needs noted (outcomes to
@@ -1278,11 +1242,13 @@ def _step_batch(input_batch, context, sampled: list[bool], caps: list[int],
     rows = tuple(r for r, c in enumerate(caps) if c > 0)
     for r in rows:
         buffer[r, known[r]] = next_tokens[r]
+    room = buffer.shape[1]  # max_model_len
+    remaining = [min(left, room - n - 1) for left, n in zip(context.remaining_tokens, known)]
     return StepBatch(tuple(context.req_ids[:num_reqs]), buffer,
                      np.array([n + 1 for n in known], dtype=np.int64),
                      context.num_prompt_tokens[:num_reqs],
                      np.array(caps, dtype=np.int64), np.array(sampled, dtype=bool), rows,
-                     context.allowed)
+                     context.allowed, remaining)
 
 
 def _num_accepted(scheduled: list[int], rejected: list[int] | None) -> list[int]:

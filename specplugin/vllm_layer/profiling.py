@@ -99,7 +99,7 @@ WORKER_TIMED: Timed = (
     (_DRAFT, "PluginDraftProposer", "_learn_draft_step", "plugin: learn"),
     (_DRAFT, "PluginDraftProposer", "_speculating", "plugin: learn"),
     (_DRAFT, None, "_step_batch", "plugin: context"),
-    (_DRAFT, "PluginDraftProposer", "prices", "plugin: plan"),
+    ("specplugin.adaptive.draft_rule", None, "draft_prices", "plugin: plan"),
     (_DRAFT, "PluginDraftProposer", "_first_pass_inputs", "draft: inputs"),
     (_DRAFT, "PluginDraftProposer", "_forward", "draft: inputs"),  # metadata around the forward
     (_DRAFT, "PluginDraftProposer", "_decode_forward", "draft: inputs"),
