@@ -1096,15 +1096,17 @@ def test_vllms_padding_is_kept_per_token_count_only_without_data_parallelism():
 
 
 def test_the_draft_models_arbiter_learns_foretold_plain_steps_as_if_it_had_decided_each():
-    """The draft model alone (no union) with its step arbiter: steps its arbiter foretells
-    plain run as vLLM's own, and the drafter learns their times before its next decision
-    (``learn_plain_steps``): its arbiter, cost model and counters end where deciding every
-    step would have left them, and most plain steps were foretold."""
+    """The draft model alone (a union of one) with its step arbiter: steps its arbiter
+    foretells plain run as vLLM's own, and the drafter learns their times before its next
+    decision (``learn_plain_steps``): its arbiter, cost model and counters end where
+    deciding every step would have left them, and most plain steps were foretold."""
     from types import SimpleNamespace
 
     from specplugin.adaptive.arbiter import StepArbiter
-    from specplugin.adaptive.draft_rule import CostModel
-    from specplugin.metrics import FailureCounter, ProposerStats
+    from specplugin.adaptive.cost import StepCostModel
+    from specplugin.adaptive.union import Union
+    from specplugin.metrics import FailureCounter
+    from specplugin.proposers.draft import DraftCandidates
     from specplugin.vllm_layer.draft_proposer import PluginDraftProposer
 
     class Laps:  # the drafter's clock: a speculative step takes 4x a plain one (noisy)
@@ -1117,14 +1119,17 @@ def test_the_draft_models_arbiter_learns_foretold_plain_steps_as_if_it_had_decid
 
     def drafter():
         d = object.__new__(PluginDraftProposer)
-        d.clock, d.timer, d.costs = SimpleNamespace(shared=False), Laps(), CostModel()
-        d.union, d.arbiter, d.proposer_stats = None, StepArbiter(), ProposerStats()
+        d.clock, d.timer = SimpleNamespace(shared=False), Laps()
+        d.union = Union([DraftCandidates()], cost=StepCostModel(max_tokens=64),
+                        arbiter=StepArbiter())
+        d.costs, d.proposer_stats = d.union.draft_costs, d.union.stats
         d.failures = FailureCounter("draft", None)
         d._last_forwards = d._last_draft_tokens = 0
         d._last_draft_seconds, d._steps_since_run = 0.0, 2
         d.outcomes, d.cursor = SimpleNamespace(forget=lambda: None), SimpleNamespace(
             forget_pending=lambda: None)
-        d.background, d._held_jobs = Background(), []
+        d.background, d._held_jobs = d.union.background, []
+        d.plugin_runner = SimpleNamespace(peek_batch=None)  # (no token-level proposer peeks)
         return d
 
     each, ahead = drafter(), drafter()
@@ -1143,8 +1148,8 @@ def test_the_draft_models_arbiter_learns_foretold_plain_steps_as_if_it_had_decid
         ahead.timer.speculating = not plain
         left = ahead.plain_steps_ahead() if plain else 0
     ahead.learn_plain_steps(times, 4)
-    assert vars(each.arbiter) | {"plain_rate_model": None} == vars(ahead.arbiter) | {
-        "plain_rate_model": None}
+    models = {"plain_rate_model": None, "step_seconds_model": None}
+    assert vars(each.union.arbiter) | models == vars(ahead.union.arbiter) | models
     assert each.proposer_stats.as_dict() == ahead.proposer_stats.as_dict()
     assert each._steps_since_run == ahead._steps_since_run
     assert each.costs.thresholds() == ahead.costs.thresholds()

@@ -26,22 +26,20 @@ from vllm.v1.spec_decode.llm_base_proposer import PADDING_SLOT_ID
 from vllm.v1.sample.sampler import _SAMPLING_EPS
 
 from specplugin import host_kernels, trace
-from specplugin.adaptive.arbiter import arbiter_for
-from specplugin.adaptive.background import Background
-from specplugin.adaptive.cost import StepCostModel, StepTimer
-from specplugin.adaptive.estimator import expected_emitted
+from specplugin.adaptive import build
+from specplugin.adaptive.cost import StepTimer
 from specplugin.adaptive.memory import open_memory
 from specplugin.config import SpecPluginConfig
 from specplugin.proposers.faults import EveryNth
-from specplugin.metrics import FailureCounter, ProposerStats
-from specplugin.proposers import MODEL_PROPOSERS, StepBatch, build_proposer
+from specplugin.metrics import FailureCounter
+from specplugin.proposers import StepBatch
 from specplugin.proposers.base import Candidate
-from specplugin.adaptive.draft_rule import (AcceptanceCalibration, CostModel, DraftRun,
+from specplugin.adaptive.draft_rule import (AcceptanceCalibration, DraftRun,
                                              OutcomeTracker, StopRule)
-from specplugin.proposers.draft import (DraftCandidates, DraftKVCursor, HostDraws,
+from specplugin.proposers.draft import (DraftKVCursor, HostDraws,
                                         UniformPool, greedy_draft_tokens,
                                         sample_draft_tokens)
-from specplugin.adaptive.union import DraftOutput, StepPlan, Union, Verified
+from specplugin.adaptive.union import DraftOutput, StepPlan, Verified
 from specplugin.vllm_layer.ranks import RankZeroClock, tensor_parallel_rank
 from specplugin.vllm_layer import verification
 
@@ -96,39 +94,21 @@ class PluginDraftProposer(DraftModelProposer):
         self._run: tuple[DraftRun, list[int]] | None = None
         self._run_probs: torch.Tensor | None = None
         self._run_inputs: tuple | None = None
-        self.union: Union | None = None  # picks among token-level proposers and the draft
-        self.plan: StepPlan | None = None  # the union's plan of the last step it chose
-        token_level = [n for n in plugin_config.proposers if n not in MODEL_PROPOSERS]
-        if token_level:
-            self.draft_candidates = DraftCandidates()
-            proposers = [build_proposer(n, plugin_config) for n in token_level]
-            max_tokens = max(2, vllm_config.scheduler_config.max_num_batched_tokens)
-            self.union = Union([*proposers, self.draft_candidates],
-                               cost=StepCostModel(max_tokens=max_tokens),
-                               arbiter=arbiter_for(plugin_config),
-                               max_candidates=plugin_config.max_candidates,
-                               decoy_primary=plugin_config.fault_injection.decoy_primary,
-                               draft_always=plugin_config.fault_injection.draft_always,
-                               # learning in the worker's wait for its next step
-                               background=Background(deferred=True))
-        # what drafting costs, as timed (the union prices its gate with it)
-        self.costs = CostModel() if self.union is None else self.union.draft_costs
-        self.memory = None if self.union is None else open_memory(
+        # the decider: the draft alone is a union of one
+        self.union = build(plugin_config, vllm_config.scheduler_config.max_num_batched_tokens)
+        self.plan: StepPlan | None = None  # the union's plan of the last step
+        self.costs = self.union.draft_costs  # what drafting costs, as timed
+        self.memory = open_memory(
             self.union, plugin_config.state_dir, vllm_config.model_config.model,
             plugin_config.draft_model, k_max, writer=tensor_parallel_rank() == 0)
-        # draft model alone: whether speculating pays at all (a union has its own)
-        self.arbiter = arbiter_for(plugin_config) if self.union is None else None
-        self.proposer_stats = ProposerStats() if self.union is None else self.union.stats
+        self.proposer_stats = self.union.stats
         # learning held until this step's drafts are made, then run in the worker's wait
-        self.background = (Background(deferred=True) if self.union is None
-                           else self.union.background)
+        self.background = self.union.background
         self._held_jobs: list = []
-        self.costs.deferred_flush = True
 
     def calibrate(self, num_tokens: np.ndarray, seconds: np.ndarray) -> None:
         """Timed target forwards from engine start (see the worker)."""
-        if self.union is not None:
-            self.union.cost.calibrate(num_tokens, seconds)
+        self.union.cost.calibrate(num_tokens, seconds)
 
     def _defer(self, job) -> None:
         """Learning for after this step's drafts (:meth:`_release_learning`)."""
@@ -143,10 +123,7 @@ class PluginDraftProposer(DraftModelProposer):
     def _settle(self) -> None:
         """Flush all learning (held jobs included) before anything reads what it writes."""
         self._release_learning()
-        if self.union is not None:
-            self.union.settle()
-        else:
-            self.background.settle()
+        self.union.settle()
 
     def restart_requests(self, req_ids) -> None:
         """Resumed after preemption: the draft re-reads their whole context."""
@@ -156,17 +133,13 @@ class PluginDraftProposer(DraftModelProposer):
     def finish_requests(self, req_ids) -> None:
         self._settle()
         self.cursor.forget(req_ids)
-        if self.union is not None:
-            self.union.finish_requests(list(req_ids))
-            if self.memory is not None:
-                self.memory.maybe_save(self.union, idle=self.union.idle)
+        self.union.finish_requests(list(req_ids))
+        if self.memory is not None:
+            self.memory.maybe_save(self.union, idle=self.union.idle)
 
     def new_requests(self, num_new: int, num_reqs: int) -> None:
         """Requests joined the batch this step: new text for the union's peeks and arbiter."""
-        if self.union is not None:
-            self.union.new_requests(num_new, num_reqs)
-        elif self.arbiter is not None:
-            self.arbiter.new_requests(num_new, num_reqs)
+        self.union.new_requests(num_new, num_reqs)
 
     def _peek(self) -> StepBatch:
         """The batch as it stands, for the union's peek on a plain step."""
@@ -193,17 +166,10 @@ class PluginDraftProposer(DraftModelProposer):
         self._last_forwards = self._last_draft_tokens = 0
         self._last_draft_seconds = 0.0
         try:
-            if self.union is not None:
-                plain = not self.union.plain_step(self._step_seconds, num_reqs,
-                                                  num_query_tokens, mostly_sampled,
-                                                  peek=self._peek,
-                                                  draft_seconds=draft_seconds,
-                                                  read_prompts=read_prompts)
-            elif self.arbiter is None:
-                plain = False
-            else:
-                self.arbiter.observe(num_reqs, seconds)
-                plain = not self.arbiter.speculate(num_reqs, mostly_sampled)
+            plain = not self.union.plain_step(self._step_seconds, num_reqs, num_query_tokens,
+                                              mostly_sampled, peek=self._peek,
+                                              draft_seconds=draft_seconds,
+                                              read_prompts=read_prompts)
         except Exception:  # a bug here costs the fast path, never a request
             self.failures.record()
             plain = False
@@ -212,9 +178,6 @@ class PluginDraftProposer(DraftModelProposer):
             self.outcomes.forget()
             self.cursor.forget_pending()
             self.last_lengths = [0] * num_reqs
-            if self.union is None:
-                self._count_step([0] * num_reqs)
-                self.proposer_stats.steps_skipped += 1
         else:
             self._observed = True  # the full path must not observe this step again
         return plain
@@ -223,11 +186,7 @@ class PluginDraftProposer(DraftModelProposer):
         """After :meth:`skip_drafting` kept the next step plain: how many more stay plain
         regardless, for the runner to run as vLLM's own (0 under TP)."""
         try:
-            if self.clock.shared:
-                return 0
-            if self.union is not None:
-                return self.union.plain_steps_ahead()
-            return 0 if self.arbiter is None else self.arbiter.plain_steps_ahead()
+            return 0 if self.clock.shared else self.union.plain_steps_ahead()
         except Exception:  # a bug here costs the fast path, never a request
             self.failures.record()
             return 0
@@ -240,12 +199,7 @@ class PluginDraftProposer(DraftModelProposer):
             for seconds in times:
                 if seconds is not None:
                     self.costs.observe_plain_step(seconds, num_reqs)
-                if self.union is None and self.arbiter is not None:
-                    self.arbiter.observe(num_reqs, seconds)
-                    self._count_step([0] * num_reqs)
-                    self.proposer_stats.steps_skipped += 1
-            if self.union is not None:
-                self.union.plain_steps_ran(times, num_reqs)
+            self.union.plain_steps_ran(times, num_reqs)
             self._steps_since_run += len(times)
         except Exception:
             self.failures.record()
@@ -299,15 +253,11 @@ class PluginDraftProposer(DraftModelProposer):
             self._release_learning()
 
     def forget_learned(self) -> None:
-        """Forget what was learned: union or arbiter, drafting cost model, calibration."""
+        """Forget what was learned: the union's (its costs included) and the calibration."""
         self._settle()
         self.forget_pending()
-        self.costs.forget()
         self.calibration.forget()
-        if self.union is not None:
-            self.union.forget_learned()
-        elif self.arbiter is not None:
-            self.arbiter.forget()
+        self.union.forget_learned()
 
     def forget_pending(self) -> None:
         """vLLM skipped drafting for a step: the results of earlier drafts never arrive."""
@@ -315,20 +265,18 @@ class PluginDraftProposer(DraftModelProposer):
         self.outcomes.forget()
         self.cursor.forget_pending()
         self._observed = False
-        if self.union is not None:
-            self.union.forget_pending()
+        self.union.forget_pending()
 
     def stats(self) -> dict:
         """The plugin's own counters, JSON-able (published by metrics_export)."""
-        arbiter = self.arbiter if self.union is None else self.union.arbiter
+        arbiter = self.union.arbiter
         failures = self.failures.snapshot()
         self.background.settle()  # (what was handed over; held jobs write nothing yet)
         learning = self.background.failures
         if learning.count:
             failures[learning.name] = learning.count
-        if self.union is not None:  # the union's counter "draft" adds to the drafter's own
-            for f in self.union.failures:
-                failures[f.name] = failures.get(f.name, 0) + f.count
+        for f in self.union.failures:  # the union's counter "draft" adds to the drafter's own
+            failures[f.name] = failures.get(f.name, 0) + f.count
         failures.update(verification.failures())
         return {**self.proposer_stats.as_dict(), "proposer_failures": failures,
                 "arbiter": None if arbiter is None else arbiter.stats()}
@@ -375,23 +323,12 @@ class PluginDraftProposer(DraftModelProposer):
                      self.plugin_runner.discard_request_mask.np[:num_reqs].tolist())
         last_tokens = [t if c > 0 else -1 for t, c in zip(next_tokens, caps)]  # -1: unknown
         self._run_inputs = (cad, sampling_metadata.temperature, sampled)
-        if self.union is not None:
-            verified = self._verified(context, scheduled, num_accepted, last_tokens)
-            self._last_draft_seconds = 0.0
-            batch = _step_batch(self.plugin_runner.input_batch, context, sampled, caps,
-                                num_accepted, next_tokens)
-            self.plan = self.union.step(batch, verified, draft=self)
-            return self._union_drafts(batch, self.plan)
-        if not self._speculating(context, scheduled, num_accepted, sampled, last_tokens):
-            self._plain_step(num_reqs)
-            return [[] for _ in range(num_reqs)]
+        verified = self._verified(context, scheduled, num_accepted, last_tokens)
+        self._last_draft_seconds = 0.0
         batch = _step_batch(self.plugin_runner.input_batch, context, sampled, caps,
                             num_accepted, next_tokens)
-        if batch.allowed is not None:  # requests whose specplugin_proposers leave out the draft
-            caps = [c if a is None or DraftCandidates.name in a else 0
-                    for c, a in zip(caps, batch.allowed)]
-        run, rows = self._run_draft(batch, caps)
-        return self._finish(run, rows, batch)
+        self.plan = self.union.step(batch, verified, draft=self)
+        return self._union_drafts(batch, self.plan)
 
     def _run_draft(self, batch: StepBatch, caps: list[int]) -> tuple[DraftRun, list[int]]:
         """Run the draft model for the rows with ``caps[r] > 0``, each up to its cap."""
@@ -777,13 +714,6 @@ class PluginDraftProposer(DraftModelProposer):
             uniform=None if uniforms is None else uniforms[run.num_positions],
             next_ids=next_ids))
 
-    def _finish(self, run: DraftRun, rows: list[int], batch: StepBatch) -> list[list[int]]:
-        """The draft model alone: every drafting row keeps what its rule drafted."""
-        lengths = self._keep_runs(run, rows, batch)
-        self._count_step(lengths)
-        self._last_draft_probs = self._full_probs(run, rows, batch.num_reqs)
-        return self._drafts(run, rows, lengths)
-
     def _keep_runs(self, run: DraftRun, rows: list[int], batch: StepBatch) -> list[int]:
         """Every drafting row sends its whole run; returns [num_reqs] draft tokens sent."""
         lengths = [0] * batch.num_reqs
@@ -822,14 +752,6 @@ class PluginDraftProposer(DraftModelProposer):
         self.cursor.drafted([batch.req_ids[r] for r in rows],
                             [min(sent[r], passes) for r in rows])
 
-    def _count_step(self, lengths: list[int]) -> None:  # [num_reqs] draft tokens per row
-        """The draft model alone: its choices this step, for the metrics."""
-        stats = self.proposer_stats
-        stats.steps += 1
-        stats.steps_without_drafts += int(not any(lengths))
-        stats.k_histogram.update(lengths)
-        stats.chosen[DraftCandidates.name] += sum(1 for n in lengths if n)
-
     def _note_drafts(self, run: DraftRun, lengths: list[int]) -> None:
         """What the cost model charges this step with, once it has run."""
         self.last_lengths = list(lengths)
@@ -861,25 +783,6 @@ class PluginDraftProposer(DraftModelProposer):
         return full
 
 
-    def _speculating(self, context, scheduled: list[int], num_accepted: list[int],
-                     sampled: list[bool], next_tokens: list[int]) -> bool:
-        """The draft model alone: learn from the step just verified, and ask the arbiter
-        whether this step speculates. ``scheduled``, ``next_tokens``: [num_reqs]."""
-        num_reqs = len(num_accepted)
-        mostly_sampled = 2 * sum(sampled) > num_reqs
-        observed, self._observed = self._observed, False
-        for k, a in zip(scheduled, num_accepted):  # the rows whose drafts were verified
-            if k > 0:
-                self.proposer_stats.verified(DraftCandidates.name, k, a)
-        if self.arbiter is None or observed:  # (skip_drafting decided: speculate)
-            return True
-        # sampled rows' drafts at their acceptance probabilities (see expected_emitted)
-        self.arbiter.observe(
-            expected_emitted(scheduled, [a + 1 for a in num_accepted],
-                             context.expected_acceptance, sampled),
-            None if context.read_prompts else self._step_seconds)
-        return self.arbiter.speculate(num_reqs, mostly_sampled)
-
     def _verified(self, context, scheduled: list[int], num_accepted: list[int],
                   next_tokens: list[int]) -> Verified:
         """The step just verified, for the union (skip_drafting's timing was its own)."""
@@ -890,15 +793,6 @@ class PluginDraftProposer(DraftModelProposer):
                         draft_seconds=self._last_draft_seconds,
                         expected=context.expected_acceptance,
                         read_prompts=context.read_prompts, next_tokens=next_tokens)
-
-    def _plain_step(self, num_reqs: int) -> None:
-        """No drafts this step: nothing runs, nothing is pending verification."""
-        if self.union is None:  # (the union counted its plain step itself)
-            self._count_step([0] * num_reqs)
-        self.outcomes.forget()
-        self.last_lengths = [0] * num_reqs
-        self._last_forwards = self._last_draft_tokens = 0
-        self._last_draft_seconds = 0.0
 
     def catch_up_tokens(self, batch: StepBatch) -> list[int]:
         """[num_reqs] tokens each row's first pass reads beyond its newest (its draft KV's gap)."""

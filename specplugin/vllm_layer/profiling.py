@@ -97,7 +97,6 @@ WORKER_TIMED: Timed = (
     (_DRAFT, "PluginDraftProposer", "propose", "plugin: other"),
     (_DRAFT, "PluginDraftProposer", "draft_step", "plugin: other"),
     (_DRAFT, "PluginDraftProposer", "_learn_draft_step", "plugin: learn"),
-    (_DRAFT, "PluginDraftProposer", "_speculating", "plugin: learn"),
     (_DRAFT, None, "_step_batch", "plugin: context"),
     ("specplugin.adaptive.draft_rule", None, "draft_prices", "plugin: plan"),
     (_DRAFT, "PluginDraftProposer", "_first_pass_inputs", "draft: inputs"),
@@ -114,7 +113,6 @@ WORKER_TIMED: Timed = (
     ("specplugin.adaptive.draft_rule", "DraftRun", "add", "draft: stop rule"),
     (_DRAFT, "PluginDraftProposer", DRAFT_LM_HEAD, DRAFT_FORWARD),  # the LM head: model compute
     (_DRAFT, "PluginDraftProposer", "_draft", "draft: loop"),
-    (_DRAFT, "PluginDraftProposer", "_finish", "plugin: hand back"),
     (_DRAFT, "PluginDraftProposer", "_union_drafts", "plugin: hand back"),
     (_DRAFT, "PluginDraftProposer", "_full_rows", "plugin: hand back"),
     (_DRAFT, "PluginDraftProposer", "_mixed_output", "plugin: hand back"),

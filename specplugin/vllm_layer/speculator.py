@@ -14,13 +14,12 @@ import logging
 import numpy as np
 from vllm.v1.sample.sampler import _SAMPLING_EPS  # a temperature below it is greedy
 
-from specplugin.adaptive.arbiter import arbiter_for
-from specplugin.adaptive.background import Background
-from specplugin.adaptive.cost import StepCostModel, StepTimer
+from specplugin.adaptive import build
+from specplugin.adaptive.cost import StepTimer
 from specplugin.adaptive.memory import open_memory
 from specplugin.metrics import FailureCounter
-from specplugin.proposers import MODEL_PROPOSERS, StepBatch, build_proposer
-from specplugin.adaptive.union import StepPlan, Union, Verified
+from specplugin.proposers import StepBatch
+from specplugin.adaptive.union import StepPlan, Verified
 from specplugin.vllm_layer.ranks import tensor_parallel_rank
 from specplugin.vllm_layer.config_hook import plugin_config
 from specplugin.vllm_layer import verification
@@ -28,21 +27,12 @@ from specplugin.vllm_layer import verification
 logger = logging.getLogger("specplugin")
 
 
-
 class Speculator:
     def __init__(self, vllm_config):
         self.config = plugin_config(vllm_config)
         self.max_model_len = vllm_config.model_config.max_model_len
         self.num_speculative_tokens = self.config.num_speculative_tokens
-        proposers = [build_proposer(name, self.config) for name in self.config.proposers
-                     if name not in MODEL_PROPOSERS]
-        max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
-        self.union = Union(proposers, cost=StepCostModel(max_tokens=max(2, max_tokens)),
-                           arbiter=arbiter_for(self.config),
-                           max_candidates=self.config.max_candidates,
-                           decoy_primary=self.config.fault_injection.decoy_primary,
-                           # learning in the worker's wait for its next step
-                           background=Background(deferred=True))
+        self.union = build(self.config, vllm_config.scheduler_config.max_num_batched_tokens)
         self.background = self.union.background
         self.memory = open_memory(self.union, self.config.state_dir,
                                   vllm_config.model_config.model, None,
