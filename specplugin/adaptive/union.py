@@ -895,24 +895,9 @@ class Union:
             self._draft_price = (forward_seconds, run_seconds, max(lengths_list))
             return lengths_list
         trial = self._draft_trial_due(draft_index)
-        # the draft's tokens before it runs: one cell per (mode, position, history)
-        sampled, pooled_cells = batch.sampled, self.estimator.pooled_cells
         trial_rows = self._trial_rows(lengths_list, catch_up_seconds) if trial else ()
-        pooled: dict[tuple, list[float]] = {}  # (mode, history, n) -> the rows' shared cells
-        added = []  # (row, index, acceptance) of the draft's candidates
-        for r, n in enumerate(lengths_list):
-            if not n:
-                continue
-            if r in trial_rows:  # untried: as if every token were accepted (see the docstring)
-                draft = [1.0 - 1e-6] * n
-            else:  # one draw per cell, shared by the rows (see the docstring)
-                key = (sampled[r], histories[r], n)
-                draft = pooled.get(key)
-                if draft is None:
-                    draft = pooled[key] = pooled_cells(draft_index, sampled[r], histories[r],
-                                                       n, draw=self.explore)
-            acceptance[r].append(draft)
-            added.append((r, len(acceptance[r]) - 1, draft))
+        added = self._add_draft_estimates(batch, lengths_list, histories, acceptance,
+                                          draft_index, trial_rows)
         # the token-level candidates are not weighed again: a row takes the draft's only
         # if it is worth more than the row's best (one plan fewer when no row does)
         best_with, gains_draft = with_candidates(best, added, theta)
@@ -926,44 +911,11 @@ class Union:
         if not any(k):
             self._gate.asked(False, MAX_GATE_GAP)
             return [0] * batch.num_reqs
-        # the with-draft plan cut to m = 1 .. max k forwards: the other rows' part is
-        # fixed, the draft rows add their P_m while they have an m-th token
-        others = [Choice(NO_CANDIDATE, 0) if k[r] else c for r, c in enumerate(with_draft)]
-        expected = self._rate_terms(acceptance, others)[0]
-        num_tokens = batch.num_reqs + sum(c.num_tokens for c in others)
-        gains, reach = [0.0] * max(k), [0] * max(k)  # [max k] sum of P_m, rows with an m-th
-        for r, kr in enumerate(k):
-            if not kr:  # (a row without the draft may have no candidate at all: nothing to add)
-                continue
-            for j, p in enumerate(cumulative(acceptance[r][-1][:kr])):
-                gains[j] += p
-                reach[j] += 1
-        best, best_rate = 0, kept / kept_seconds
-        overhead = spec_overhead + run_seconds
-        catch_up = False  # the run catches up right after plain steps (see _observe)
-        behind = ([] if catch_up_seconds is None else  # the first pass's catch-up rows
-                  [r for r, (c, kr) in enumerate(zip(catch_up_seconds, k)) if kr and c > 0.0])
-        cold = (0.0 if warm_run_seconds is None
-                else max(0.0, run_seconds - warm_run_seconds))  # (see the docstring)
-        asked = [r for r, kr in enumerate(k) if kr] if cold > 0.0 else behind
-        kept_on = (set() if remaining_tokens is None or not asked
-                   else self._draft_kept_on(acceptance, asked, draft_index, batch, histories))
-        share = {}  # [kept-on rows] the part of a one-time cost that falls to this step
-        for r in kept_on:  # one step of the row's steps left
-            emitted = 1.0 + sum(cumulative(acceptance[r][-1][:k[r]]))
-            share[r] = min(1.0, emitted / max(1, remaining_tokens[r]))
-        if share and cold > 0.0:  # the run after it is warm for as long as a row drafts
-            overhead -= cold * (1.0 - min(share.values()))
-        if behind:
-            catch_up = self._after_plain
-            for r in behind:
-                overhead += catch_up_seconds[r] * share.get(r, 1.0)
-        for m in range(1, len(gains) + 1):
-            expected += gains[m - 1]
-            num_tokens += reach[m - 1]
-            rate = expected / (self.cost.step_one(num_tokens) + overhead + forward_seconds * m)
-            if rate > best_rate:
-                best, best_rate = m, rate
+        overhead, catch_up, cold = self._run_overhead(
+            acceptance, k, draft_index, batch, histories, run_seconds, catch_up_seconds,
+            remaining_tokens, warm_run_seconds)
+        best, best_rate = self._best_forwards(acceptance, with_draft, k, batch.num_reqs,
+                                              overhead, forward_seconds, kept / kept_seconds)
         if trace.TRACE is not None:
             trace.TRACE.write("draft_plan", forwards=best, rate=best_rate,
                               rate_without=kept / kept_seconds, trial=trial,
@@ -979,6 +931,83 @@ class Union:
         self._draft_trials -= trial
         self._unrated_step = trial or catch_up
         return k
+
+    def _add_draft_estimates(self, batch: StepBatch, lengths: list[int], histories: list[int],
+                             acceptance: list[list], draft_index: int,
+                             trial_rows: tuple[int, ...]) -> list[tuple[int, int, list]]:
+        """Append to ``acceptance`` each row's draft candidate before it runs (``lengths``
+        [num_reqs] tokens: its pooled cells, one posterior draw per cell shared by the rows;
+        a trial row's as if every token were accepted); returns (row, index, estimates)."""
+        sampled, pooled_cells = batch.sampled, self.estimator.pooled_cells
+        pooled: dict[tuple, list[float]] = {}  # (mode, history, n) -> the rows' shared cells
+        added = []
+        for r, n in enumerate(lengths):
+            if not n:
+                continue
+            if r in trial_rows:  # untried: as if every token were accepted
+                draft = [1.0 - 1e-6] * n
+            else:
+                key = (sampled[r], histories[r], n)
+                draft = pooled.get(key)
+                if draft is None:
+                    draft = pooled[key] = pooled_cells(draft_index, sampled[r], histories[r],
+                                                       n, draw=self.explore)
+            acceptance[r].append(draft)
+            added.append((r, len(acceptance[r]) - 1, draft))
+        return added
+
+    def _run_overhead(self, acceptance, k: list[int], draft_index: int, batch: StepBatch,
+                      histories: list[int], run_seconds: float,
+                      catch_up_seconds: Sequence[float] | None,
+                      remaining_tokens: Sequence[int] | None,
+                      warm_run_seconds: float | None) -> tuple[float, bool, float]:
+        """(seconds a run adds beyond its forwards this step, whether it catches up right
+        after plain steps, a cold run's excess): the speculative machinery and the run's
+        fixed cost, with one-time costs (catch-up reading, a cold run's excess) spread
+        over the steps left of the rows expected to keep drafting (see :meth:`plan_draft`)."""
+        overhead = self.cost.spec_overhead_s + run_seconds
+        behind = ([] if catch_up_seconds is None else  # the first pass's catch-up rows
+                  [r for r, (c, kr) in enumerate(zip(catch_up_seconds, k)) if kr and c > 0.0])
+        cold = (0.0 if warm_run_seconds is None
+                else max(0.0, run_seconds - warm_run_seconds))
+        asked = [r for r, kr in enumerate(k) if kr] if cold > 0.0 else behind
+        kept_on = (set() if remaining_tokens is None or not asked
+                   else self._draft_kept_on(acceptance, asked, draft_index, batch, histories))
+        share = {}  # [kept-on rows] the part of a one-time cost that falls to this step
+        for r in kept_on:  # one step of the row's steps left
+            emitted = 1.0 + sum(cumulative(acceptance[r][-1][:k[r]]))
+            share[r] = min(1.0, emitted / max(1, remaining_tokens[r]))
+        if share and cold > 0.0:  # the run after it is warm for as long as a row drafts
+            overhead -= cold * (1.0 - min(share.values()))
+        for r in behind:
+            overhead += catch_up_seconds[r] * share.get(r, 1.0)
+        return overhead, bool(behind) and self._after_plain, cold
+
+    def _best_forwards(self, acceptance, with_draft: list[Choice], k: list[int],
+                       num_reqs: int, overhead: float, forward_seconds: float,
+                       rate_without: float) -> tuple[int, float]:
+        """(m, its rate): the number of draft forwards whose step, the with-draft plan cut to
+        m forwards (the draft rows add their P_m while they have an m-th token, the other
+        rows' part fixed), emits the most tokens per second; 0 where none beats
+        ``rate_without``."""
+        others = [Choice(NO_CANDIDATE, 0) if k[r] else c for r, c in enumerate(with_draft)]
+        expected = self._rate_terms(acceptance, others)[0]
+        num_tokens = num_reqs + sum(c.num_tokens for c in others)
+        gains, reach = [0.0] * max(k), [0] * max(k)  # [max k] sum of P_m, rows with an m-th
+        for r, kr in enumerate(k):
+            if not kr:  # (a row without the draft may have no candidate at all: nothing to add)
+                continue
+            for j, p in enumerate(cumulative(acceptance[r][-1][:kr])):
+                gains[j] += p
+                reach[j] += 1
+        best, best_rate = 0, rate_without
+        for m in range(1, len(gains) + 1):
+            expected += gains[m - 1]
+            num_tokens += reach[m - 1]
+            rate = expected / (self.cost.step_one(num_tokens) + overhead + forward_seconds * m)
+            if rate > best_rate:
+                best, best_rate = m, rate
+        return best, best_rate
 
     @staticmethod
     def _trial_rows(lengths: list[int],
