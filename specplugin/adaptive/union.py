@@ -83,6 +83,17 @@ COLD_TOKENS = 64
 _NO_SIGNAL = np.empty(0)  # an offer learned by its cells (see Union._offers_not_sent)
 
 
+def judge_guess(tokens: np.ndarray, emitted: np.ndarray) -> tuple[int, int]:
+    """(tokens judged, tokens accepted) of an unsent guess against the tokens emitted since
+    it was made: accepted while equal, the first that differs judged and rejected, tokens
+    past the emitted ones not judged. What verification would have said: exactly at
+    temperature 0, in expectation above (a fixed guess x is accepted with p(x))."""
+    seen = min(len(tokens), len(emitted))
+    differs = np.flatnonzero(tokens[:seen] != emitted[:seen])
+    accepted = int(differs[0]) if differs.size else seen
+    return min(accepted + 1, seen), accepted
+
+
 @dataclass(frozen=True)
 class Scored:
     """How a request's candidates fared when the batch-expanding scorer verified extra
@@ -756,14 +767,9 @@ class Union:
             if shadow is None:
                 continue
             emitted = batch.token_ids[r, shadow.start:int(batch.num_tokens[r])]
-            seen = min(len(emitted), len(shadow.tokens))
-            if seen <= 0:
-                continue
-            differs = np.flatnonzero(shadow.tokens[:seen] != emitted[:seen])
-            if not differs.size and seen < len(shadow.tokens):
-                continue  # so far so good: wait for the rest
-            accepted = int(differs[0]) if differs.size else seen
-            judged = min(accepted + 1, len(shadow.tokens))
+            judged, accepted = judge_guess(shadow.tokens, emitted)
+            if judged == accepted < len(shadow.tokens):
+                continue  # so far so good (or nothing emitted yet): wait for the rest
             parts.append((shadow.sent, judged_outcomes(None, r, False, judged, accepted)))
             self.history.update(req_id, judged, accepted)
             del self._shadows[req_id]
@@ -1305,11 +1311,8 @@ class Union:
             own, others = entry
             accepted = max(0, min(num_emitted[row] - 1, scheduled_drafts[row], len(own)))
             emitted = np.array(own[:accepted] + [next_tokens[row]])  # [accepted + 1]
-            for sent, tokens in others:
-                seen = min(len(tokens), len(emitted))  # (tokens: as many as its cells)
-                differs = np.flatnonzero(tokens[:seen] != emitted[:seen])
-                matched = int(differs[0]) if differs.size else seen
-                judged = min(matched + 1, seen)
+            for sent, tokens in others:  # (tokens: as many as its cells)
+                judged, matched = judge_guess(tokens, emitted)
                 if judged > 0:
                     judged_parts.append((sent, judged_outcomes(None, row, False, judged,
                                                                matched)))
