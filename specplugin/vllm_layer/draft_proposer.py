@@ -1114,13 +1114,6 @@ def _host(table: torch.Tensor) -> np.ndarray:
     return table.numpy() if table.device.type == "cpu" else table.cpu().numpy()
 
 
-def _as_tensor(drafts: list[list[int]], device) -> torch.Tensor:  # [num_reqs, k_out]
-    """Drafts of different lengths as one zero-padded tensor (lengths: ``last_lengths``)."""
-    k_out = max(1, max((len(d) for d in drafts), default=0))
-    return torch.tensor([d + [0] * (k_out - len(d)) for d in drafts], dtype=torch.int64,
-                        device=device)
-
-
 def _step_batch(input_batch, context, sampled: list[bool], caps: list[int],
                 num_accepted: list[int], next_tokens: list[int]) -> StepBatch:
     """The batch as token-level proposers see it (tokens, accepted drafts, sampled token):
