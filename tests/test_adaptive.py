@@ -1960,3 +1960,63 @@ def test_looks_are_spaced_out_while_every_row_keeps_choosing_the_draft():
     scorer = union_with(True)
     scorer.max_candidates = 2
     assert looks(scorer, batch, 12) == [True] * 12
+
+
+def _worker_loop(union, steps: int, slow: range, factor: float) -> list[int]:
+    """The worker's loop over ``union`` at batch 1 on copy-heavy text (every guess right):
+    plain steps take 29 ms, speculative ones 41 ms + 0.6 ms a draft token, ``factor`` times
+    that in the ``slow`` steps; plain steps decided by ``plain_step`` (and those it foretells,
+    ``plain_steps_ran``) as the worker does. Returns 1 per speculative step, 0 per plain."""
+    batch, verified, drafted, ahead, out = _batch(["a"]), None, 0, 0, []
+    for step in range(steps):
+        spec_factor = factor if step in slow else 1.0
+        if ahead:
+            union.plain_steps_ran([0.029], 1)
+            ahead, verified = ahead - 1, None
+            out.append(0)
+            continue
+        if verified is not None and not drafted and not union.plain_step(
+                verified.seconds, 1, 1, False, peek=lambda: batch):
+            ahead = union.plain_steps_ahead()
+            verified = Verified(("a",), np.array([0]), np.array([1]), 0.029, 1)
+            out.append(0)
+            continue
+        drafted = len(union.step(batch, verified).drafts[0])
+        seconds = 0.029 if not drafted else (0.041 + 0.0006 * drafted) * spec_factor
+        verified = Verified(("a",), np.array([drafted]), np.array([drafted + 1]), seconds,
+                            1 + drafted, next_tokens=[drafted + 1])
+        out.append(int(drafted > 0))
+    return out
+
+
+@pytest.mark.parametrize("burst", [300, 1000])
+def test_a_burst_of_slow_speculative_steps_does_not_keep_the_union_plain_for_good(burst):
+    """Speculative steps 8x slower for a while (a stalled host, a sampler stopping the
+    worker) rightly send the union plain; once they are fast again it must speculate again.
+    What only speculative steps teach (the machinery's price, F past one token) ages while
+    plain steps go by (UNSEEN_MEMORY); seen red without it: the model priced speculation out
+    and no plan drafted again (0 of the last 300 steps speculative)."""
+    from specplugin.adaptive.arbiter import StepArbiter
+
+    cost = StepCostModel(max_tokens=64)  # SmolLM2-135M, bf16, 2 cores: 8 tokens ~ 1.2x one
+    cost.calibrate(np.array([1, 4, 8, 16, 64]), np.array([0.0212, 0.0212, 0.026, 0.036, 0.107]))
+    union = Union([Fixed("ngram", list(range(1, 9)), 0.9)], cost=cost, arbiter=StepArbiter())
+    out = np.array(_worker_loop(union, 300 + burst + 900, range(300, 300 + burst), 8.0))
+    assert out[:300].mean() > 0.9  # copy-heavy text: speculating
+    assert out[300:300 + burst].mean() < 0.5  # the slow steps: plain decoding pays
+    assert out[-300:].mean() > 0.9, out[300 + burst:].reshape(-1, 100).mean(axis=1)
+
+
+def test_a_cost_model_driven_low_by_outliers_still_learns_the_steps_it_then_sees():
+    """A step over 20x the model's prediction is an idle gap and is ignored; judged against
+    a model that outliers drove far below the start-up timings, every real step would look
+    like one and the model would never learn again (seen red: judged against the prediction
+    alone, T(1) stayed at 0.5 ms while every step took 30)."""
+    cost = StepCostModel(max_tokens=64)
+    cost.calibrate(np.array([1, 64]), np.array([0.02, 0.1]))
+    for _ in range(400):  # a run of absurdly fast steps
+        cost.observe_plain(1, 0.0005)
+    assert cost.step_one(1) < 0.002
+    for _ in range(800):
+        cost.observe_plain(1, 0.03)
+    assert cost.step_one(1) == pytest.approx(0.03, rel=0.1)

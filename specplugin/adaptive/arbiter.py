@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specplugin import trace
+from specplugin.adaptive.cost import GapFilter
 
 SPECULATE, PLAIN = True, False
 # speculation measuring this many times the modelled plain rate needs no plain block
@@ -105,6 +106,7 @@ class StepArbiter:
         self._counted = 0  # of them, steps whose time the block's rate holds
         self._length = self.block_steps  # counted steps that end the running block
         self._tokens = self._seconds = 0.0  # counted part of the running block
+        self._gaps = GapFilter(factor=10.0)  # a step 10x the best rate's: an idle gap
         # the union's prediction of each planned step: (tokens emitted, seconds)
         self._predicted: list[tuple[float, float]] = []
         # each planned step's (query tokens, verifies drafts, seconds beyond the model's)
@@ -141,7 +143,7 @@ class StepArbiter:
             return
         state = self._buckets.get(self._bucket)  # no new _Bucket: runs every step
         best = None if state is None else max(state.rate.values(), default=None)
-        if best and seconds > 10 * max(num_tokens, 1) / best:
+        if best and self._gaps.is_gap(seconds, max(num_tokens, 1) / best):
             return  # an idle gap, not a step
         self._tokens += num_tokens
         self._seconds += seconds

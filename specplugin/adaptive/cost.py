@@ -24,6 +24,7 @@ against 0 before any plain step. (see docs/design.md)
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from bisect import bisect_left, bisect_right
 
 import numpy as np
@@ -70,6 +71,8 @@ class StepCostModel:
         self._residual = {False: 0.0, True: 0.0}  # plain / speculative steps (EMA, from 0)
         self._residual_weight = {False: 0.0, True: 0.0}  # the weight the EMA holds so far
         self._counts = {False: 0, True: 0}
+        self._unseen = 0  # plain steps not aged yet (_age_unseen)
+        self._gaps = GapFilter()
         self._spec_overhead = 0.0  # spec_overhead_s, kept from one observation to the next
         self._held: list[tuple[int, float, bool]] = []  # steps observe holds (see there)
         # True: the owner calls flush_due (background learning); observe only holds
@@ -176,7 +179,7 @@ class StepCostModel:
 
     def observe(self, num_tokens: int, seconds: float, speculative: bool = False) -> None:
         """One engine step's wall time (``speculative``: it verified drafts). A step over
-        20x the estimate is an idle gap and is ignored. Once both kinds were seen
+        20x the estimate is an idle gap and is ignored (:class:`GapFilter`). Once both kinds were seen
         ``warmup`` times, steps are held and learned :data:`LEARN_EVERY` at a time, in order
         (with cold caches one update costs ~35 us, four barely more): same result, later."""
         if not self._machinery_known:
@@ -235,8 +238,8 @@ class StepCostModel:
             self._set_forward(seconds * self.knots / num_tokens)
         forward = self.forward_one(num_tokens)
         predicted = self.overhead_s + forward
-        if self.num_observed and seconds > 20 * predicted:
-            return
+        if self.num_observed and self._gaps.is_gap(seconds, predicted):
+            return  # an idle gap, not a step
         self.num_observed += count
         # count equal steps move an exponential average as far as this one weight
         weight = self.smoothing if count == 1 else 1.0 - (1.0 - self.smoothing) ** count
@@ -251,6 +254,11 @@ class StepCostModel:
             held = self._residual_weight[speculative]
             self._residual_weight[speculative] = held + weight * (1.0 - held)
         self._counts[speculative] += count
+        if not speculative:
+            self._unseen += count
+            if self._unseen >= AGE_EVERY:  # (a table refresh: not on every plain step)
+                self._age_unseen(num_tokens, self._unseen)
+                self._unseen = 0
         self._update_spec_overhead()
         if speculative:  # the fixed part and the knots learn from plain steps' terms only
             if not self._machinery_known:
@@ -266,6 +274,27 @@ class StepCostModel:
             return
         self._move_fixed_part(weight * residual)
         self._nudge_knots(num_tokens, 0.5 * weight * residual)
+
+    def _age_unseen(self, num_tokens: int, steps: int) -> None:
+        """``steps`` plain steps of ``num_tokens`` tokens went by: the speculative residual
+        drifts toward the plain one, and F above ``num_tokens`` toward its start-up
+        timings (see :data:`UNSEEN_MEMORY`)."""
+        keep = (1.0 - 1.0 / UNSEEN_MEMORY) ** steps
+        residual, weight = self._residual, self._residual_weight
+        if weight[True] and weight[False]:
+            plain = residual[False] / weight[False]
+            spec = residual[True] / weight[True]
+            residual[True] = (plain + (spec - plain) * keep) * weight[True]
+        timed, f, knots = self._calibrated_f, self._f, self._knot_list
+        first = bisect_right(knots, num_tokens)
+        if timed is None or first >= len(knots):
+            return
+        for i in range(first, len(f)):
+            f[i] = max(f[i - 1] if i else 0.0, timed[i] + (f[i] - timed[i]) * keep)
+        if self._moved is not None:  # flush: the table once, after all its steps
+            self._moved = (min(self._moved[0], first), len(knots) - 1)
+        else:
+            self._refresh_table(first, len(knots) - 1)
 
     def _move_fixed_part(self, delta: float) -> None:
         """Move the fixed part by ``delta`` (floored at 0), and both residual averages with
@@ -314,13 +343,42 @@ class StepCostModel:
 LEARN_EVERY = 4
 # the speculative step from which residuals price the machinery (the first compiles)
 FIRST_SPEC_STEPS = 2
+# What only speculative steps teach (the machinery's price, F above a plain step's tokens)
+# drifts back toward the start-up timings by 1 / UNSEEN_MEMORY per plain step: evidence
+# that is not renewed ages, as the estimator's counts do. Without it a burst of slow
+# speculative steps (a stalled host, a sampler stopping the worker) priced speculation out
+# for good: no plan drafted, so no step measured it again.
+UNSEEN_MEMORY = 500
+AGE_EVERY = 32  # plain steps aged at once
+
+
+@dataclass
+class GapFilter:
+    """Whether a step's wall time is an idle gap (the engine waited for requests), over
+    ``factor`` times what is expected of it: a gap stands alone, so ``patience`` of them
+    in a row are the new normal (a slower machine, a model that drifted) and count again.
+    A filter that took every later step for a gap would never learn again."""
+
+    factor: float = 20.0
+    patience: int = 4
+    _run: int = 0  # gaps in a row
+
+    def is_gap(self, seconds: float, expected: float | None) -> bool:
+        if not expected or seconds <= self.factor * expected:
+            self._run = 0
+            return False
+        self._run += 1
+        if self._run >= self.patience:
+            self._run = 0
+            return False
+        return True
 
 
 class StepSums:
     """Plain steps' wall times summed per shape, handed on ``size`` at a time as
     ``(key, mean seconds, count)``: one model update (~20 us) per ``size`` steps instead of
     one per step, same result a little later. A step over 20x its shape's last mean is an
-    idle gap and is left out."""
+    idle gap and is left out (:class:`GapFilter`)."""
 
     def __init__(self, size: int = 8):
         if size < 2:
@@ -330,13 +388,13 @@ class StepSums:
         self.seconds = 0.0
         self.count = 0
         self._last_mean: dict = {}  # key -> the mean last handed on
+        self._gaps = GapFilter()
 
     def add(self, key, seconds: float) -> tuple | None:
         """One plain step; returns a finished sum (this key's, or the previous key's when
         the shape changed), else None."""
         done = self.flush() if key != self.key else None
-        last = self._last_mean.get(key)
-        if last is not None and seconds > 20 * last:
+        if self._gaps.is_gap(seconds, self._last_mean.get(key)):
             return done
         self.key = key
         self.seconds += seconds

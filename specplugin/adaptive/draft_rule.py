@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specplugin.adaptive.cost import LEARN_EVERY, StepCostModel, StepSums
+from specplugin.adaptive.cost import LEARN_EVERY, GapFilter, StepCostModel, StepSums
 from specplugin.adaptive.estimator import as_list, judged_outcomes
 
 # An engine's first draft forwards pay one-time costs (~2-4x a later one) and are left
@@ -66,6 +66,7 @@ class CostModel:
         self._moments = [0.0] * 5
         self._num_steps = 0
         self._plain_sums = StepSums()  # plain steps not learned yet (observe_plain_step)
+        self._gaps = GapFilter()
         self._held: list[tuple] = []  # steps observe_step holds (see there)
         # True: the drafter calls flush_due (background learning); observe_step only holds
         self.deferred_flush = False
@@ -179,7 +180,7 @@ class CostModel:
         """``seconds``: the mean of ``count`` steps; ``forward_s``: the forward's price then."""
         if num_tokens <= 0 or count < 1:
             return
-        if self.token_s is not None and seconds / num_tokens > 20 * self.token_s:
+        if self._gaps.is_gap(seconds / num_tokens, self.token_s):
             return
         # count equal steps move an exponential average as far as this one weight
         smoothing = 1.0 - (1.0 - self.smoothing) ** count
