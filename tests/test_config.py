@@ -72,10 +72,10 @@ def test_a_draft_model_the_proposers_do_not_use_is_refused():
 
 
 def test_build_proposer_names_where_model_proposers_are_built():
-    from specplugin.proposers import available_proposers, build_proposer
+    from specplugin.proposers import PROPOSERS, build_proposer
 
     config = parse(None, 4)
-    assert "draft" in available_proposers()
+    assert "draft" in PROPOSERS
     with pytest.raises(ValueError, match="built by the plugin's worker layer"):
         build_proposer("draft", config)
     with pytest.raises(ValueError, match="unknown proposer 'nope'"):

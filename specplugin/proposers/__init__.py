@@ -35,10 +35,6 @@ _FACTORIES: dict[str, Callable[["SpecPluginConfig"], Proposer]] = {"ngram": _ngr
 assert tuple(_FACTORIES) == TOKEN_PROPOSERS, (tuple(_FACTORIES), TOKEN_PROPOSERS)
 
 
-def available_proposers() -> tuple[str, ...]:
-    return PROPOSERS
-
-
 def build_proposer(name: str, config: "SpecPluginConfig") -> Proposer:
     """The token-level proposer ``name``; model proposers are refused with where they live."""
     if name in MODEL_PROPOSERS:
@@ -48,11 +44,11 @@ def build_proposer(name: str, config: "SpecPluginConfig") -> Proposer:
             f'select it with additional_config["specplugin"]["proposers"] = ["{name}"].')
     if name not in _FACTORIES:
         raise ValueError(f"unknown proposer {name!r}; available: "
-                         f"{', '.join(sorted(available_proposers()))}.")
+                         f"{', '.join(sorted(PROPOSERS))}.")
     from specplugin.proposers.faults import with_faults  # test-only, off unless configured
 
     return with_faults(_FACTORIES[name](config), config.fault_injection.proposers)
 
 
-__all__ = ["MODEL_PROPOSERS", "Candidate", "Proposer", "StepBatch", "available_proposers",
+__all__ = ["MODEL_PROPOSERS", "PROPOSERS", "Candidate", "Proposer", "StepBatch",
            "build_proposer"]

@@ -155,12 +155,10 @@ class PluginDraftProposer(DraftModelProposer):
         self._settle()
         self._step_seconds = self.timer.lap()
         seconds = None if read_prompts else self._step_seconds  # what the step teaches
-        if seconds is None:
-            pass
-        elif self._last_forwards or self._last_draft_tokens:
+        if seconds is not None and (self._last_forwards or self._last_draft_tokens):
             self.costs.observe_step(seconds, num_reqs, self._last_forwards,
                                     self._last_draft_tokens)
-        else:  # the draft did not run: learned with the next plain steps (StepSums)
+        elif seconds is not None:  # the draft did not run: learned with the next plain steps
             self.costs.observe_plain_step(seconds, num_reqs)
         draft_seconds = self._last_draft_seconds
         self._last_forwards = self._last_draft_tokens = 0

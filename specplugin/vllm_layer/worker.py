@@ -291,23 +291,23 @@ class PluginRunnerMixin:
                 sampler_output = super()._sample(logits, spec_decode_metadata)
             self.expander.resolve(self, sampler_output)
             return sampler_output
-        if spec_decode_metadata is not None:
-            # no update_async_output_token_ids(): these batches read no output tokens
-            output = verification.verify_greedy(logits, spec_decode_metadata,
-                                                self.input_batch.sampling_metadata,
-                                                self.rejection_sampler)
+        # a speculative step without the scorer; no update_async_output_token_ids():
+        # these batches read no output tokens
+        output = verification.verify_greedy(logits, spec_decode_metadata,
+                                            self.input_batch.sampling_metadata,
+                                            self.rejection_sampler)
+        if output is not None:
+            self._heard = None  # no sampled request
+            return output
+        if verification.plainly_sampled(logits, self.input_batch.sampling_metadata,
+                                        self.rejection_sampler):
+            heard = verification.Heard()
+            output = verification.verify_sampled(
+                logits, spec_decode_metadata, self.input_batch.sampling_metadata,
+                self._get_spec_decode_draft_probs(spec_decode_metadata), heard)
             if output is not None:
-                self._heard = None  # no sampled request
+                self._heard = heard
                 return output
-            if verification.plainly_sampled(logits, self.input_batch.sampling_metadata,
-                                            self.rejection_sampler):
-                heard = verification.Heard()
-                output = verification.verify_sampled(
-                    logits, spec_decode_metadata, self.input_batch.sampling_metadata,
-                    self._get_spec_decode_draft_probs(spec_decode_metadata), heard)
-                if output is not None:
-                    self._heard = heard
-                    return output
         with verification.listening() as self._heard:
             return super()._sample(logits, spec_decode_metadata)
 
