@@ -243,7 +243,10 @@ print("RESULT " + json.dumps(results))
 
 @pytest.fixture(scope="module")
 def with_draft(models, cells):
-    options = {"proposers": ["draft"], "draft_model": models[1]}
+    # the draft runs in every speculative step (these tests check its mechanics; whether
+    # it pays is the union's gate's call, tested in the core)
+    options = {"proposers": ["draft"], "draft_model": models[1],
+               "fault_injection": {"draft_always": True}}
     job = {"model": models[0], "cells": cells,
            "engine_kwargs": engine_kwargs(plugin_engine_kwargs(K_MAX, options), eager=True)}
     return run_probe(PROBE, job)
@@ -313,13 +316,14 @@ def test_draft_runs_skip_vllms_preparation_of_the_draft_inputs(with_draft, cells
 
 
 def test_drafts_are_accepted_and_their_length_adapts(with_draft, cells):
-    """Early stops make the mean draft shorter than K_MAX; confident runs go past k = 4."""
+    """The union's plan and the draft's stop rule make the mean draft shorter than K_MAX,
+    with accepted tokens at several positions."""
     greedy = with_draft[cells[0]["key"]]
     assert greedy["num_drafts"] > 0 and greedy["num_accepted_tokens"] > 0
     assert greedy["num_draft_tokens"] < K_MAX * greedy["num_drafts"]
     per_pos = greedy["accepted_per_pos"]
     assert len(per_pos) == K_MAX
-    assert sum(per_pos[4:]) > 0, per_pos  # accepted drafts beyond the default length
+    assert sum(1 for n in per_pos if n > 0) >= 3, per_pos
 
 
 def test_temperature_one_drafts_are_verified_against_draft_probabilities(with_draft, cells):
@@ -363,24 +367,22 @@ def test_a_failing_draft_step_costs_its_drafts_not_the_requests():
 
     import logging
 
-    from specplugin.adaptive.arbiter import StepArbiter
-    from specplugin.adaptive.background import Background
     from specplugin.adaptive.cost import StepTimer
-    from specplugin.metrics import FailureCounter, ProposerStats
+    from specplugin.metrics import FailureCounter
     from specplugin.adaptive.draft_rule import AcceptanceCalibration, OutcomeTracker
     from specplugin.proposers.draft import DraftKVCursor
     from specplugin.vllm_layer.draft_proposer import PluginDraftProposer
 
     drafter = object.__new__(PluginDraftProposer)  # no vLLM config needed for the guard
     drafter.failures = FailureCounter("draft", logging.getLogger("test"))
-    drafter.device, drafter.union = "cpu", None
-    drafter.plugin_runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=["a", "b"]))
+    drafter.device, drafter.union = "cpu", _union_of_one()
+    drafter.plugin_runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=["a", "b"],
+                                                                        num_reqs=2))
     drafter.outcomes = OutcomeTracker(AcceptanceCalibration())
     drafter.cursor = DraftKVCursor()
-    drafter.arbiter = StepArbiter()
-    drafter.proposer_stats = ProposerStats()
+    drafter.proposer_stats = drafter.union.stats
     drafter.timer = StepTimer()
-    drafter.background, drafter._held_jobs = Background(), []
+    drafter.background, drafter._held_jobs = drafter.union.background, []
 
     def broken(*args, **kwargs):
         raise RuntimeError("draft model exploded")
@@ -388,8 +390,18 @@ def test_a_failing_draft_step_costs_its_drafts_not_the_requests():
     drafter._propose = broken
     for _ in range(2):
         drafts = drafter.propose(num_speculative_tokens=8, target_token_ids=None)
-        assert drafts.shape == (2, 1) and drafter.last_lengths == [0, 0]
+        assert drafts == [[], []] and drafter.last_lengths == [0, 0]
     assert drafter.stats()["proposer_failures"] == {"draft": 2}
+
+
+def _union_of_one():
+    """The draft model alone, as the drafter builds it: a union of one proposer."""
+    from specplugin.adaptive.arbiter import StepArbiter
+    from specplugin.adaptive.cost import StepCostModel
+    from specplugin.adaptive.union import Union
+    from specplugin.proposers.draft import DraftCandidates
+
+    return Union([DraftCandidates()], cost=StepCostModel(max_tokens=64), arbiter=StepArbiter())
 
 
 def _bare_drafter(num_reqs: int, scheduled: list[int]):
@@ -398,16 +410,16 @@ def _bare_drafter(num_reqs: int, scheduled: list[int]):
 
     import logging
 
-    from specplugin.adaptive.background import Background
     from specplugin.adaptive.cost import StepTimer
-    from specplugin.metrics import FailureCounter, ProposerStats
+    from specplugin.metrics import FailureCounter
     from specplugin.adaptive.draft_rule import AcceptanceCalibration, OutcomeTracker
     from specplugin.proposers.draft import DraftKVCursor
     from specplugin.vllm_layer.draft_proposer import PluginDraftProposer
 
     drafter = object.__new__(PluginDraftProposer)
     drafter.failures = FailureCounter("draft", logging.getLogger("test"))
-    drafter.device, drafter.union, drafter.arbiter = "cpu", None, None
+    drafter.device, drafter.union = "cpu", _union_of_one()
+    drafter.costs, drafter.background = drafter.union.draft_costs, drafter.union.background
     context = SimpleNamespace(num_scheduled_drafts=scheduled)
     drafter.plugin_runner = SimpleNamespace(
         input_batch=SimpleNamespace(req_ids=[f"r{i}" for i in range(num_reqs)],
@@ -415,10 +427,10 @@ def _bare_drafter(num_reqs: int, scheduled: list[int]):
         step_context=lambda: context)
     drafter.outcomes = OutcomeTracker(AcceptanceCalibration())
     drafter.cursor = DraftKVCursor()
-    drafter.proposer_stats = ProposerStats()
+    drafter.proposer_stats = drafter.union.stats
     drafter.timer = StepTimer()
     drafter._run = drafter._run_probs = None
-    drafter.background, drafter._held_jobs = Background(), []
+    drafter._held_jobs = []
     return drafter, context
 
 
@@ -428,7 +440,7 @@ def test_the_drafter_forgets_its_calibration_and_its_prices_with_what_it_learned
     from specplugin.adaptive.draft_rule import WARMUP_FORWARDS, CostModel
 
     drafter, _ = _bare_drafter(1, [0])
-    drafter.costs, drafter._observed = CostModel(), False
+    drafter._observed = False
     calibration = drafter.outcomes.calibration
     drafter.calibration = calibration
     calibration.update([0.9] * 80, [True] * 80, [True] * 80, [0] * 80)
@@ -461,7 +473,7 @@ def test_the_draft_step_reads_next_tokens_and_rejections_as_vllm_counts_them():
     assert seen[1][2] is None and seen[1][3] == [5, 7, 8]
 
 
-def test_a_failing_draft_step_costs_its_drafts_not_the_requests():
+def test_a_failing_step_decision_costs_its_drafts_not_the_requests():
     import torch
 
     drafter, _ = _bare_drafter(2, [0, 0])
@@ -488,7 +500,6 @@ def test_the_step_that_read_new_prompts_teaches_the_drafts_cost_model_nothing():
     for prefill in (False, True):
         drafter, _ = _bare_drafter(8, [0] * 8)
         drafter.clock = SimpleNamespace(shared=False)
-        drafter.costs, drafter.arbiter = CostModel(), StepArbiter()
         drafter._last_forwards = drafter._last_draft_tokens = 0
         drafter._last_draft_seconds, drafter._steps_since_run = 0.0, 2
         drafter._observed, drafter.last_lengths = False, None
