@@ -433,7 +433,9 @@ class Union:
         index = self._draft_index
         if draft is None or index is None:
             return self.choose(batch, self.ask(batch, range(len(self.proposers))))
-        caps = self._draft_caps(batch)
+        caps = [0] * batch.num_reqs  # the rows whose request allows the draft: their K limit
+        for r in batch.for_proposer(self.proposers[index].name).rows:
+            caps[r] = int(batch.max_draft_lens[r])
         held = self.held_draft(batch, caps) if self.holding else None
         if held is not None:  # the last look's plan holds: nothing asked, nothing priced
             out = draft.run(batch, held, held=True)
@@ -450,26 +452,15 @@ class Union:
         if k is None or not any(k):  # no draft-model machinery at all
             self.stats.steps_without_draft_model += 1
             return self.choose(batch, offers)
-        out = draft.run(batch, k, held=False)
-        allowed = batch.for_proposer(self.proposers[index].name).rows
+        out = draft.run(batch, k, held=False)  # (only rows with caps > 0 draft)
         offers += [(r, index, c) for r, c in enumerate(out.candidates)
-                   if c is not None and len(c) and r in allowed]
+                   if c is not None and len(c)]
         return self.choose(batch, offers, draft_forwards=out.num_forwards)
 
     @property
     def draft_index(self) -> int | None:
         """The draft model's index among :attr:`proposers` (None: the union has none)."""
         return self._draft_index
-
-    def _draft_caps(self, batch: StepBatch) -> list[int]:
-        """[num_reqs] most draft-model tokens per row: its K limit where the row drafts and
-        its request allows the draft model, else 0."""
-        name = self.proposers[self._draft_index].name
-        caps = [0] * batch.num_reqs
-        for r in batch.rows:
-            if batch.allowed is None or batch.allowed[r] is None or name in batch.allowed[r]:
-                caps[r] = int(batch.max_draft_lens[r])
-        return caps
 
     def begin(self, verified: Verified | None, num_reqs: int, sampled: bool) -> bool:
         """Learn from ``verified``; return whether this step speculates (the arbiter's call;

@@ -341,7 +341,6 @@ class PluginDraftProposer(DraftModelProposer):
         # the stop rule only when the draft runs (reading its thresholds is not free)
         run = DraftRun(self._rule_with_thresholds(), self.calibration,
                        [sampled[r] for r in rows], caps=[caps[r] for r in rows])
-        self._last_draft_seconds = 0.0
         if rows:
             start = time.perf_counter()
             self._draft(run, batch, rows, starts, [num_tokens[r] for r in rows], cad,
