@@ -120,5 +120,8 @@ def test_a_real_workers_step_splits_into_forwards_the_plugin_and_vllm(shared_run
         assert sampled["shares"][row] > 0.0, (row, sampled["shares"])
     assert sum(sampled["shares"].values()) == pytest.approx(1.0)
     assert sampled["shares"][FORWARD] > sampled["shares"][PLUGIN], sampled["shares"]
-    names = [name for name, _ in sampled["plugin_functions"]]
-    assert names and "PluginRunnerMixin.execute_model" not in names[:1], names
+    # the override's own lines get a sample now and then (as any function may); vLLM's
+    # step charged to it would give it most of the plugin's row
+    functions = dict(sampled["plugin_functions"])
+    override = functions.get("PluginRunnerMixin.execute_model", 0.0)
+    assert override <= max(0.25 * sampled["shares"][PLUGIN], 2 / sampled["step_samples"]), functions
