@@ -34,7 +34,9 @@ from specplugin.proposers.draft import DraftCandidates
 from specplugin.proposers.ngram import NgramProposer
 from specplugin.proposers.suffix import SuffixProposer
 from specplugin.adaptive.draft_rule import WARMUP_FORWARDS
-from specplugin.adaptive.union import DraftOutput, Union, Verified
+from specplugin.adaptive.learning import Verified
+from specplugin.adaptive.plan import DraftOutput
+from specplugin.adaptive.union import Union
 
 K = 8  # most draft tokens per row
 PROMPT = 200  # tokens of each row's context before its first step

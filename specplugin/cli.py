@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -26,6 +26,34 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "load": ("specplugin.bench.load",
              "vllm serve under vLLM's own serving benchmark"),
 }
+
+
+def int_option(name: str, lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in ``[lo, hi]``; the error names ``name``."""
+    bounds = f"from {lo} to {hi}" if hi is not None else f"of at least {lo}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"{name} must be an integer {bounds}; got {text!r}")
+        return value
+
+    return parse
+
+
+def int_list_option(name: str, lo: int) -> Callable[[str], list[int]]:
+    """An argparse type: comma-separated integers >= ``lo``, repeats dropped."""
+    def parse(text: str) -> list[int]:
+        parts = text.split(",")
+        if not all(p.strip().isdigit() and int(p) >= lo for p in parts):
+            raise argparse.ArgumentTypeError(f"{name} must be comma-separated integers of at "
+                                             f"least {lo}, e.g. 1,8; got {text!r}")
+        return list(dict.fromkeys(int(p) for p in parts))
+
+    return parse
 
 
 def requested(argv: Sequence[str]) -> str | None:

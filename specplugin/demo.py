@@ -12,7 +12,6 @@ between plain and verification steps; see docs/losslessness.md).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from pathlib import Path
 
 DTYPE = "float32"
@@ -28,47 +27,22 @@ def demo_chats(source, num_prompts: int) -> list[tuple[str, list[dict[str, str]]
     return [(MIX_KINDS[i % len(MIX_KINDS)], chat) for i, chat in enumerate(chats[:num_prompts])]
 
 
-def _int_option(name: str, lo: int, hi: int | None = None) -> Callable[[str], int]:
-    """An argparse type: an integer in ``[lo, hi]``, or an error naming ``name``."""
-    bounds = f"from {lo} to {hi}" if hi is not None else f"at least {lo}"
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer {bounds}; "
-                                             f"got {text!r}") from None
-        if value < lo or (hi is not None and value > hi):
-            raise argparse.ArgumentTypeError(f"{name} must be an integer {bounds}; got {value}")
-        return value
-
-    return parse
-
-
-def batch_sizes(text: str) -> list[int]:
-    """--batch-sizes: comma-separated positive integers, e.g. ``1,8``."""
-    one = _int_option("every --batch-sizes entry", 1)
-    parts = [p.strip() for p in text.split(",")]
-    if not all(parts):
-        raise argparse.ArgumentTypeError(
-            f"--batch-sizes must be comma-separated integers of at least 1, e.g. 1,8; got {text!r}")
-    return [one(p) for p in parts]
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from specplugin.bench.runner import add_eager_argument
+    from specplugin.cli import int_list_option, int_option
     from specplugin.config import MAX_NUM_SPECULATIVE_TOKENS
 
-    parser.add_argument("--num-prompts", type=_int_option("--num-prompts", 1), default=6,
+    parser.add_argument("--num-prompts", type=int_option("--num-prompts", 1), default=6,
                         help="chats, code edit, explanation and open question in turn (default 6)")
-    parser.add_argument("--batch-sizes", type=batch_sizes, default=[1, 6],
+    parser.add_argument("--batch-sizes", type=int_list_option("--batch-sizes", 1),
+                        default=[1, 6],
                         help="comma-separated (default 1,6); batch 1 runs the chats one "
                              "after the other")
-    parser.add_argument("--max-tokens", type=_int_option("--max-tokens", 1), default=256,
+    parser.add_argument("--max-tokens", type=int_option("--max-tokens", 1), default=256,
                         help="at most this many tokens per answer; answers stop at the end of "
                              "the assistant's turn (default 256)")
     parser.add_argument("-k", "--num-speculative-tokens", default=8,
-                        type=_int_option("--num-speculative-tokens", 1, MAX_NUM_SPECULATIVE_TOKENS),
+                        type=int_option("--num-speculative-tokens", 1, MAX_NUM_SPECULATIVE_TOKENS),
                         help="vLLM's num_speculative_tokens for the plugin (default 8)")
     parser.add_argument("--out-dir", default="bench-out/demo", help="folder for vLLM's logs")
     parser.add_argument("--verbose", action="store_true",

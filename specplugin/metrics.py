@@ -65,7 +65,7 @@ class ProposerStats:
     steps_without_drafts: int = 0
     steps_skipped: int = 0  # of those, steps whose drafting was skipped altogether
     steps_peeked: int = 0  # plain steps the peek turned speculative (Union.plain_step)
-    offers_judged_unsent: int = 0  # offers not sent, judged (Union._learn_unchosen)
+    offers_judged_unsent: int = 0  # offers not sent, judged (Learner.learn_unchosen)
     # steps where none of the draft model's machinery ran (its drafts were not needed)
     steps_without_draft_model: int = 0
     extra_candidates: int = 0  # candidates sent to the batch-expanding scorer beside the chosen

@@ -29,8 +29,6 @@ SYNC_PREFIX = "syncs:"  # + phase: .cpu()/.item()/.tolist() calls made inside th
 BACKGROUND = "background_s"  # seconds the held learning ran in a worker's wait
 BACKGROUND_WAIT = "background_wait_s"  # seconds that learning ran on a step instead
 TIMER_CALLS = "timer_calls"  # phases closed (to estimate the timers' own cost)
-# plain steps this many steps after the last drafting one count as steady plain decoding
-SETTLED = 4
 # "1": each worker answers the memory probe before every bench cell
 PROBE_ENV = "SPECPLUGIN_MEMORY_PROBE"
 

@@ -18,6 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from specplugin.requests import Requests
+
 PREFIX = "specplugin_"
 MAX_K_KEY = "specplugin_max_k"
 PROPOSERS_KEY = "specplugin_proposers"
@@ -106,24 +108,23 @@ def _proposers(value: Any, server_proposers: Sequence[str]) -> frozenset[str]:
 
 
 class RequestOptionsCache:
-    """Options per live request, parsed once at its first step. A bad value that got past
-    the front end makes the request not speculate: never an error mid-run."""
+    """Options per live request, parsed once at its first step and kept in its record
+    (:class:`~specplugin.requests.RequestState`). A bad value that got past the front end
+    makes the request not speculate: never an error mid-run."""
 
-    def __init__(self, server_k: int, server_proposers: Sequence[str]):
+    def __init__(self, server_k: int, server_proposers: Sequence[str],
+                 requests: Requests | None = None):
         self.server_k = server_k
         self.server_proposers = tuple(server_proposers)
-        self._options: dict[str, RequestOptions] = {}
+        self.requests = requests if requests is not None else Requests()
 
     def get(self, req_id: str, extra_args: Mapping[str, Any] | None) -> RequestOptions:
-        options = self._options.get(req_id)
+        state = self.requests[req_id]
+        options = state.options
         if options is None:
             try:
                 options = parse_request_options(extra_args, self.server_k, self.server_proposers)
             except RequestOptionError:
                 options = RequestOptions(max_k=0)
-            self._options[req_id] = options
+            state.options = options
         return options
-
-    def forget(self, req_ids) -> None:
-        for req_id in req_ids:
-            self._options.pop(req_id, None)

@@ -38,20 +38,17 @@ _CELLS: dict[str, Callable[[Path], dict[str, Any]]] = {}
 
 def add_cell(key: str, prompts=None, *, max_tokens: int = 0, batch_size: int | None = None,
              temperature: float = 0.0, options: dict[str, Any] | None = None,
-             build: Callable[[Path], dict[str, Any]] | None = None,
-             sampled: bool = False) -> str:
+             build: Callable[[Path], dict[str, Any]] | None = None) -> str:
     """Register a cell (at import); returns its key. ``options``: each request's
     per-request options; ``build``: a function of the zoo folder that returns the cell
-    (for prompts drawn from the zoo), instead of ``prompts``; ``sampled``: py-spy samples
-    the worker while the cell runs (``EngineRun.sampled``)."""
+    (for prompts drawn from the zoo), instead of ``prompts``."""
     if key in _CELLS:
         raise ValueError(f"shared engine cell {key!r} registered twice")
 
     def make(zoo_root: Path) -> dict[str, Any]:
         cell = build(zoo_root) if build else prompt_cell(prompts, max_tokens, temperature,
                                                         batch_size, key=key)
-        return {**cell, "key": key, "extra_args": dict(options) if options else None,
-                "sample": sampled}
+        return {**cell, "key": key, "extra_args": dict(options) if options else None}
 
     _CELLS[key] = make
     return key
@@ -70,11 +67,8 @@ def state_dir(workdir: Path) -> Path:
 
 
 def run_shared(zoo_root: Path, workdir: Path) -> dict[str, EngineRun]:
-    """Every registered cell in one engine: key -> its run. Cells that py-spy samples run
-    last: it stops the worker 250 times a second, and the union would learn from those
-    slowed steps what a step costs, and carry it into the cells after them."""
-    cells = [_with_sampler(make(zoo_root), workdir) for make in _CELLS.values()]
-    cells = tuple(sorted(cells, key=lambda cell: "sampler" in cell))
+    """Every registered cell in one engine: key -> its run."""
+    cells = tuple(make(zoo_root) for make in _CELLS.values())
     options = {**engine_options(zoo_root), "state_dir": str(state_dir(workdir))}
     job = EngineJob(label="shared-union", model=str(zoo_path("target", zoo_root)),
                     engine_kwargs=plugin_engine_kwargs(K, options),
@@ -82,15 +76,3 @@ def run_shared(zoo_root: Path, workdir: Path) -> dict[str, EngineRun]:
                     env=MULTIPROCESS)  # the layout users run (tests/conftest.py)
     result = run_job(job, workdir)
     return {key: EngineRun.from_job(result, key) for key in _CELLS}
-
-
-def _with_sampler(cell: dict[str, Any], workdir: Path) -> dict[str, Any]:
-    """A cell registered ``sampled``, with what the engine's py-spy window needs (py-spy
-    is installed with the test extra; 250 reads a second, the worker stopped for each:
-    the cell is short)."""
-    from specplugin.bench.profile import find_py_spy
-
-    if not cell.pop("sample"):
-        return cell
-    path = workdir / f"{cell['key'].replace('/', '-')}.samples.txt"
-    return {**cell, "sampler": {"executable": find_py_spy(), "path": str(path), "rate": 250}}

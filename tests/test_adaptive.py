@@ -13,7 +13,9 @@ from specplugin.adaptive.cost import StepCostModel, StepSums
 from specplugin.adaptive.estimator import (POSITION_EDGES, AcceptanceEstimator, history_bucket,
                                            position_groups)
 from specplugin.proposers.base import Candidate, StepBatch
-from specplugin.adaptive.union import DRAFT_TRIAL_ROWS, DRAFT_TRIALS, Union, Verified
+from specplugin.adaptive.draft_gate import DRAFT_TRIAL_ROWS, rate_terms
+from specplugin.adaptive.learning import Verified
+from specplugin.adaptive.union import DRAFT_TRIALS, Union
 
 
 def linear(t0: float, per_token: float):
@@ -71,7 +73,7 @@ def test_the_plans_rate_terms_are_the_expected_tokens_and_seconds_of_its_choice(
                            for _ in range(int(rng.integers(0, 3)))] for _ in range(num_reqs)]
             choices, expected, seconds = planned(acceptance, cost, spec_overhead=overhead)
             assert choices == plan(acceptance, cost, spec_overhead=overhead)
-            terms = union._rate_terms(acceptance, choices)  # (its machinery price is 0)
+            terms = rate_terms(union.cost, acceptance, choices)  # (its machinery price is 0)
             assert expected == pytest.approx(terms[0])
             drafts = any(c.num_tokens for c in choices)
             assert seconds == pytest.approx(terms[1] + overhead * drafts)
@@ -380,10 +382,10 @@ def flat_cost() -> StepCostModel:
     return cost
 
 
-def _union(*proposers, explore=False):
+def _union(*proposers, explore=False, estimator=None):
     cost = StepCostModel(max_tokens=64)
     cost.calibrate(np.array([1, 2, 64]), np.array([0.010, 0.011, 0.073]))
-    return Union(list(proposers), cost=cost, explore=explore)
+    return Union(list(proposers), cost=cost, explore=explore, estimator=estimator)
 
 
 def test_exploration_tries_again_a_proposer_rejected_by_bad_luck():
@@ -393,8 +395,8 @@ def test_exploration_tries_again_a_proposer_rejected_by_bad_luck():
     given seed may see the proposer back only late or not in 200 steps.)"""
     results = {False: 0, True: 0}
     for explore, seed in itertools.product((False, True), range(8)):
-        union = _union(Fixed("p", [1, 2, 3, 4], 0.5), explore=explore)
-        union.estimator = AcceptanceEstimator(("p",), seed=seed)
+        union = _union(Fixed("p", [1, 2, 3, 4], 0.5), explore=explore,
+                       estimator=AcceptanceEstimator(("p",), seed=seed))
         verified, accepted = None, 0
         for step in range(200):
             drafts = union.step(_batch([f"r{j}" for j in range(8)]), verified).drafts
@@ -1611,7 +1613,7 @@ def test_alternatives_are_extra_candidates_never_the_chosen_draft():
 
 
 def test_alternatives_that_lose_do_not_teach_the_estimator():
-    from specplugin.adaptive.union import Scored
+    from specplugin.adaptive.learning import Scored
 
     cost = flat_cost()
     union = Union([WithAlternative("a", [1, 2, 3], 0.3)], cost=cost, explore=False,
@@ -1671,13 +1673,13 @@ def test_the_estimator_learns_every_step_when_cold_then_every_learn_every_steps(
     LEARN_EVERY steps at a time; what it holds after a flush is what learning every step
     gives (up to the order of decay and update: fresh verdicts are not decayed by the steps
     they waited, 1 / memory per step)."""
-    from specplugin.adaptive.union import COLD_TOKENS, LEARN_EVERY
+    from specplugin.adaptive.learning import COLD_TOKENS, LEARN_EVERY
 
     def run(learn_every, cold):
         cost = StepCostModel(max_tokens=64)  # GPU-like: verifying a token is nearly free
         cost.calibrate(np.array([1, 64]), np.array([0.010, 0.0101]))
         union = Union([Fixed("p", [1, 2, 3, 4], 0.5)], cost=cost, learn_every=learn_every)
-        union._learned_tokens = 0 if cold else COLD_TOKENS
+        union.learner.learned_tokens = 0 if cold else COLD_TOKENS
         held, verified = [], None
         for _ in range(2 * LEARN_EVERY):
             drafts = union.step(_batch(["a"]), verified).drafts

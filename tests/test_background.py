@@ -6,7 +6,8 @@ import numpy as np
 from specplugin.adaptive.background import Background
 from specplugin.adaptive.cost import StepCostModel
 from specplugin.adaptive.estimator import AcceptanceEstimator
-from specplugin.adaptive.union import COLD_TOKENS, Union, Verified
+from specplugin.adaptive.learning import COLD_TOKENS, Verified
+from specplugin.adaptive.union import Union
 
 from tests.test_adaptive import Fixed, _batch
 
@@ -43,8 +44,8 @@ def _run(background: Background, steps: int = 120, seed: int = 3):
                             0.010 + 0.001 * sum(map(len, drafts)), 4 + sum(map(len, drafts)))
     union.settle()
     state = (union.estimator.judged.copy(), union.estimator.accepted.copy(),
-             dict(union.history._recent),
-             union.stats.as_dict(), cost.step_one(4), union._learned_tokens)
+             {s.req_id: s.recent_acceptance for s in union.requests},
+             union.stats.as_dict(), cost.step_one(4), union.learner.learned_tokens)
     return plans, state, union
 
 
@@ -73,7 +74,7 @@ def test_a_warm_union_plans_on_the_verdicts_up_to_the_step_before():
     drafts = union.step(batch, None).drafts
     verified = Verified(("x0", "x1", "x2", "x3"), np.array([len(d) for d in drafts]),
                         np.ones(4, dtype=int), 0.012, 4 + sum(map(len, drafts)))
-    assert union._learned_tokens >= COLD_TOKENS
+    assert union.learner.learned_tokens >= COLD_TOKENS
     union.begin(verified, 4, False)
     assert union.estimator.judged.sum() == judged  # held: not learned before the plan
     union.release()
@@ -87,7 +88,7 @@ def test_a_finished_requests_held_verdicts_do_not_outlive_it():
     back after it was forgotten (seen red without the settle in finish_requests)."""
     union = Union([Fixed("a", [1, 2, 3], 0.9)], cost=_calibrated_cost(),
                   background=Background(deferred=True))
-    union._learned_tokens = COLD_TOKENS  # warm: verdicts held, learned in the wait
+    union.learner.learned_tokens = COLD_TOKENS  # warm: verdicts held, learned in the wait
     verified = None
     for _ in range(20):  # until a step verified a draft (the first ones may not draft)
         drafts = union.step(_batch(["r0"]), verified).drafts

@@ -88,11 +88,11 @@ def test_the_draft_path_is_compared_with_vllms_at_vllms_k():
 def test_cells_keeps_the_named_cells_and_names_the_others_when_one_is_unknown(zoo_root):
     from specplugin.bench.cli import build_cells
 
-    cells, _ = build_cells(zoo_root, ["edit", "complete", "adversarial", "server"], False, 0,
+    cells, _ = build_cells(zoo_root, ["edit", "complete", "adversarial", "server"], False,
                            headline=True, keys=["complete/b1/t1", "edit/b1/t0"])
     assert sorted(c.cell.key for c in cells) == ["complete/b1/t1", "edit/b1/t0"]
     with pytest.raises(ValueError, match="complete/b3/t0.*complete/b8/t0"):
-        build_cells(zoo_root, ["complete"], False, 0, headline=True, keys=["complete/b3/t0"])
+        build_cells(zoo_root, ["complete"], False, headline=True, keys=["complete/b3/t0"])
 
 
 def test_a_draft_method_without_a_draft_model_is_refused_up_front():

@@ -34,3 +34,13 @@ def test_the_subcommand_is_the_first_argument_that_is_not_an_option():
     assert cli.requested(["demo", "--num-prompts", "2"]) == "demo"
     assert cli.requested(["-h"]) is None
     assert cli.requested([]) is None
+
+
+def test_integer_options_parse_and_name_themselves_when_refused():
+    import argparse
+
+    assert cli.int_list_option("--batch-sizes", 1)("1,8") == [1, 8]
+    assert cli.int_list_option("--batch-sizes", 1)(" 4 ,4") == [4]  # repeats dropped
+    assert cli.int_option("-k", 1, 32)("32") == 32
+    with pytest.raises(argparse.ArgumentTypeError, match="-k must be an integer from 1 to 32"):
+        cli.int_option("-k", 1, 32)("33")

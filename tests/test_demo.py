@@ -4,28 +4,23 @@ import pytest
 
 from specplugin import cli
 from specplugin.bench.instruct import InstructSource, material_from_stdlib
-from specplugin.demo import batch_sizes, demo_chats, union_settings
+from specplugin.demo import demo_chats, union_settings
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--num-prompts", "0"], "--num-prompts must be an integer at least 1; got 0"),
-    (["--num-prompts", "two"], "--num-prompts must be an integer at least 1; got 'two'"),
-    (["--batch-sizes", "0"], "every --batch-sizes entry must be an integer at least 1; got 0"),
+    (["--num-prompts", "0"], "--num-prompts must be an integer of at least 1; got '0'"),
+    (["--num-prompts", "two"], "--num-prompts must be an integer of at least 1; got 'two'"),
+    (["--batch-sizes", "0"], "--batch-sizes must be comma-separated integers of at least 1"),
     (["--batch-sizes", "1,,8"], "--batch-sizes must be comma-separated integers"),
-    (["--max-tokens", "-1"], "--max-tokens must be an integer at least 1; got -1"),
-    (["-k", "0"], "--num-speculative-tokens must be an integer from 1 to 32; got 0"),
-    (["-k", "33"], "--num-speculative-tokens must be an integer from 1 to 32; got 33"),
+    (["--max-tokens", "-1"], "--max-tokens must be an integer of at least 1; got '-1'"),
+    (["-k", "0"], "--num-speculative-tokens must be an integer from 1 to 32; got '0'"),
+    (["-k", "33"], "--num-speculative-tokens must be an integer from 1 to 32; got '33'"),
 ])
 def test_bad_values_are_refused_naming_the_option(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["demo", *argv])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
-
-
-def test_batch_sizes_parse():
-    assert batch_sizes("1,8") == [1, 8]
-    assert batch_sizes(" 4 ") == [4]
 
 
 def test_the_chats_take_the_three_kinds_in_turn_and_never_repeat_material():

@@ -10,7 +10,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specplugin.adaptive.background import Background
 from specplugin.config import (
     DraftSettings,
     SpecPluginConfigError,
@@ -695,7 +694,7 @@ def test_the_decode_passes_inputs_are_vllms_update_pass_after_pass(max_model_len
 
     current_platform.register_triton_kernel_overrides()  # as an engine does (CPU: C++)
 
-    from specplugin.vllm_layer.draft_proposer import DecodePassBuffers, decode_passes
+    from specplugin.vllm_layer.draft_inputs import DecodePassBuffers, decode_passes
 
     block_size, num_passes = 4, 6
     rng = np.random.default_rng(0)
@@ -831,16 +830,16 @@ def test_sampled_rows_read_vllms_batch_flags_before_the_temperatures():
     tensor read after the forward); a mixed one from the temperatures."""
     from types import SimpleNamespace
 
-    from specplugin.vllm_layer.draft_proposer import _sampled_rows
+    from specplugin.vllm_layer.draft_inputs import sampled_rows
 
     flags = dict(temperature=None)  # never read for a batch of one kind
-    assert _sampled_rows(SimpleNamespace(all_greedy=True, all_random=False, **flags), 2) == [
+    assert sampled_rows(SimpleNamespace(all_greedy=True, all_random=False, **flags), 2) == [
         False, False]
-    assert _sampled_rows(SimpleNamespace(all_greedy=False, all_random=True, **flags), 3) == [
+    assert sampled_rows(SimpleNamespace(all_greedy=False, all_random=True, **flags), 3) == [
         True, True, True]
     mixed = SimpleNamespace(all_greedy=False, all_random=False,
                             temperature=torch.tensor([0.0, 1.0, 0.7, -1.0]))
-    assert _sampled_rows(mixed, 3) == [False, True, True]
+    assert sampled_rows(mixed, 3) == [False, True, True]
 
 
 def _idle_processor(cls, state: str, value):
@@ -1163,7 +1162,7 @@ def test_the_first_pass_copied_off_the_host_gives_padding_tokens_valid_ids_and_p
     ids and positions are 0, not what the allocator left there: all ``num_padded`` are
     copied, and a stray id or position would index out of range on the device."""
     from specplugin import host_kernels
-    from specplugin.vllm_layer.draft_proposer import FirstPassBuffers
+    from specplugin.vllm_layer.draft_inputs import FirstPassBuffers
 
     num_padded, num_rows = 24, 1
     for _ in range(8):  # (memory the allocator will hand out again, full of stray values)

@@ -162,7 +162,7 @@ P._attn_metadata = attn_metadata
 from specplugin.vllm_layer import draft_proposer
 
 reads, calls = [], {"n": 0}
-orig_caps, orig_inputs = draft_proposer._caps, P._first_pass_inputs
+orig_caps, orig_inputs = draft_proposer.draft_caps, P._first_pass_inputs
 
 def caps(remaining, k, prefilling):
     out = orig_caps(remaining, k, prefilling)
@@ -176,7 +176,7 @@ def first_pass_inputs(self, batch, rows, starts, ends, cad, *args):
                  for r, a in zip(rows, starts))
     return orig_inputs(self, batch, rows, starts, ends, cad, *args)
 
-draft_proposer._caps, P._first_pass_inputs = caps, first_pass_inputs
+draft_proposer.draft_caps, P._first_pass_inputs = caps, first_pass_inputs
 orig_draft = P._draft
 
 def draft(self, run, batch, rows, *args):  # each read's run: how many decode passes ran
@@ -437,7 +437,7 @@ def _bare_drafter(num_reqs: int, scheduled: list[int]):
 def test_the_drafter_forgets_its_calibration_and_its_prices_with_what_it_learned():
     """``specplugin_forget_learned`` (bench, after its warm-up): the draft's stop rule
     must start the timed cell from a fresh engine's tables, not the warm-up's."""
-    from specplugin.adaptive.draft_rule import WARMUP_FORWARDS, CostModel
+    from specplugin.adaptive.draft_rule import WARMUP_FORWARDS
 
     drafter, _ = _bare_drafter(1, [0])
     drafter._observed = False
@@ -493,8 +493,6 @@ def test_the_step_that_read_new_prompts_teaches_the_drafts_cost_model_nothing():
     time; the plain steps after it teach it as they would have without it."""
     from types import SimpleNamespace
 
-    from specplugin.adaptive.arbiter import StepArbiter
-    from specplugin.adaptive.draft_rule import CostModel
 
     models = []
     for prefill in (False, True):

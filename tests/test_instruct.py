@@ -8,7 +8,6 @@ import re
 
 import pytest
 
-from specplugin.bench import instruct
 from specplugin.bench.engine import sampling_kwargs
 from specplugin.bench.families import CODE_WINDOWS, INSTRUCT, family_for
 from specplugin.bench.instruct import (DEAL_ORDER, INSTRUCT_HEADLINE, INSTRUCT_QUICK,
@@ -199,16 +198,16 @@ def test_build_cells_gives_an_instruct_pair_its_headline_by_default(tokenizer, t
     from specplugin.bench.cli import build_cells
 
     pair = _instruct_pair(tokenizer, tmp_path / "pair", jinja=True)
-    cells, _ = build_cells(pair, [], False, 0)
+    cells, _ = build_cells(pair, [], False)
     assert [cp.cell for cp in cells] == list(INSTRUCT_HEADLINE)
     assert all(not cp.ignore_eos for cp in cells)
-    cells, _ = build_cells(pair, [], True, 0)
+    cells, _ = build_cells(pair, [], True)
     assert [cp.cell for cp in cells] == list(INSTRUCT_QUICK)
-    cells, _ = build_cells(pair, ["chat"], False, 0)  # a workload named: all its cells
+    cells, _ = build_cells(pair, ["chat"], False)  # a workload named: all its cells
     assert [cp.cell.key for cp in cells] == [f"chat/b{b}/t{t}" for b in (1, 8, 32)
                                              for t in (0, 1)]
     with pytest.raises(ValueError, match="instruct: code-edit, explain, chat, chat-mix"):
-        build_cells(pair, ["edit"], False, 0)
+        build_cells(pair, ["edit"], False)
 
 
 def test_the_real_models_template_renders_a_chatml_turn():

@@ -105,7 +105,7 @@ def test_check_lossless_refuses_bad_alpha_and_draws_by_name():
     """Bad options are refused by name before any engine starts."""
     for args, fragment in ((["--alpha", "0"], "--alpha must be in (0, 0.5]"),
                            (["--alpha", "-1"], "--alpha must be in (0, 0.5]"),
-                           (["--draws", "0"], "--draws must be at least 100")):
+                           (["--draws", "0"], "--draws must be an integer of at least 100")):
         proc = subprocess.run([sys.executable, "-m", "specplugin.cli", "check-lossless", *args],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and fragment in proc.stderr, proc.stderr[-2000:]

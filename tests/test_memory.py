@@ -171,11 +171,11 @@ def test_state_dir_must_be_a_directory_this_user_can_write(tmp_path):
 def test_verdicts_the_estimator_holds_back_are_written_too(tmp_path):
     """The union learns LEARN_EVERY steps at a time (warm): the file written between two
     flushes has every verdict judged so far."""
-    from specplugin.adaptive.union import COLD_TOKENS, Verified
+    from specplugin.adaptive.learning import COLD_TOKENS, Verified
     from tests.test_adaptive import _batch
 
     union = _union()
-    union._learned_tokens = COLD_TOKENS  # warm: verdicts wait for the next flush
+    union.learner.learned_tokens = COLD_TOKENS  # warm: verdicts wait for the next flush
     memory = _open(union, tmp_path)
     drafts = union.step(_batch(["a"]), None).drafts
     assert drafts[0]

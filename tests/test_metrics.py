@@ -137,7 +137,8 @@ def test_an_extra_candidate_that_won_is_credited_to_its_proposer():
     draft tokens stay ngram's (as in vLLM's counters), the emitted ones are suffix's."""
     import numpy as np
 
-    from specplugin.adaptive.union import Scored, Union, Verified
+    from specplugin.adaptive.learning import Scored, Verified
+    from specplugin.adaptive.union import Union
     from tests.test_adaptive import Fixed, _batch, flat_cost
 
     union = Union([Fixed("ngram", [1, 2, 3, 4], 0.9), Fixed("suffix", [1, 7, 8, 9], 0.9)],

@@ -5,10 +5,8 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 from specplugin.profiling import (DRAFT_FORWARDS, IPC, REST, SYNC_PREFIX, TIMER_CALLS, WORKER,
@@ -141,24 +139,6 @@ def test_every_timed_method_exists_in_this_vllm_and_plugin():
     assert callable(getattr(p._owner(*p.DRAFT_FORWARD_METHOD[:2]), p.DRAFT_FORWARD_METHOD[2]))
 
 
-def test_coarse_timers_keep_vllms_rows_and_the_plugins_entry_points():
-    """Every row the coarse timers keep is in the table, every vLLM row stays (else the
-    plugin's entry points would be charged vLLM's work nested in them), and every plugin
-    row dropped is nested in a kept one (its class is entered through a kept row)."""
-    from specplugin.vllm_layer import profiling as p
-
-    rows = {(owner, attribute) for _, owner, attribute, _ in p.WORKER_TIMED}
-    assert p.COARSE_PLUGIN_ROWS <= rows
-    kept_owners = {owner for owner, _ in p.COARSE_PLUGIN_ROWS}
-    for _, owner, attribute, phase in p.WORKER_TIMED:
-        if not p._is_plugin(phase):
-            continue
-        if (owner, attribute) not in p.COARSE_PLUGIN_ROWS:  # reached from an entry point
-            assert owner in kept_owners | {"Union", "NgramProposer", "SuffixProposer",
-                                           "DraftCandidates", "StatsPublisher", "DecodePasses",
-                                           "DraftRun", None}, owner
-
-
 def test_the_plugins_work_inside_vllms_rejection_sampler_is_timed_as_its_own(monkeypatch):
     """The expected acceptance and the recovered tokens' draw run inside vLLM's
     ``rejection_sample`` (verification.py's wrapper): wrapped as the table says, a step's
@@ -250,83 +230,6 @@ def test_the_plain_step_is_compared_with_nones_round_by_round():
     assert _plain_rounds(none, {"none": none}) == "-"
 
 
-def test_the_step_ab_pairs_neighbouring_steps_and_sees_a_small_cost_on_a_drifting_machine():
-    """--step-ab: each recorded plugin step against the vllm step recorded right after it
-    in the same run of plain steps. The machine's speed swings by 2x between runs and
-    within them; a plugin that adds 2% reads 2%, and the interval is narrow enough to
-    tell it from 3%. Steps of different runs, or in the wrong order, are not paired; a
-    step that ran the other arm's code voids the measurement."""
-    from specplugin.bench.profile import _step_ab, step_ab_summary
-
-    rng = np.random.default_rng(0)
-    records = []
-    for segment in range(40):
-        base = 5.0 * (1.0 + segment % 2)  # the machine: 5 or 10 ms a step, run by run
-        for _ in range(10):
-            base *= 1.0 + rng.normal(0.0, 0.01)  # drifting within the run
-            noise = rng.normal(0.0, 0.01, size=2)
-            records.append(["plugin", base * 1.02 * (1 + noise[0]) / 1e3, segment, True])
-            records.append(["vllm", base * (1 + noise[1]) / 1e3, segment, False])
-    ab = step_ab_summary(records)
-    assert ab["pairs"] == 400 and ab["wrong_arm"] == 0
-    assert ab["low"] < 1.02 < ab["high"] < 1.03
-    assert ab["ratio"] == pytest.approx(1.02, abs=0.003)
-    # what the plugin adds, in ms: 2% of steps of 5 and 10 ms, and against a 10 ms step
-    assert ab["excess_low_ms"] < 0.15 < ab["excess_high_ms"]
-    text = _step_ab({"step_ab": ab, "plain_step_ms": 10.0})
-    assert text.startswith("1.02") and "+1.5% of a plain step" in text and "400 pairs" in text
-    assert " ms (+0.1" in _step_ab({"step_ab": ab})  # no plain step to set it against: ms
-    # across runs, or vllm first: no pair
-    apart = [["plugin", 0.005, 0, True], ["vllm", 0.004, 1, False],
-             ["vllm", 0.004, 1, False], ["plugin", 0.005, 1, True]]
-    assert step_ab_summary(apart) is None and step_ab_summary(None) is None
-    broken = step_ab_summary(records + [["vllm", 0.005, 41, True]])
-    assert broken == {"pairs": 0, "wrong_arm": 1}
-    assert _step_ab({"step_ab": broken}).startswith("broken: 1 steps")
-
-
-def test_step_ab_starts_the_drafters_clock_after_each_vllm_step():
-    """After a step run as vLLM's own (the plugin did not see it), the drafter's clock
-    starts again: its next lap is the plugin's next step alone, a step it learns from
-    like any other (a lap of no step would leave plain blocks uncounted, so that the
-    plugin arm paid more full decisions than in a run of its own)."""
-    from specplugin.adaptive.cost import StepTimer
-    from specplugin.vllm_layer.profiling import PlainStepAB
-    from specplugin.vllm_layer.worker import PluginRunnerMixin
-
-    class VllmRunner:
-        def execute_model(self, scheduler_output, intermediate_tensors=None):
-            return None
-
-        def sample_tokens(self, grammar_output):
-            return SimpleNamespace()
-
-    class PluginRunner(PluginRunnerMixin, VllmRunner):
-        def execute_model(self, scheduler_output, intermediate_tensors=None):
-            self.step_scheduler_output = scheduler_output
-            return None
-
-        def sample_tokens(self, grammar_output):
-            laps.append(self.drafter.timer.lap())
-            return SimpleNamespace()
-
-    laps = []
-    runner = PluginRunner()
-    runner.drafter, runner.speculative_config = SimpleNamespace(timer=StepTimer()), object()
-    ab = PlainStepAB(runner)
-    ab.install()
-    step = SimpleNamespace(scheduled_new_reqs=[], finished_req_ids=set(),
-                           scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set()),
-                           scheduled_spec_decode_tokens={}, total_num_scheduled_tokens=1,
-                           num_scheduled_tokens={"a": 1})
-    for _ in range(40):
-        runner.execute_model(step)
-        runner.sample_tokens(None)
-    records = ab.uninstall()
-    assert {r[0] for r in records} == {"plugin", "vllm"}
-    assert None not in laps[1:], laps  # (the first lap has no step before it)
-
-
 # ------------------------------------------------------------------ inside real vLLM
 
 # A built-in without a draft model, and a union with the draft model and one token-level
@@ -343,7 +246,6 @@ def profiled(tmp_path_factory):
     path = out / "profile.json"
     cmd = [sys.executable, "-m", "specplugin.cli", "profile", "--quick", "--eager",
            "--methods", ",".join(E2E_METHODS), "--batch-size", "4", "--overhead-pairs", "1",
-           "--step-ab", "2",
            # speculative and plain blocks take turns: both kinds of step are measured
            # (and the draft model runs wherever a row could use it, whatever it measured)
            "--set", 'fault_injection={"alternate_blocks": true, "draft_always": true}',
@@ -395,20 +297,6 @@ def test_plain_steps_that_skip_drafting_are_told_apart(profiled):
 
 
 @pytest.mark.vllm
-def test_the_step_ab_runs_blocks_of_settled_plain_steps_as_vllms_own_runner(profiled):
-    """--step-ab: in steady plain decoding, blocks of the plugin's plain steps and of
-    vLLM's own runner's take turns (class and speculative config swapped out for the
-    step: none of the plugin's runner code runs, which each record checks), paired;
-    built-ins have no arm."""
-    builtin, plugin = (profiled[0]["methods"][n] for n in E2E_METHODS)
-    assert builtin["step_ab"] is None
-    ab = plugin["step_ab"]
-    assert ab["wrong_arm"] == 0 and ab["pairs"] >= 1, ab
-    assert 0.5 < ab["ratio"] < 2.0 and ab["median_ms"]["vllm"] > 0
-    assert "plain step, plugin / vLLM's runner, step by step" in profiled[1]
-
-
-@pytest.mark.vllm
 def test_drafting_phases_follow_the_method(profiled):
     builtin, plugin = (profiled[0]["methods"][n] for n in E2E_METHODS)
     assert builtin["draft_forwards_per_step"] == 0.0
@@ -451,7 +339,6 @@ def test_py_spy_records_a_flame_graph_or_raw_stacks_with_the_venvs_py_spy(tmp_pa
     README's ``.venv/bin``, never activated) when it is not on ``PATH``."""
     import argparse
     import stat
-    import sys
 
     from specplugin.bench import profile
 
@@ -478,46 +365,3 @@ def test_py_spy_records_a_flame_graph_or_raw_stacks_with_the_venvs_py_spy(tmp_pa
     fake.unlink()
     with pytest.raises(ValueError, match="pip install py-spy"):
         profile.find_py_spy()
-
-
-def test_sampled_mode_reports_shares_pooled_over_rounds_and_never_stops_the_worker():
-    """``--timers sampled``: py-spy stops the worker for each read unless told not to
-    (reads without stopping it failed 12% of the time here, mostly in the plugin's
-    Python), from a core the worker is not bound to; the table gives every row's share,
-    the plugin's with its interval, per round and pooled by samples, and the failed reads."""
-    import argparse
-
-    from specplugin.bench import profile
-
-    parser = argparse.ArgumentParser()
-    profile.add_arguments(parser)
-    args = parser.parse_args(["--timers", "sampled"])
-    assert args.timers == "sampled" and args.sample_rate == profile.SAMPLE_RATE
-    command = profile.SampledWindow("/x/py-spy", 7, Path("/tmp/s.txt"), 250).command()
-    assert "--nonblocking" not in command and "--idle" in command
-    assert "--nonblocking" in profile.SampledWindow("/x/py-spy", 7, Path("/tmp/s.txt"),
-                                                    nonblocking=True).command()
-    assert parser.parse_args(["--timers", "sampled", "--nonblocking"]).nonblocking
-    assert command[command.index("--rate") + 1] == "250"
-    assert command[command.index("--pid") + 1] == "7"
-    assert not profile.other_cores(os.getpid()) & os.sched_getaffinity(os.getpid())
-
-    def result(own, n):
-        shares = {"forward": 0.6, "draft forward": 0.2, "plugin": own, "vllm": 0.2 - own}
-        return {"own_share": own, "step_samples": n, "tok_s": 100.0,
-                "mean_acceptance_length": 2.0, "overhead": {"measured": 0.05},
-                "sampled": {"shares": shares, "own_half_interval": 0.01, "step_samples": n,
-                            "samples": 2 * n, "background_share": 0.0,
-                            "failed_reads": [0, 2 * n],
-                            "plugin_functions": [("HostDraws.draw", 0.02)]}}
-
-    first = result(0.10, 1000)
-    first["rounds"] = [{"own_share": 0.10, "step_samples": 1000},
-                       {"own_share": 0.04, "step_samples": 500}]
-    assert profile.pooled_own_share(first["rounds"]) == pytest.approx(0.08)
-    rows = dict(r for r in profile.ledger_rows({"plugin-union": first}) if r is not None)
-    assert rows["plugin's own work (no forwards)"] == ["10.0% +-1.0%"]
-    assert rows["  per round (fresh engines); all rounds' samples pooled"] == ["10.0%, 4.0%; 8.0%"]
-    assert rows["plugin function #1 (innermost, not passing through)"] == ["HostDraws.draw 2.0%"]
-    assert rows["py-spy's failed reads (in no row) / reads"] == ["0 / 2000"]
-    assert "stopping it for each read" in profile._note({"plugin-union": first})

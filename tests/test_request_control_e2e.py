@@ -42,6 +42,7 @@ from vllm.inputs import TokensPrompt
 from specplugin.adaptive.arbiter import StepArbiter
 from specplugin.proposers.ngram import NgramProposer
 from specplugin.proposers.suffix import SuffixProposer
+from specplugin.adaptive.learning import Learner
 from specplugin.adaptive.union import Union
 from specplugin.vllm_layer.draft_proposer import PluginDraftProposer
 
@@ -91,7 +92,7 @@ read_prompts = {"greedy": [], "sampled": []}
 # start the union learns a step in the worker's wait, and a run's last step is learned
 # once the next run's first step is planned
 learned = []
-learn = Union._learn_rows
+learn = Learner.learn_rows
 
 def recording_learn(self, verified, *args, **kwargs):
     rows = [[None if verified.expected is None else list(verified.expected[r]), int(k)]
@@ -99,13 +100,13 @@ def recording_learn(self, verified, *args, **kwargs):
     learned.append((tuple(verified.req_ids), rows, verified.read_prompts))
     return learn(self, verified, *args, **kwargs)
 
-Union._learn_rows = recording_learn
+Learner.learn_rows = recording_learn
 run_ids = {}
 for job_mode, temperature in (("greedy", 0.0), ("sampled", 1.0)):
     outs = llm.generate(prompts[:2], SamplingParams(temperature=temperature, max_tokens=32,
                                                     seed=0, ignore_eos=True), use_tqdm=False)
     run_ids[job_mode] = [o.request_id for o in outs]
-Union._learn_rows = learn
+Learner.learn_rows = learn
 
 def run_of(req_id):  # (vLLM may suffix the engine's id to the caller's)
     return next(mode for mode, ids in run_ids.items()
@@ -263,3 +264,14 @@ def test_the_counters_are_in_vllms_metrics_with_a_proposer_label(probe):
     assert all(0 <= published[n] <= exact[n]["accepted_tokens"] for n in published), (
         published, exact)
     assert sum(published.values()) > 0
+
+
+def test_no_request_record_outlives_the_job(probe):
+    """Every request's record (``specplugin.requests``) is dropped when it finishes, at the
+    step after (where vLLM tells the workers; an in-process engine runs it with the next
+    request): of the job's 20-odd requests only the last one's is held. The gauge is in
+    vLLM's metrics. Seen red with ``Union.finish_requests`` keeping the records."""
+    assert probe["exact"]["tracked_requests"] <= 1, probe["exact"]
+    gauge = [value for name, _, value in probe["published"]
+             if name == "vllm:specplugin_tracked_requests"]
+    assert len(gauge) == 1 and gauge[0] >= 0, probe["published"]

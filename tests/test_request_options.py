@@ -83,7 +83,7 @@ def test_the_workers_cache_parses_once_and_never_raises():
     assert cache.get("a", {MAX_K_KEY: 2}).max_k == 2
     assert cache.get("a", {MAX_K_KEY: 5}).max_k == 2  # parsed at the request's first step
     assert cache.get("bad", {MAX_K_KEY: 99}) == RequestOptions(max_k=0)  # no speculation
-    cache.forget(["a", "bad", "never-seen"])
+    cache.requests.finish(["a", "bad", "never-seen"])
     assert cache.get("a", {MAX_K_KEY: 5}).max_k == 5
 
 

@@ -124,7 +124,7 @@ def test_drafts_are_verified_and_accepted(request, union):
 @pytest.mark.parametrize("union", ["token_union", "full_union"])
 def test_the_offers_not_sent_are_judged_in_vllm(request, union):
     """The vLLM layer hands the union each row's last emitted token, so the offers a
-    step did not send are judged too (``Union._learn_unchosen``); without it none is."""
+    step did not send are judged too (``Learner.learn_unchosen``); without it none is."""
     steps = request.getfixturevalue(union).plugin_steps
     assert steps["offers_judged_unsent"] > 0, steps
 

@@ -5,7 +5,7 @@ import pytest
 
 from specplugin.bench.runner import cell_payload
 from specplugin.bench.workloads import (FULL_SIZES, HEADLINE_CELLS, QUICK_CELLS, QUICK_SIZES,
-                                        WORKLOADS, Cell, cell_prompts, full_grid,
+                                        WORKLOADS, Cell, cell_prompts, grid,
                                         source_from_texts)
 
 SPECIAL = 0
@@ -75,7 +75,7 @@ def test_cell_seeds_are_stable_across_processes():
     assert Cell("edit", 1, 0.0).seed(0) == 21805515  # zlib.crc32(b"edit/b1/t0")
 
 
-@pytest.mark.parametrize("cell", full_grid() + list(QUICK_CELLS), ids=lambda c: c.key)
+@pytest.mark.parametrize("cell", grid(WORKLOADS) + list(QUICK_CELLS), ids=lambda c: c.key)
 def test_a_tiny_held_out_stream_still_gives_every_cell_its_prompts(cell):
     """A quick zoo holds out only a couple of files; windows then wrap or repeat."""
     source = _source(["x = 1\n"])
@@ -90,14 +90,14 @@ def test_request_counts_per_batch_size():
 
 
 def test_the_grid_follows_the_design():
-    grid = full_grid()
-    assert len(grid) == 3 * 2 * 2 + 1 + 1 + 1
-    assert [c for c in grid if c.workload == "server"] == [Cell("server", 8, 1.0)]
-    assert [c for c in grid if c.workload == "adversarial"] == [Cell("adversarial", 16, 1.0)]
-    assert [c for c in grid if c.workload == "revisit"] == [Cell("revisit", 1, 0.0)]
-    assert {c.batch_size for c in grid
+    cells = grid(WORKLOADS)
+    assert len(cells) == 3 * 2 * 2 + 1 + 1 + 1
+    assert [c for c in cells if c.workload == "server"] == [Cell("server", 8, 1.0)]
+    assert [c for c in cells if c.workload == "adversarial"] == [Cell("adversarial", 16, 1.0)]
+    assert [c for c in cells if c.workload == "revisit"] == [Cell("revisit", 1, 0.0)]
+    assert {c.batch_size for c in cells
             if c.workload not in ("adversarial", "revisit", "server")} == {1, 8}
-    assert {c.temperature for c in grid} == {0.0, 1.0}
+    assert {c.temperature for c in cells} == {0.0, 1.0}
     assert set(WORKLOADS) == {"edit", "complete", "mixed", "adversarial", "revisit", "server"}
 
 

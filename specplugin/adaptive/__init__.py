@@ -31,12 +31,15 @@ def build(config: SpecPluginConfig, max_num_batched_tokens: int) -> Union:
     from specplugin.adaptive.union import Union
     from specplugin.proposers import MODEL_PROPOSERS, build_proposer
     from specplugin.proposers.draft import DraftCandidates
+    from specplugin.requests import Requests
 
-    proposers = [build_proposer(n, config) for n in config.proposers if n not in MODEL_PROPOSERS]
+    requests = Requests()  # every request's record, shared by the proposers and the union
+    proposers = [build_proposer(n, config, requests) for n in config.proposers
+                 if n not in MODEL_PROPOSERS]
     if any(n in MODEL_PROPOSERS for n in config.proposers):
         proposers.append(DraftCandidates())
     faults = config.fault_injection
     return Union(proposers, cost=StepCostModel(max_tokens=max(2, max_num_batched_tokens)),
                  arbiter=arbiter_for(config), max_candidates=config.max_candidates,
                  decoy_primary=faults.decoy_primary, draft_always=faults.draft_always,
-                 background=Background(deferred=True))
+                 background=Background(deferred=True), requests=requests)

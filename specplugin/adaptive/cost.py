@@ -431,8 +431,3 @@ class StepTimer:
     def reset(self) -> None:
         """A drafting call failed: the next lap measures no step."""
         self._last = None
-
-    def restart(self) -> None:
-        """A step the drafter did not see just ended (``profile --step-ab``): the next lap
-        measures only the step after it."""
-        self._last = time.perf_counter()

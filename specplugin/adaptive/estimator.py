@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from specplugin.adaptive import kernels
+from specplugin.requests import Requests
 
 POSITION_EDGES = np.array([1, 2, 3, 4, 8])  # groups: 0, 1, 2, 3, 4-7, 8+
 HISTORY_EDGES = np.array([0.3, 0.7])  # recent acceptance: low, mid, high (+ "new")
@@ -250,27 +251,25 @@ def history_bucket(recent_acceptance: float | None) -> int:
 
 
 class RequestHistory:
-    """Per-request exponential average of judged tokens' acceptance (weight ``alpha``)."""
+    """Per-request exponential average of judged tokens' acceptance (weight ``alpha``), kept
+    in each request's record (:class:`~specplugin.requests.RequestState`)."""
 
-    def __init__(self, alpha: float = 0.3):
+    def __init__(self, requests: Requests, alpha: float = 0.3):
+        self.requests = requests
         self.alpha = alpha
-        self._recent: dict[str, float] = {}
-
-    def __len__(self) -> int:  # requests with a recent acceptance
-        return len(self._recent)
 
     def get(self, req_id: str) -> float | None:
-        return self._recent.get(req_id)
+        state = self.requests.get(req_id)
+        return None if state is None else state.recent_acceptance
 
     def update(self, req_id: str, judged: int, accepted: int) -> None:
-        """Average in ``judged`` tokens of one draft, the first ``accepted`` accepted."""
-        value, alpha = self._recent.get(req_id), self.alpha
+        """Average in ``judged`` tokens of one draft, the first ``accepted`` accepted (a
+        request that has ended keeps nothing)."""
+        state = self.requests.get(req_id)
+        if state is None:
+            return
+        value, alpha = state.recent_acceptance, self.alpha
         for j in range(judged):
             a = 1.0 if j < accepted else 0.0
             value = a if value is None else value + alpha * (a - value)
-        if value is not None:
-            self._recent[req_id] = value
-
-    def forget(self, req_ids) -> None:
-        for req_id in req_ids:
-            self._recent.pop(req_id, None)
+        state.recent_acceptance = value

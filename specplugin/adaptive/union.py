@@ -1,59 +1,46 @@
 """The union: every configured proposer is asked each step; the controller picks per request.
 
-One step of :meth:`Union.step`, in order:
-
-1. **learn** from the step just verified (:class:`Verified`): its wall time -> the cost
-   model and the step arbiter, at once (they decide this step); for each request that
-   had drafts, which of them were accepted, and how the offers of other proposers it did
-   not send compare with the tokens it emitted -> the difficulty estimator and the
-   request's recent acceptance, once this step's plan is made, in the worker's wait
-   for its next step where a deferred :class:`~specplugin.adaptive.background.Background`
-   runs it (it shapes later plans, not this one);
-2. **ask** every proposer for candidates (a proposer that raises is counted and
-   costs its own candidates only, never a request), unless the step arbiter
-   (:mod:`specplugin.adaptive.arbiter`) has measured that plain decoding is faster
-   at this batch size: then the step decodes plainly and no proposer runs;
-3. **estimate** each candidate token's acceptance probability;
-4. **choose**, for the whole batch, which candidate and how many of its tokens
-   each request verifies (:func:`specplugin.adaptive.controller.plan`; none where
-   nothing pays);
-5. **remember** what was proposed, to learn from it next step.
-
-It returns one :class:`StepPlan` for the batch: each row's draft, whose candidate it is,
-and the extra candidates the batch-expanding scorer verifies beside it (nothing read back
-from the union afterwards).
-
-Everything here is vLLM-free; the vLLM layer builds the :class:`StepBatch` and the
-:class:`Verified` record from the engine's buffers.
+:meth:`Union.step` is one step, in order: **learn** from the step just verified
+(:class:`~specplugin.adaptive.learning.Verified`: its time to the cost model and the step
+arbiter at once, its verdicts to the estimator once the plan is made, in the worker's wait
+for its next step); **ask** every proposer (unless the step arbiter measured that plain
+decoding is faster: then nothing runs), running the draft model where its gate says it pays;
+**estimate** each offered token's acceptance; **plan** which candidate and how many of its
+tokens each request verifies (none where nothing pays); **remember** what was sent. It returns
+one :class:`~specplugin.adaptive.plan.StepPlan`; nothing is read back from the union after.
+A proposer that raises costs its own candidates, never a request. vLLM-free: the vLLM layer
+builds the :class:`StepBatch` and the ``Verified`` record from the engine's buffers.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
 from specplugin.adaptive import kernels
 from specplugin.adaptive.arbiter import StepArbiter
 from specplugin.adaptive.background import Background
-from specplugin.adaptive.controller import (NO_CANDIDATE, Choice, cumulative,
-                                           divergence, expand, plan, planned, token_price,
-                                           with_candidates)
+from specplugin.adaptive.controller import NO_CANDIDATE, Choice, divergence, expand, planned
 from specplugin.adaptive.cost import StepCostModel
+from specplugin.adaptive.draft_gate import (Backoff, add_draft_estimates, best_forwards,
+                                            plan_with_draft, rate_terms, run_overhead,
+                                            trial_rows)
 from specplugin.adaptive.draft_rule import CostModel as DraftCostModel, draft_prices
-from specplugin.adaptive.estimator import (AcceptanceEstimator, RequestHistory, as_list,
-                                           expected_emitted, history_bucket, judged_outcomes)
+from specplugin.adaptive.estimator import (AcceptanceEstimator, as_list, expected_emitted,
+                                           history_bucket)
+from specplugin.adaptive.learning import LEARN_EVERY, Learner, Sent, Shadow, Verified
+from specplugin.adaptive.plan import DraftModel, FlatPlan, StepPlan
 from specplugin import trace
 from specplugin.metrics import FailureCounter, ProposerStats
 from specplugin.config import MODEL_PROPOSERS
 from specplugin.proposers.base import Candidate, Proposer, StepBatch
+from specplugin.requests import Requests
 
 logger = logging.getLogger("specplugin")
 # Backoffs: asks that keep finding nothing are spaced out, the gap doubling up to a limit,
-# and back to 1 when one finds something or new requests join (_Backoff).
+# and back to 1 when one finds something or new requests join (Backoff).
 # Plain steps between two peeks (plain_step): a peek costs ~0.1 ms, 1-3% of a small
 # model's plain step, and a copy stays in sight as long as it runs.
 MAX_PEEK_GAP = 8
@@ -70,238 +57,10 @@ MAX_HOLD_GAP = 8
 MAX_HOLD_GAP_GREEDY = 2
 HOLD_PATIENCE = 3
 # An untried draft model runs on an optimistic estimate in its first DRAFT_TRIALS gated
-# steps (until DRAFT_TRIAL_EVIDENCE of its tokens are judged), for the DRAFT_TRIAL_ROWS
-# rows whose first pass reads least: its worth is learnt only by running it.
+# steps (until DRAFT_TRIAL_EVIDENCE of its tokens are judged), for the rows whose first
+# pass reads least (draft_gate.DRAFT_TRIAL_ROWS): its worth is learnt only by running it.
 DRAFT_TRIALS = 4
 DRAFT_TRIAL_EVIDENCE = 8.0
-DRAFT_TRIAL_ROWS = 2
-# The estimator learns the verdicts of LEARN_EVERY steps in one update (an update and its
-# sums were a third of the union's per-step work), except while cold (fewer than
-# COLD_TOKENS judged tokens): there every verdict moves the plan most, so it learns at once.
-LEARN_EVERY = 4
-COLD_TOKENS = 64
-_NO_SIGNAL = np.empty(0)  # an offer learned by its cells (see Union._offers_not_sent)
-
-
-def judge_guess(tokens: np.ndarray, emitted: np.ndarray) -> tuple[int, int]:
-    """(tokens judged, tokens accepted) of an unsent guess against the tokens emitted since
-    it was made: accepted while equal, the first that differs judged and rejected, tokens
-    past the emitted ones not judged. What verification would have said: exactly at
-    temperature 0, in expectation above (a fixed guess x is accepted with p(x))."""
-    seen = min(len(tokens), len(emitted))
-    differs = np.flatnonzero(tokens[:seen] != emitted[:seen])
-    accepted = int(differs[0]) if differs.size else seen
-    return min(accepted + 1, seen), accepted
-
-
-@dataclass(frozen=True)
-class Scored:
-    """How a request's candidates fared when the batch-expanding scorer verified extra
-    candidates beside its draft (None where the acceptance rule does not tell)."""
-
-    own_accepted: int | None  # tokens of the draft itself that the target accepted
-    extra_accepted: tuple[int | None, ...]  # per extra candidate, in the order sent
-    extra_lengths: tuple[int, ...]  # tokens of each extra candidate actually verified
-    winner: int | None  # index of the extra candidate whose tokens were emitted (None: the draft's)
-
-
-@dataclass(slots=True)
-class Verified:
-    """The engine step that just ran, for the requests of the current batch rows."""
-
-    req_ids: tuple[str, ...]  # [num_reqs]
-    # [num_reqs] draft tokens the target verified per row (a list, or an array)
-    num_scheduled_drafts: Sequence[int] | np.ndarray
-    num_emitted: Sequence[int] | np.ndarray  # [num_reqs] tokens each row emitted (accepted + 1)
-    seconds: float | None  # wall time of the step (None: unknown, e.g. the first one)
-    num_query_tokens: int  # tokens the target ran in it (all rows, drafts included)
-    scored: dict[str, Scored] | None = None  # req_id -> outcome, for requests with extras
-    # seconds of ``seconds`` the draft model's forwards took (priced apart: plan_draft)
-    draft_seconds: float = 0.0
-    # [num_reqs] each verified draft token's acceptance probability, where the verifier
-    # knew it (None: it did not); sampled rows learn these instead of the verdicts (see
-    # _learn)
-    expected: Sequence[Sequence[float]] | None = None
-    # the step read prompt tokens: its time is a prefill's, which no cost model
-    # nor the step arbiter learns from (see Union._observe)
-    read_prompts: bool = False
-    # [num_reqs] each row's last emitted token (its recovered or bonus token; -1: not
-    # known), with which the offers the plan did not send are judged (see _learn_unchosen)
-    next_tokens: Sequence[int] | None = None
-
-
-@dataclass(slots=True)
-class StepPlan:
-    """One step's decision for the whole batch, what :meth:`Union.step` and
-    :meth:`Union.choose` return: each row's draft, whose candidate it is, and the extra
-    candidates the batch-expanding scorer verifies beside it."""
-
-    # [num_reqs] token ids each row verifies ([]: none); None from choose_held, whose
-    # caller holds the tokens (the draft model's run)
-    drafts: list[list[int]] | None
-    sources: list[int | None]  # [num_reqs] proposer index of each row's draft (None: none)
-    alternates: list[list[list[int]]]  # [num_reqs] extra candidates per row (the scorer's)
-
-    @classmethod
-    def plain(cls, num_reqs: int) -> StepPlan:
-        """No row verifies anything."""
-        return cls([[] for _ in range(num_reqs)], [None] * num_reqs,
-                   [[] for _ in range(num_reqs)])
-
-
-@dataclass(slots=True)
-class DraftOutput:
-    """One draft-model run: per row, the tokens its stop rule kept."""
-
-    lengths: list[int]  # [num_reqs] draft tokens per row (0: it did not draft)
-    signals: list[list[float]]  # [num_reqs][length] the draft's confidence per token
-    num_forwards: int  # forwards the run made (its first pass included)
-    # [num_reqs] the rows' drafts as candidates (None in a held step, which needs none)
-    candidates: list[Candidate | None] | None = None
-
-
-class DraftModel(Protocol):
-    """The draft model as the vLLM layer runs it inside :meth:`Union.step`: the facts its
-    prices need, and its run."""
-
-    ran_last_step: bool  # it ran in the step before (its first pass is then warm)
-
-    def catch_up_tokens(self, batch: StepBatch) -> list[int]:
-        """[num_reqs] tokens each row's first pass would read beyond its newest."""
-        ...
-
-    def param_ratio(self) -> float:
-        """Draft / target parameters (its forward's price before one was timed)."""
-        ...
-
-    def run(self, batch: StepBatch, caps: list[int], held: bool) -> DraftOutput:
-        """Draft up to ``caps[r]`` tokens for each row with ``caps[r] > 0`` (``held``: no
-        candidates needed)."""
-        ...
-
-
-@dataclass
-class _Pending:
-    proposer: int  # index of the proposer whose candidate was sent
-    sampled: bool
-    history: int  # the request's history bucket when it was sent
-    signal: np.ndarray  # [k] signals of the k tokens sent for verification
-    # a proposer's alternative (not its own best guess): verified only as an extra
-    # candidate, and never learned from (see _learn_extras)
-    alternative: bool = False
-    # [k] the estimator cells of the tokens sent, where the plan had them (None: from
-    # the signals when learned)
-    cells: list[int] | None = None
-
-
-@dataclass
-class _Backoff:
-    """Asks spaced out while they find nothing (the plain steps' peeks, the draft's gate):
-    after ``patience`` asks in a row that found nothing the gap to the next one doubles
-    with each further one, up to a limit; after one that found something, or when new
-    text arrives, the next step asks again."""
-
-    gap: int = 1  # steps from one ask to the next
-    wait: int = 0  # steps until the next ask
-    patience: int = 1  # asks in a row that find nothing before the gap grows
-    misses: int = 0  # asks in a row that found nothing
-
-    def due(self) -> bool:
-        """Whether this step asks (else one step of the wait is spent)."""
-        if self.wait > 0:
-            self.wait -= 1
-            return False
-        return True
-
-    def asked(self, found: bool, limit: int) -> None:
-        """This step asked and ``found`` something (or not): the next ask is due in 1, or,
-        from the ``patience``-th miss in a row, in the doubled gap (at most ``limit``)."""
-        if found:
-            self.gap, self.misses = 1, 0
-        else:
-            self.misses += 1
-            if self.misses >= self.patience:
-                self.gap = min(2 * self.gap, limit)
-        self.wait = self.gap - 1
-
-    def reset(self) -> None:
-        self.gap, self.wait, self.misses = 1, 0, 0
-
-    def skip(self, steps: int) -> None:
-        """``steps`` steps went by that could not ask (an ask coming due waits for the
-        next step that can)."""
-        self.wait = max(0, self.wait - steps)
-
-
-@dataclass
-class _Shadow:
-    """A candidate the peek found on a plain step and did not send: judged against the
-    tokens the target emits next (:meth:`Union._judge_shadows`)."""
-
-    sent: _Pending
-    tokens: np.ndarray  # [k] the candidate's tokens
-    start: int  # the request's context length when it was found
-
-
-@dataclass
-class _FlatPlan:
-    """One step's offers and plan as :meth:`Union._plan` made it
-    (:func:`kernels.plan_offers <specplugin.adaptive.kernels.plan_offers>`): offer ``o`` is
-    ``offers[o]`` (in row order), its tokens' cells ``cells[starts[o]:starts[o + 1]]``.
-    The arrays are views of the union's buffers, valid until its next plan."""
-
-    offers: list  # [num_offers] (row, proposer index, candidate)
-    cells: np.ndarray  # [num_tokens] each offered token's estimator cell
-    starts: list[int]  # [num_offers + 1]
-    # [2 * num_tokens + num_reqs] each token's estimate (mean or draw), each token's
-    # cumulative estimate along its offer, each row's best offer's worth at the price
-    estimates: np.ndarray
-    offer: list[int]  # [num_reqs] each row's chosen offer (-1: none)
-    num_tokens: list[int]  # [num_reqs] the tokens it verifies of it
-    best_offer: list[int]  # [num_reqs] each row's best offer before the prefix's cut
-    expected: float  # tokens the step is expected to emit
-    seconds: float  # its predicted seconds (the draft's forwards not included)
-
-    def values(self) -> list[float]:
-        """:attr:`estimates` as floats (one conversion; see :meth:`acceptance`)."""
-        return self.estimates.tolist()
-
-    def acceptance(self, values: list[float] | None = None) -> list[list]:
-        """[num_reqs][candidates] each row's offers' token estimates, in offer order
-        (lists, from ``values``, else arrays)."""
-        values = self.estimates if values is None else values
-        out: list[list] = [[] for _ in self.offer]
-        for o, (r, _, _) in enumerate(self.offers):
-            out[r].append(values[self.starts[o]:self.starts[o + 1]])
-        return out
-
-    def best(self, values: list[float]) -> list[tuple[int, list[float], float]]:
-        """[num_reqs] each row's candidate worth most at the step's price, as
-        :func:`~specplugin.adaptive.controller.best_candidates` gives it: (index in the
-        row, cumulative estimates, worth), from ``values`` (:meth:`values`)."""
-        total = self.starts[-1]
-        first = self._first()
-        out = []
-        for r, o in enumerate(self.best_offer):
-            if o < 0:
-                out.append((NO_CANDIDATE, [], 0.0))
-            else:
-                out.append((o - first[r], values[total + self.starts[o]:total + self.starts[o + 1]],
-                            values[2 * total + r]))
-        return out
-
-    def choices(self) -> list[Choice]:
-        """[num_reqs] the plan as the controller's choices (candidates indexed per row)."""
-        first = self._first()
-        return [Choice(o - first[r], k) if o >= 0 else Choice(NO_CANDIDATE, 0)
-                for r, (o, k) in enumerate(zip(self.offer, self.num_tokens))]
-
-    def _first(self) -> dict[int, int]:
-        """Row -> its first offer."""
-        first: dict[int, int] = {}
-        for o, (r, _, _) in enumerate(self.offers):
-            first.setdefault(r, o)
-        return first
 
 
 class Union:
@@ -310,7 +69,7 @@ class Union:
                  arbiter: StepArbiter | None = None, max_candidates: int = 1,
                  decoy_primary: bool = False, max_peek_gap: int = MAX_PEEK_GAP,
                  draft_always: bool = False, learn_every: int = LEARN_EVERY,
-                 background: Background | None = None):
+                 background: Background | None = None, requests: Requests | None = None):
         """``explore``: one row per step (at random among those with candidates) is judged by
         posterior draws (Thompson sampling), the others by posterior means: a proposer unlucky
         early is tried again without every row of a large batch paying for exploration.
@@ -318,7 +77,8 @@ class Union:
         (None: every step is planned). ``max_peek_gap``: :data:`MAX_PEEK_GAP`.
         ``draft_always``: tests only, the draft model runs in every speculative step.
         ``learn_every``: :data:`LEARN_EVERY`. ``background``: where verdicts are learned once
-        the next plan is made (default inline)."""
+        the next plan is made (default inline). ``requests``: the running requests' records,
+        shared with the proposers and the vLLM layer (default: the union's own)."""
         self.explore = explore
         self.arbiter = arbiter
         if arbiter is not None:
@@ -332,6 +92,8 @@ class Union:
         self.draft_costs.deferred_flush = True  # (learned in the background, as the steps)
         self.failures = [FailureCounter(name, logger) for name in names]
         self.stats = ProposerStats()
+        self.requests = requests if requests is not None else Requests()
+        self.learner = Learner(self.estimator, names, self.stats, self.requests, learn_every)
         self.max_candidates = max_candidates
         self.decoy_primary = decoy_primary
         self._alternative_offers: list[tuple[int, int, Candidate]] = []  # this step's
@@ -350,23 +112,21 @@ class Union:
         self._step_explorer: int | None = None
         # plan_draft's plan over this step's token-level candidates (their id()s, the
         # plan): choose reuses it when the draft then runs for no row
-        self._gate_plan: tuple[frozenset[int], _FlatPlan] | None = None
+        self._gate_plan: tuple[frozenset[int], FlatPlan] | None = None
         # the compiled plan's outputs, kept from step to step (grown when a step needs more)
         self._token_buffer = np.empty(0)  # each offered token's estimate
         self._plan_buffer = np.empty(0, dtype=np.int64)  # each row's offer, then its tokens
         self._cell_buffer = np.empty(0, dtype=np.int64)  # each offered token's cell
         # (this step's batch, its rows' history buckets): see _histories
         self._step_histories: tuple[StepBatch, list[int]] | None = None
-        self.learn_every = learn_every
         self.draft_always = draft_always
-        self.history = RequestHistory()
         self.background = background or Background()
         for proposer in self.proposers:  # (work a proposal need not wait for: Proposer)
             if hasattr(proposer, "defer"):
                 proposer.defer = self.background.submit
-        self.cost.deferred_flush = True  # held steps learned with the verdicts (_learn_held)
+        self.cost.deferred_flush = True  # held steps learned with the verdicts
         # the verdicts begin() took from the step just verified, to learn once this step's
-        # plan is made (release): (verified record, its drafts' _Pending, the extras')
+        # plan is made (release): (verified record, its drafts' Sent, the extras')
         self._held: tuple[Verified, dict, dict, dict] | None = None
         self._start_learning()
 
@@ -374,20 +134,19 @@ class Union:
         """The union's own learned state as a fresh engine starts it (``__init__``,
         :meth:`forget_learned`)."""
         self.speculating = True  # this step's arbiter decision (see begin, plain_step)
-        self._pending: dict[str, _Pending] = {}
-        self._pending_extras: dict[str, list[_Pending]] = {}  # the scorer's extra candidates
+        self._pending: dict[str, Sent] = {}
+        self._pending_extras: dict[str, list[Sent]] = {}  # the scorer's extra candidates
         # req_id -> (the tokens it sent, the offers of other proposers it did not send and
-        # their tokens): judged against what the target emits (see _learn_unchosen)
-        self._unchosen: dict[str, tuple[list[int], list[tuple[_Pending, np.ndarray]]]] = {}
-        self._shadows: dict[str, _Shadow] = {}  # req_id -> the peek's unsent candidate
+        # their tokens): judged against what the target emits (Learner.learn_unchosen)
+        self._unchosen: dict[str, tuple[list[int], list[tuple[Sent, np.ndarray]]]] = {}
         self._observed = False  # plain_step observed the last step and chose to speculate
         self._skipped_steps = 0  # plain steps since begin() last ran (estimator decay)
-        self._peek = _Backoff()  # the plain steps' peeks (see MAX_PEEK_GAP)
+        self._peek = Backoff()  # the plain steps' peeks (see MAX_PEEK_GAP)
         # the draft's gate, in speculative steps (see MAX_GATE_GAP and GATE_PATIENCE)
-        self._gate = _Backoff(patience=GATE_PATIENCE)
+        self._gate = Backoff(patience=GATE_PATIENCE)
         # the full looks while every row chooses the draft (see MAX_HOLD_GAP); a "miss"
         # is a look that confirmed the draft for every row
-        self._hold = _Backoff(patience=HOLD_PATIENCE)
+        self._hold = Backoff(patience=HOLD_PATIENCE)
         self.holding = False  # this speculative step is held (no look)
         self._gate_k: list[int] | None = None  # the draft tokens this step's gate planned
         # what the last confirming look planned, for the held steps after it: the batch's
@@ -400,11 +159,6 @@ class Union:
         self._unrated_step = False
         self._last_plain = False  # the last decision kept its step plain
         self._after_plain = False  # this step speculates right after a plain one
-        # verdicts not yet in the estimator: (sent, tokens judged, tokens accepted), and
-        # the steps of decay it has not yet applied (see flush_learning)
-        self._unlearned: list[tuple[_Pending, list]] = []
-        self._undecayed_steps = 0
-        self._learned_tokens = 0  # judged tokens flush_learning has taught (to COLD_TOKENS)
 
     def forget_learned(self) -> None:
         """Back to what a fresh engine knows: acceptance counts, request histories, the arbiter's
@@ -416,8 +170,7 @@ class Union:
         self._start_learning()
         if trace.TRACE is not None:
             trace.TRACE.write("forget")
-        self.estimator.set_counts(0.0, 0.0)
-        self.history = RequestHistory(self.history.alpha)
+        self.learner.reset()
         self.cost.forget()
         self.draft_costs.forget()
         if self.arbiter is not None:
@@ -469,7 +222,7 @@ class Union:
 
         The step's verdicts are held and handed to :attr:`background` by :meth:`release` once
         this step's plan is made (one step late, next to a memory of thousands of steps), except
-        while the estimator is cold (:data:`COLD_TOKENS`), where each verdict counts most."""
+        while the estimator is cold (``learning.COLD_TOKENS``), where each verdict counts most."""
         self.settle()
         self._alternative_offers = []
         self._draft_price = (0.0, 0.0, 0)
@@ -485,15 +238,15 @@ class Union:
             if not observed:
                 self._observe_verified(verified, pending, unrated)
             self._held = (verified, pending, pending_extras, unchosen)
-        self._undecayed_steps += 1 + self._skipped_steps
+        self.learner.undecayed_steps += 1 + self._skipped_steps
         self._skipped_steps = 0
-        if self._learned_tokens < COLD_TOKENS:  # cold: each verdict moves the plan, learn now
+        if self.learner.cold:  # cold: each verdict moves the plan, learn now
             held, self._held = self._held, None
             if held is not None:
                 self._learn_held(*held)  # (cold: the estimator's update included)
             else:
                 self.cost.flush_due()
-                self.flush_learning()
+                self.learner.flush()
         if self.arbiter is not None and not observed:
             self.speculating = self.arbiter.speculate(num_reqs, sampled)
             self._note_decision()
@@ -525,14 +278,8 @@ class Union:
 
     def _learn_held(self, verified: Verified, pending: dict, pending_extras: dict,
                     unchosen: dict) -> None:
-        """The verdicts of ``verified`` (whose drafts ``pending`` and ``pending_extras``
-        recorded, and the offers not sent ``unchosen``), then the estimator's update when
-        one is due (see :data:`LEARN_EVERY`)."""
-        self._learn_rows(verified, pending, pending_extras)
-        self._learn_unchosen(verified, unchosen)
+        self.learner.learn(verified, pending, pending_extras, unchosen)
         self.cost.flush_due()
-        if self._undecayed_steps >= self.learn_every or self._learned_tokens < COLD_TOKENS:
-            self.flush_learning()
 
     def plain_step(self, seconds: float | None, num_reqs: int, num_query_tokens: int,
                    sampled: bool, peek: Callable[[], StepBatch] | None = None,
@@ -667,7 +414,7 @@ class Union:
                 continue
             sampled, signal = bool(batch.sampled[r]), signals[r][:k]
             cells = cells_of(draft, sampled, histories[r], signal)
-            self._pending[batch.req_ids[r]] = _Pending(draft, sampled, histories[r],
+            self._pending[batch.req_ids[r]] = Sent(draft, sampled, histories[r],
                                                        np.asarray(signal), cells=cells)
             sent_cells.append(cells)
             stats.chosen[name] += 1
@@ -682,7 +429,7 @@ class Union:
             for k in lengths:
                 acceptance.append([values[i:i + k]])
                 i += k
-            expected, seconds = self._rate_terms(
+            expected, seconds = rate_terms(self.cost,
                 acceptance, [Choice(0, k) if k else Choice(NO_CANDIDATE, 0) for k in lengths])
             self._predict(expected, seconds, num_reqs, num_drafts, draft_forwards)
         self._update_hold(batch, sources, draft_forwards)
@@ -725,16 +472,17 @@ class Union:
         if index is None:
             return False
         batch = peek()
-        self._judge_shadows(batch)
+        self.learner.judge_shadows(batch)
         offers = [(r, index, c) for r, c in enumerate(self._ask(index, batch)) if c is not None]
         if not offers:
             return False
         histories = self._histories(batch)
         for r, _, c in offers:  # judged once the target has emitted what they guess
             req_id = batch.req_ids[r]
-            if req_id not in self._shadows:
-                self._shadows[req_id] = _Shadow(
-                    _Pending(index, bool(batch.sampled[r]), histories[r], np.asarray(c.signal)),
+            state = self.requests[req_id]
+            if state.shadow is None:
+                state.shadow = Shadow(
+                    Sent(index, bool(batch.sampled[r]), histories[r], np.asarray(c.signal)),
                     np.asarray(c.token_ids), int(batch.num_tokens[r]))
         acceptance: list[list[np.ndarray]] = [[] for _ in range(batch.num_reqs)]
         for (r, _, _), a in zip(offers, self._estimate(offers, batch, histories, explore=False)):
@@ -745,28 +493,6 @@ class Union:
             return False
         return self.arbiter.pays_now(batch.num_reqs, expected / seconds,
                                      bool(np.mean(batch.sampled) > 0.5))
-
-    def _judge_shadows(self, batch: StepBatch) -> None:
-        """Judge the peek's unsent candidates against the tokens the target emitted since: token
-        j counts as accepted if it and every token before it equal the emitted ones (what
-        verification would say: exactly at temperature 0, in expectation above). Plain steps so
-        teach the estimator what copying would bring. Judged once the emitted tokens differ from
-        the candidate or cover it."""
-        parts = []
-        for r, req_id in enumerate(batch.req_ids):
-            shadow = self._shadows.get(req_id)
-            if shadow is None:
-                continue
-            emitted = batch.token_ids[r, shadow.start:int(batch.num_tokens[r])]
-            judged, accepted = judge_guess(shadow.tokens, emitted)
-            if judged == accepted < len(shadow.tokens):
-                continue  # so far so good (or nothing emitted yet): wait for the rest
-            parts.append((shadow.sent, judged_outcomes(None, r, False, judged, accepted)))
-            self.history.update(req_id, judged, accepted)
-            del self._shadows[req_id]
-        if parts:  # learned at once: the peek's estimate that follows rests on them
-            self._teach(parts)
-            self.flush_learning()
 
     def _plain_rate(self, num_reqs: int) -> float | None:
         """Tokens per second of a plain step of ``num_reqs`` requests, as the cost model
@@ -854,25 +580,18 @@ class Union:
                    warm_run_seconds: float | None = None) -> list[int]:  # [num_reqs]
         """Tokens the draft model drafts for each row this step (0: it does not run for it).
 
-        The draft's candidate is unknown until it runs, and each drafted position costs
-        ``forward_seconds`` whatever the rows. So the step is planned over the token-level
-        ``offers`` alone, then with one more candidate per row that may use the draft (``caps``
-        [num_reqs] > 0) whose acceptance is the estimator's pooled cells for the draft, one
-        posterior draw per cell shared by all rows (Thompson sampling: one forward serves every
-        row, so one guess at the draft's worth decides it). The draft runs for the rows that
-        prefer it if some number of forwards m beats the plan without it::
+        The step is planned over the token-level ``offers``, then with one more candidate per
+        row that may use the draft (``caps`` [num_reqs] > 0), estimated from the estimator's
+        pooled cells for the draft with one posterior draw shared by the rows (one forward
+        serves every row). The draft runs for the rows that prefer it if some number of
+        forwards m beats the plan without it::
 
-            max_m E_with(m) / (T(n_with(m)) + run_seconds + forward_seconds * m)  >  E_without / T(n_without)
+            max_m E_with(m) / (T(n_with(m)) + overhead + forward_seconds * m) > E_without / T(n_without)
 
-        A row may draft up to its planned ``k_r``: the run's stop rule (which sees the draft's
-        confidence) decides how many forwards it makes. An untried draft runs on an optimistic
-        estimate first (:data:`DRAFT_TRIALS`).
-
-        One-time costs are spread over the steps they serve: ``catch_up_seconds`` [num_reqs]
-        (the first pass reading tokens the draft KV lacks) and a cold run's excess over
-        ``warm_run_seconds`` are divided over the row's ``remaining_tokens`` for rows expected to
-        keep drafting (:meth:`_draft_kept_on`); charged to one step, they kept the draft off for
-        good. ``run_seconds``: a run's cost beyond its forwards. See docs/design.md."""
+        The run's stop rule then decides within each row's planned tokens. One-time costs
+        (``catch_up_seconds``, a cold run's excess over ``warm_run_seconds``) are spread over
+        the ``remaining_tokens`` of rows expected to keep drafting; an untried draft runs on
+        an optimistic estimate first (:data:`DRAFT_TRIALS`). Derivation: docs/design.md."""
         lengths_list = [n if n > 0 else 0 for n in as_list(caps)]  # [num_reqs]
         if not self.speculating or not any(lengths_list):
             return [0] * batch.num_reqs
@@ -886,33 +605,23 @@ class Union:
         acceptance = flat.acceptance(values)  # [num_reqs][candidates]
         best = flat.best(values)  # [num_reqs] the token-level candidates' best
         kept, kept_seconds = flat.expected, flat.seconds
-        spec_overhead = self.cost.spec_overhead_s
-        theta = token_price(self.cost, batch.num_reqs)
         if self.draft_always:
             self._draft_price = (forward_seconds, run_seconds, max(lengths_list))
             return lengths_list
         trial = self._draft_trial_due(draft_index)
-        trial_rows = self._trial_rows(lengths_list, catch_up_seconds) if trial else ()
-        added = self._add_draft_estimates(batch, lengths_list, histories, acceptance,
-                                          draft_index, trial_rows)
-        # the token-level candidates are not weighed again: a row takes the draft's only
-        # if it is worth more than the row's best (one plan fewer when no row does)
-        best_with, gains_draft = with_candidates(best, added, theta)
-        if not gains_draft:  # no row would choose the draft's candidate: it cannot run
+        trials = trial_rows(lengths_list, catch_up_seconds) if trial else ()
+        added = add_draft_estimates(self.estimator, self.explore, batch, lengths_list,
+                                    histories, acceptance, draft_index, trials)
+        with_draft, k = plan_with_draft(self.cost, acceptance, best, added, lengths_list)
+        if not any(k):  # no row would choose the draft's candidate: it does not run
             self._gate.asked(False, MAX_GATE_GAP)
             return [0] * batch.num_reqs
-        with_draft = planned(acceptance, self.cost, spec_overhead=spec_overhead,
-                             best=best_with)[0]
-        k = [c.num_tokens if n and c.candidate == len(acceptance[r]) - 1 else 0
-             for r, (c, n) in enumerate(zip(with_draft, lengths_list))]  # [num_reqs]
-        if not any(k):
-            self._gate.asked(False, MAX_GATE_GAP)
-            return [0] * batch.num_reqs
-        overhead, catch_up, cold = self._run_overhead(
-            acceptance, k, draft_index, batch, histories, run_seconds, catch_up_seconds,
-            remaining_tokens, warm_run_seconds)
-        best, best_rate = self._best_forwards(acceptance, with_draft, k, batch.num_reqs,
-                                              overhead, forward_seconds, kept / kept_seconds)
+        overhead, behind, cold = run_overhead(
+            self.estimator, self.cost, acceptance, k, draft_index, batch, histories,
+            run_seconds, catch_up_seconds, remaining_tokens, warm_run_seconds)
+        catch_up = behind and self._after_plain  # (right after plain steps)
+        best, best_rate = best_forwards(self.cost, acceptance, with_draft, k, batch.num_reqs,
+                                        overhead, forward_seconds, kept / kept_seconds)
         if trace.TRACE is not None:
             trace.TRACE.write("draft_plan", forwards=best, rate=best_rate,
                               rate_without=kept / kept_seconds, trial=trial,
@@ -928,115 +637,6 @@ class Union:
         self._draft_trials -= trial
         self._unrated_step = trial or catch_up
         return k
-
-    def _add_draft_estimates(self, batch: StepBatch, lengths: list[int], histories: list[int],
-                             acceptance: list[list], draft_index: int,
-                             trial_rows: tuple[int, ...]) -> list[tuple[int, int, list]]:
-        """Append to ``acceptance`` each row's draft candidate before it runs (``lengths``
-        [num_reqs] tokens: its pooled cells, one posterior draw per cell shared by the rows;
-        a trial row's as if every token were accepted); returns (row, index, estimates)."""
-        sampled, pooled_cells = batch.sampled, self.estimator.pooled_cells
-        pooled: dict[tuple, list[float]] = {}  # (mode, history, n) -> the rows' shared cells
-        added = []
-        for r, n in enumerate(lengths):
-            if not n:
-                continue
-            if r in trial_rows:  # untried: as if every token were accepted
-                draft = [1.0 - 1e-6] * n
-            else:
-                key = (sampled[r], histories[r], n)
-                draft = pooled.get(key)
-                if draft is None:
-                    draft = pooled[key] = pooled_cells(draft_index, sampled[r], histories[r],
-                                                       n, draw=self.explore)
-            acceptance[r].append(draft)
-            added.append((r, len(acceptance[r]) - 1, draft))
-        return added
-
-    def _run_overhead(self, acceptance, k: list[int], draft_index: int, batch: StepBatch,
-                      histories: list[int], run_seconds: float,
-                      catch_up_seconds: Sequence[float] | None,
-                      remaining_tokens: Sequence[int] | None,
-                      warm_run_seconds: float | None) -> tuple[float, bool, float]:
-        """(seconds a run adds beyond its forwards this step, whether it catches up right
-        after plain steps, a cold run's excess): the speculative machinery and the run's
-        fixed cost, with one-time costs (catch-up reading, a cold run's excess) spread
-        over the steps left of the rows expected to keep drafting (see :meth:`plan_draft`)."""
-        overhead = self.cost.spec_overhead_s + run_seconds
-        behind = ([] if catch_up_seconds is None else  # the first pass's catch-up rows
-                  [r for r, (c, kr) in enumerate(zip(catch_up_seconds, k)) if kr and c > 0.0])
-        cold = (0.0 if warm_run_seconds is None
-                else max(0.0, run_seconds - warm_run_seconds))
-        asked = [r for r, kr in enumerate(k) if kr] if cold > 0.0 else behind
-        kept_on = (set() if remaining_tokens is None or not asked
-                   else self._draft_kept_on(acceptance, asked, draft_index, batch, histories))
-        share = {}  # [kept-on rows] the part of a one-time cost that falls to this step
-        for r in kept_on:  # one step of the row's steps left
-            emitted = 1.0 + sum(cumulative(acceptance[r][-1][:k[r]]))
-            share[r] = min(1.0, emitted / max(1, remaining_tokens[r]))
-        if share and cold > 0.0:  # the run after it is warm for as long as a row drafts
-            overhead -= cold * (1.0 - min(share.values()))
-        for r in behind:
-            overhead += catch_up_seconds[r] * share.get(r, 1.0)
-        return overhead, bool(behind) and self._after_plain, cold
-
-    def _best_forwards(self, acceptance, with_draft: list[Choice], k: list[int],
-                       num_reqs: int, overhead: float, forward_seconds: float,
-                       rate_without: float) -> tuple[int, float]:
-        """(m, its rate): the number of draft forwards whose step, the with-draft plan cut to
-        m forwards (the draft rows add their P_m while they have an m-th token, the other
-        rows' part fixed), emits the most tokens per second; 0 where none beats
-        ``rate_without``."""
-        others = [Choice(NO_CANDIDATE, 0) if k[r] else c for r, c in enumerate(with_draft)]
-        expected = self._rate_terms(acceptance, others)[0]
-        num_tokens = num_reqs + sum(c.num_tokens for c in others)
-        gains, reach = [0.0] * max(k), [0] * max(k)  # [max k] sum of P_m, rows with an m-th
-        for r, kr in enumerate(k):
-            if not kr:  # (a row without the draft may have no candidate at all: nothing to add)
-                continue
-            for j, p in enumerate(cumulative(acceptance[r][-1][:kr])):
-                gains[j] += p
-                reach[j] += 1
-        best, best_rate = 0, rate_without
-        for m in range(1, len(gains) + 1):
-            expected += gains[m - 1]
-            num_tokens += reach[m - 1]
-            rate = expected / (self.cost.step_one(num_tokens) + overhead + forward_seconds * m)
-            if rate > best_rate:
-                best, best_rate = m, rate
-        return best, best_rate
-
-    @staticmethod
-    def _trial_rows(lengths: list[int],
-                    catch_up_seconds: Sequence[float] | None) -> tuple[int, ...]:
-        """The rows a trial of the draft runs for on its optimistic estimate: of those
-        that may use it (``lengths`` [num_reqs] > 0), the :data:`DRAFT_TRIAL_ROWS` whose
-        first pass reads least (``catch_up_seconds``; the first rows without it)."""
-        rows = [r for r, n in enumerate(lengths) if n]
-        if catch_up_seconds is not None:
-            rows.sort(key=lambda r: catch_up_seconds[r])
-        return tuple(rows[:DRAFT_TRIAL_ROWS])
-
-    def _draft_kept_on(self, acceptance, rows: list[int], draft_index: int, batch: StepBatch,
-                       histories: list[int]) -> set[int]:
-        """Of ``rows`` (draft rows whose draft KV is behind), those whose draft candidate the plan
-        also chooses at the posterior means: expected to keep drafting, so a catch-up paid now
-        serves later steps too. A row chosen only by this step's draw or a trial is not."""
-        means = list(acceptance)
-        for r in rows:
-            means[r] = acceptance[r][:-1] + [self.estimator.pooled_cells(
-                draft_index, batch.sampled[r], histories[r], len(acceptance[r][-1]))]
-        chosen = plan(means, self.cost, spec_overhead=self.cost.spec_overhead_s)
-        return {r for r in rows if chosen[r].candidate == len(acceptance[r]) - 1}
-
-    def _rate_terms(self, acceptance, choices) -> tuple[float, float]:
-        """(expected tokens emitted, seconds) of a step that verifies ``choices``."""
-        expected, num_tokens = float(len(choices)), len(choices)
-        for r, c in enumerate(choices):
-            if c.candidate != NO_CANDIDATE:
-                expected += sum(cumulative(acceptance[r][c.candidate][:c.num_tokens]))
-                num_tokens += c.num_tokens
-        return expected, self._step_seconds(num_tokens, num_tokens > len(choices))
 
     def choose(self, batch: StepBatch, offers, draft_forwards: int | None = None) -> StepPlan:
         """The controller's choice among ``offers``: the step's plan, one draft per row.
@@ -1074,7 +674,7 @@ class Union:
         self.release()
         return StepPlan(drafts, sources, alternates)
 
-    def _plan(self, batch: StepBatch, offers, histories: list[int]) -> _FlatPlan:
+    def _plan(self, batch: StepBatch, offers, histories: list[int]) -> FlatPlan:
         """The controller's plan over ``offers`` (in row order) in one compiled call
         (:func:`kernels.plan_offers <specplugin.adaptive.kernels.plan_offers>`), which builds each
         token's estimator cell and reads its estimate. The explorer row takes posterior draws
@@ -1106,7 +706,7 @@ class Union:
                                                 tables.groups, self._token_buffer,
                                                 self._cell_buffer, self._plan_buffer)
         chosen = self._plan_buffer[:3 * num_reqs].tolist()
-        return _FlatPlan(offers, self._cell_buffer[:num_tokens], starts,
+        return FlatPlan(offers, self._cell_buffer[:num_tokens], starts,
                          self._token_buffer[:2 * num_tokens + num_reqs], chosen[:num_reqs],
                          chosen[num_reqs:2 * num_reqs], chosen[2 * num_reqs:], expected,
                          seconds)
@@ -1153,7 +753,7 @@ class Union:
             self.stats.extra_candidates += len(row_extras)
             if row_extras:
                 self._pending_extras[batch.req_ids[r]] = [
-                    _Pending(sources[r][e.candidate], bool(batch.sampled[r]), histories[r],
+                    Sent(sources[r][e.candidate], bool(batch.sampled[r]), histories[r],
                              cands[r][e.candidate].signal[:e.num_tokens],
                              not main[r][e.candidate]) for e in row_extras]
         if self.decoy_primary:
@@ -1171,7 +771,9 @@ class Union:
         kept = self._step_histories
         if kept is not None and kept[0] is batch:
             return kept[1]
-        histories = [history_bucket(self.history.get(req_id)) for req_id in batch.req_ids]
+        requests = self.requests  # (a request's record is made at its first step, here)
+        histories = [history_bucket(requests[req_id].recent_acceptance)
+                     for req_id in batch.req_ids]
         self._step_histories = (batch, histories)
         return histories
 
@@ -1186,15 +788,17 @@ class Union:
     def idle(self) -> bool:
         """No request the union knows of is running (an offline job's end)."""
         self.settle()
-        return not len(self.history) and not self._pending and not self._pending_extras
+        return not len(self.requests) and not self._pending and not self._pending_extras
 
     def finish_requests(self, req_ids: Sequence[str]) -> None:
+        """These requests ended (finished or aborted): the proposers let go of them, then
+        their records go (:meth:`Requests.finish <specplugin.requests.Requests.finish>`,
+        the one place they are dropped)."""
         self.settle()  # (a held verdict of these requests must not outlive them)
         for proposer in self.proposers:
             proposer.finish_requests(req_ids)
-        self.history.forget(req_ids)
+        self.requests.finish(req_ids)
         for req_id in req_ids:
-            self._shadows.pop(req_id, None)
             self._pending.pop(req_id, None)
             self._pending_extras.pop(req_id, None)
             self._unchosen.pop(req_id, None)
@@ -1230,7 +834,7 @@ class Union:
         values = estimator.values(codes)
         return [values[starts[o]:starts[o + 1]] for o in range(len(offers))]
 
-    def _remember(self, batch: StepBatch, offers, histories, flat: _FlatPlan):
+    def _remember(self, batch: StepBatch, offers, histories, flat: FlatPlan):
         """Record what each row sends (to learn from its verdict, with the cells its tokens
         were estimated in); returns the drafts and their sources ([num_reqs] each)."""
         self._pending, self._pending_extras = {}, {}
@@ -1247,83 +851,15 @@ class Union:
             sources[r] = index
             drafts.append(candidate.token_ids[:k].tolist())
             start = flat.starts[o]
-            self._pending[batch.req_ids[r]] = _Pending(
+            self._pending[batch.req_ids[r]] = Sent(
                 index, bool(batch.sampled[r]), histories[r], candidate.signal[:k],
                 cells=flat.cells[start:start + k].tolist())
             stats.chosen[self.proposers[index].name] += 1
         if not any(drafts):
             stats.steps_without_drafts += 1
-        self._unchosen = self._offers_not_sent(batch, offers, histories, flat, drafts)
+        self._unchosen = self.learner.unsent_offers(batch, offers, histories, flat.offer,
+                                                    flat.cells, flat.starts, drafts)
         return drafts, sources
-
-    def _offers_not_sent(self, batch: StepBatch, offers, histories, flat: _FlatPlan,
-                         drafts: list[list[int]]) -> dict:
-        """Each row's offers that the plan did not send, as req_id -> (the row's draft, [(offer as
-        :class:`_Pending`, its tokens)]) for :meth:`_learn_unchosen`. Not the draft model's offers
-        for a sampled request: a match against the emitted token does not measure them."""
-        if len(offers) <= sum(1 for o in flat.offer if o >= 0):
-            return {}  # every offer was sent (or none was made)
-        unchosen: dict = {}
-        cells = None
-        for o, (r, index, candidate) in enumerate(offers):
-            if o == flat.offer[r]:
-                continue
-            sampled = bool(batch.sampled[r])
-            if sampled and self.proposers[index].name in MODEL_PROPOSERS:
-                continue
-            if cells is None:
-                cells = flat.cells.tolist()  # (the buffer is the next plan's)
-            start, end = flat.starts[o], flat.starts[o + 1]
-            sent = _Pending(index, sampled, histories[r], _NO_SIGNAL, cells=cells[start:end])
-            req_id = batch.req_ids[r]
-            if req_id not in unchosen:
-                unchosen[req_id] = (drafts[r], [])
-            unchosen[req_id][1].append((sent, np.array(candidate.token_ids[:end - start])))
-        return unchosen
-
-    def _learn_unchosen(self, verified: Verified, unchosen: dict) -> None:
-        """The offers a step did not send, judged against the tokens it emitted (the sent draft's
-        accepted tokens, then the row's last token): accepted while equal, rejected at the first
-        difference (exactly what verification says at temperature 0, in expectation above).
-        Without this, a proposer the plan did not pick early never learns, and the first one
-        believed keeps winning. Not for rows with the scorer's extras (their emitted tokens may
-        be an extra's)."""
-        next_tokens = verified.next_tokens
-        if not unchosen or next_tokens is None:
-            return
-        scheduled_drafts = as_list(verified.num_scheduled_drafts)  # [num_reqs]
-        num_emitted = as_list(verified.num_emitted)  # [num_reqs]
-        scored = verified.scored or {}
-        judged_parts: list[tuple[_Pending, list]] = []
-        for row, req_id in enumerate(verified.req_ids):
-            entry = unchosen.get(req_id)
-            if entry is None or req_id in scored or next_tokens[row] < 0:
-                continue
-            own, others = entry
-            accepted = max(0, min(num_emitted[row] - 1, scheduled_drafts[row], len(own)))
-            emitted = np.array(own[:accepted] + [next_tokens[row]])  # [accepted + 1]
-            for sent, tokens in others:  # (tokens: as many as its cells)
-                judged, matched = judge_guess(tokens, emitted)
-                if judged > 0:
-                    judged_parts.append((sent, judged_outcomes(None, row, False, judged,
-                                                               matched)))
-        self.stats.offers_judged_unsent += len(judged_parts)
-        self._teach(judged_parts)
-
-    def _learn_extras(self, extras: list[_Pending], outcome: Scored, emitted: int,
-                      judged_parts: list) -> None:
-        """The scorer's extra candidates: each one's accepted tokens (where the rule tells) to the
-        estimator, the winner's emitted tokens to its proposer's counters. A proposer's
-        alternatives (its second guesses) are not learned from: they would teach that the
-        proposer is worse than it is."""
-        for j, extra in enumerate(extras[: len(outcome.extra_accepted)]):
-            accepted = outcome.extra_accepted[j]
-            if accepted is not None and not extra.alternative:
-                length = min(len(extra.signal), outcome.extra_lengths[j])
-                judged_parts.append((extra, judged_outcomes(
-                    None, j, False, min(length, accepted + 1), min(accepted, length))))
-        if outcome.winner is not None and outcome.winner < len(extras):
-            self.stats.won(self.proposers[extras[outcome.winner].proposer].name, emitted)
 
     def _observe_verified(self, verified: Verified, pending: dict, unrated: bool) -> None:
         """The verified step's wall time, to the cost model and the step arbiter (at once:
@@ -1346,56 +882,6 @@ class Union:
                       unrated=unrated, read_prompts=verified.read_prompts,
                       num_reqs=len(num_emitted), rate_tokens=rate_tokens)
 
-    def _learn_rows(self, verified: Verified, pending: dict, pending_extras: dict) -> None:
-        """What each row of ``verified`` accepted of the drafts ``pending`` (and the
-        scorer's ``pending_extras``) recorded: the request's history, the counters, and
-        one estimator update for every judged token (at the next flush)."""
-        scheduled_drafts = as_list(verified.num_scheduled_drafts)  # [num_reqs]
-        num_emitted = as_list(verified.num_emitted)  # [num_reqs]
-        scored = verified.scored or {}
-        judged_parts: list[tuple[_Pending, list]] = []  # (sent, its judged_outcomes)
-        for row, (req_id, scheduled, emitted) in enumerate(
-                zip(verified.req_ids, scheduled_drafts, num_emitted)):
-            if scheduled <= 0:
-                continue
-            emitted = max(emitted - 1, 0)  # accepted tokens emitted
-            outcome = scored.get(req_id)
-            sent = pending.get(req_id)
-            if sent is not None:
-                k = min(len(sent.signal), scheduled)
-                won = outcome is not None and outcome.winner is not None
-                own = min(emitted, k) if outcome is None else outcome.own_accepted
-                self.history.update(req_id, min(k, emitted + 1), emitted)
-                self.stats.verified(self.proposers[sent.proposer].name, k,
-                                    0 if won else min(emitted, k))
-                if own is not None:
-                    # (with the scorer's extras, the verdicts: its rows are not the batch's)
-                    judged_parts.append((sent, judged_outcomes(
-                        verified.expected if outcome is None else None, row, sent.sampled,
-                        min(k, own + 1), min(own, k))))
-            if outcome is not None:
-                self._learn_extras(pending_extras.get(req_id, []), outcome, emitted, judged_parts)
-        self._teach(judged_parts)
-
-    def _teach(self, judged_parts: list[tuple[_Pending, list]]) -> None:
-        """(sent, what each judged token teaches: :func:`judged_outcomes`) per candidate:
-        for the estimator's next update (:meth:`flush_learning`)."""
-        self._unlearned += judged_parts
-
     def flush_learning(self) -> None:
-        """Everything judged since the last flush into the estimator, in one update, after
-        the decay of the steps since (see :data:`LEARN_EVERY`). Also before the learned
-        state is written (:mod:`specplugin.adaptive.memory`)."""
-        if self._undecayed_steps:
-            self.estimator.step(self._undecayed_steps)
-            self._undecayed_steps = 0
-        judged_parts, self._unlearned = self._unlearned, []
-        if judged_parts:
-            estimator, cells, accepted = self.estimator, [], []
-            for sent, outcomes in judged_parts:
-                cells += (sent.cells[:len(outcomes)] if sent.cells is not None else
-                          estimator.cells(sent.proposer, sent.sampled, sent.history,
-                                          sent.signal[:len(outcomes)]))
-                accepted += outcomes
-            estimator.update_cells(cells, accepted)
-            self._learned_tokens += len(cells)
+        """Everything judged so far into the estimator (:meth:`Learner.flush`)."""
+        self.learner.flush()

@@ -10,7 +10,6 @@ when every engine ran, 1 when any failed (the rest is still reported).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 DEFAULT_OUT_DIR = "bench-out"  # ignored by .gitignore
@@ -21,6 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from specplugin.bench.families import add_dtype_argument, workloads_help
     from specplugin.bench.methods import METHODS, listed_names
     from specplugin.bench.runner import add_eager_argument
+    from specplugin.cli import int_option
     from specplugin.zoo import PAIR_HELP
 
     parser.add_argument("--zoo", help=PAIR_HELP)
@@ -31,15 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", default=None,
                         help=f"comma-separated workloads, all cells of each ({workloads_help()}; "
                              "default: every cell of the token windows, the instruct headline)")
-    parser.add_argument("--rounds", type=int, default=None,
+    parser.add_argument("--rounds", type=int_option("--rounds", 1), default=None,
                         help="rounds over all methods; tok/s is the median (default 3, --quick 1)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: 1 round, 3 cells, short outputs (< 5 min with --eager)")
     parser.add_argument("--headline", action="store_true",
-                        help="the headline cells, full sizes (token windows: edit b1, complete "
-                             "b1, complete b8, server b8, complete b1 t1, adversarial b16; "
-                             "instruct: code-edit b1, explain b1, chat b1 t0 and t1, code-edit "
-                             "b8, chat-mix b8 and b32)")
+                        help="the pair's headline cells (docs/benchmarks.md), full sizes")
     parser.add_argument("--cells", metavar="KEYS",
                         help="comma-separated cell keys (workload/bN/tT, e.g. complete/b1/t1) "
                              "to keep of those chosen: one cell measured over more rounds")
@@ -53,7 +50,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"throughput PNG (default {DEFAULT_OUT_DIR}/throughput.png)")
     parser.add_argument("--out-dir", default=DEFAULT_OUT_DIR,
                         help="folder for the plot and the engines' logs")
-    parser.add_argument("--seed", type=int, default=0, help="prompt selection seed")
     parser.add_argument("--search-builtins", action="store_true",
                         help="sweep K (and n-gram lookup sizes, draft sampling) of the built-ins "
                              "among --methods and print the best settings")
@@ -61,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dtype_argument(parser)
 
 
-def _csv(value: str) -> list[str]:
+def csv_list(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
@@ -76,11 +72,12 @@ def zoo_models(zoo: str | None):
                         draft=str(draft) if (draft / "config.json").exists() else None)
 
 
-def build_cells(zoo_root: Path, workloads: list[str], quick: bool, seed: int,
-                headline: bool = False, keys: list[str] | None = None):
+def build_cells(zoo_root: Path, workloads: list[str], quick: bool, headline: bool = False,
+                keys: list[str] | None = None):
     """The run's cells with their prompts, the same for every method. ``workloads``: all
     their cells (empty: the pair's defaults); ``keys``: keep only these cells."""
     from specplugin.bench.families import family_for
+    from specplugin.bench.workloads import grid
 
     family = family_for(zoo_root)
     family.check_workloads(workloads)
@@ -90,7 +87,7 @@ def build_cells(zoo_root: Path, workloads: list[str], quick: bool, seed: int,
         chosen = family.quick if quick else family.headline
         cells = [c for c in chosen if not workloads or c.workload in workloads]
     else:
-        cells = family.grid(workloads or list(family.workloads))
+        cells = grid(family.workloads, workloads)
     if keys:
         available = [c.key for c in cells]
         unknown = [k for k in keys if k not in available]
@@ -101,7 +98,7 @@ def build_cells(zoo_root: Path, workloads: list[str], quick: bool, seed: int,
         cells = [c for c in cells if c.key in keys]
     sizes = family.quick_sizes if quick else family.sizes
     source = family.load_source(zoo_root)
-    return [family.build(source, sizes, c, seed) for c in cells], sizes
+    return [family.build(source, sizes, c, 0) for c in cells], sizes
 
 
 def method_names(methods: str | None, models, console, default: str | None = None) -> list[str]:
@@ -110,8 +107,8 @@ def method_names(methods: str | None, models, console, default: str | None = Non
     from specplugin.bench.methods import listed_names, runnable
 
     if methods:
-        return _csv(methods)
-    names, dropped = runnable(_csv(default) if default else listed_names(), models)
+        return csv_list(methods)
+    names, dropped = runnable(csv_list(default) if default else listed_names(), models)
     if dropped:
         console.print(f"no draft model beside {models.target}: leaving out "
                       f"{', '.join(dropped)}")
@@ -137,12 +134,10 @@ def run(args: argparse.Namespace) -> int:
         zoo_root, models = zoo_models(args.zoo)
         specs = resolve(method_names(args.methods, models, console))
         args.dtype = args.dtype or family_for(zoo_root).dtype
-        cells, sizes = build_cells(zoo_root, _csv(args.workloads or ""), args.quick, args.seed,
-                                   args.headline, _csv(args.cells or ""))
+        cells, sizes = build_cells(zoo_root, csv_list(args.workloads or ""), args.quick,
+                                   args.headline, csv_list(args.cells or ""))
         for spec in specs:
             spec.engine_kwargs(models)  # fails now, not after an hour, if a draft is missing
-        if args.rounds is not None and args.rounds < 1:
-            raise ValueError(f"--rounds must be >= 1; got {args.rounds}.")
     except (ValueError, FileNotFoundError) as err:
         console.print(f"[red]specplugin bench: {err}[/red]")
         return 2

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -140,48 +140,25 @@ def title_of(meta: Mapping[str, Any]) -> str:
 # ---------------------------------------------------------------- command
 
 
-def _int_list(name: str, lo: int) -> Callable[[str], list[int]]:
-    """An argparse type: comma-separated integers >= ``lo``, repeats dropped."""
-    def parse(text: str) -> list[int]:
-        parts = text.split(",")
-        if not all(p.strip().isdigit() and int(p) >= lo for p in parts):
-            raise argparse.ArgumentTypeError(
-                f"{name} must be comma-separated integers of at least {lo}, e.g. 1,8; "
-                f"got {text!r}")
-        return list(dict.fromkeys(int(p) for p in parts))
-
-    return parse
-
-
-def _int(name: str, lo: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``lo``."""
-    def parse(text: str) -> int:
-        if not text.strip().lstrip("-").isdigit() or int(text) < lo:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer of at least {lo}; "
-                                             f"got {text!r}")
-        return int(text)
-
-    return parse
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options only: importing this module must stay cheap (no vLLM, no torch)."""
     from specplugin.bench.runner import add_eager_argument
+    from specplugin.cli import int_list_option, int_option
     from specplugin.zoo import PAIR_HELP
 
-    parser.add_argument("--rows", type=_int_list("--rows", 1), default=list(DEFAULT_ROWS),
+    parser.add_argument("--rows", type=int_list_option("--rows", 1), default=list(DEFAULT_ROWS),
                         help="comma-separated row (request) counts (default "
                              f"{','.join(map(str, DEFAULT_ROWS))})")
-    parser.add_argument("--query-lens", type=_int_list("--query-lens", 1),
+    parser.add_argument("--query-lens", type=int_list_option("--query-lens", 1),
                         default=list(DEFAULT_QUERY_LENS),
                         help="comma-separated query tokens per row (default "
                              f"{','.join(map(str, DEFAULT_QUERY_LENS))}); include 1 for the "
                              "ms/extra token column")
-    parser.add_argument("--context-len", type=_int("--context-len", 0),
+    parser.add_argument("--context-len", type=int_option("--context-len", 0),
                         default=DEFAULT_CONTEXT_LEN,
                         help=f"tokens each row attends over before its query tokens "
                              f"(default {DEFAULT_CONTEXT_LEN})")
-    parser.add_argument("--repeats", type=_int("--repeats", 1), default=DEFAULT_REPEATS,
+    parser.add_argument("--repeats", type=int_option("--repeats", 1), default=DEFAULT_REPEATS,
                         help=f"timed runs per shape after one discarded; the fastest is kept "
                              f"(default {DEFAULT_REPEATS})")
     parser.add_argument("--zoo", help=PAIR_HELP)

@@ -253,8 +253,7 @@ def run_generate(llm, job: dict[str, Any], emit: Emit) -> None:
     warm_up(llm, cells, plugin)
     for cell in cells:
         return_ids = job["return_token_ids"] or job["return_texts"]
-        result = (sampled_cell(llm, cell, cell["sampler"], return_ids, plugin)
-                  if cell.get("sampler") else run_cell(llm, cell, return_ids, plugin))
+        result = run_cell(llm, cell, return_ids, plugin)
         if job["return_texts"]:
             result["texts"] = decode(llm, result["token_ids"])
         emit({"event": "cell", **result})
@@ -299,69 +298,13 @@ def run_profile(llm, job: dict[str, Any], emit: Emit) -> None:
                 rates[state].append(run["num_output_tokens"] / run["seconds"])
         _profile_rpc(llm, "stop")
         emit({"event": "cell", **result, "ledger": ledger, "front_end_s": front_end.take(),
-              "timer_cost_s": timer_cost_s, "device": device, "overhead_tok_s": rates,
-              "step_ab": step_ab(llm, cell, job.get("step_ab", 0))})
-
-
-def step_ab(llm, cell: dict[str, Any], passes: int) -> list | None:
-    """``passes`` runs of the cell with rank 0's worker A/B-ing plain steps against vLLM's
-    own runner (``PlainStepAB``); its records, or None if the runner is not the plugin's."""
-    if passes <= 0:
-        return None
-    if not _profile_rpc(llm, "step_ab_on")[0]["worker"]:
-        _profile_rpc(llm, "step_ab_off")
-        return None
-    try:
-        for _ in range(passes):
-            run_cell(llm, cell, return_token_ids=False)
-    finally:
-        records = _profile_rpc(llm, "step_ab_off")[0]["worker"]
-    return records
-
-
-def sampled_cell(llm, cell: dict[str, Any], sampler: dict[str, Any],
-                 return_token_ids: bool = False, plugin: bool = False,
-                 pid: int | None = None) -> dict[str, Any]:
-    """:func:`run_cell` while py-spy samples rank 0's worker; adds the samples' ledger."""
-    from specplugin.bench.profile import SampledWindow, worker_pid
-    from specplugin.stack_samples import SampledLedger
-    from specplugin.vllm_layer.profiling import stack_roles
-
-    path = Path(sampler["path"])
-    window = SampledWindow(sampler["executable"], pid or worker_pid(), path, sampler["rate"],
-                           sampler.get("nonblocking", False))
-    with window:
-        result = run_cell(llm, cell, return_token_ids, plugin)
-    with path.open() as lines:
-        summary = SampledLedger.from_raw(lines, stack_roles()).summary()
-    return {**result, "sampled": {**summary, "failed_reads": window.errors}}
-
-
-def run_sampled(llm, job: dict[str, Any], emit: Emit) -> None:
-    """One cell sampled by py-spy (``profile --timers sampled``), then ``overhead_pairs``
-    times unsampled and sampled in turn: the sampler's cost as a tok/s ratio."""
-    from specplugin.bench.profile import worker_pid
-
-    (cell,) = [with_token_ids(llm, cell) for cell in job["cells"]]
-    plugin = is_plugin(job)
-    warm_up(llm, [cell], plugin)
-    sampler, pid = job["sampler"], worker_pid()
-    result = sampled_cell(llm, cell, sampler, plugin=plugin, pid=pid)
-    again = {**sampler, "path": str(Path(sampler["path"]).with_suffix(".overhead.txt"))}
-    rates: dict[str, list[float]] = {"off": [], "on": []}
-    for i in range(job["overhead_pairs"]):
-        for state in (("off", "on") if i % 2 == 0 else ("on", "off")):
-            run = (sampled_cell(llm, cell, again, pid=pid) if state == "on"
-                   else run_cell(llm, cell, return_token_ids=False))
-            rates[state].append(run["num_output_tokens"] / run["seconds"])
-    emit({"event": "cell", **result, "overhead_tok_s": rates})
+              "timer_cost_s": timer_cost_s, "device": device, "overhead_tok_s": rates})
 
 
 JOB_KINDS: dict[str, Callable[[Any, dict[str, Any], Emit], None]] = {
     "generate": run_generate,
     "forward_times": run_forward_times,
     "profile": run_profile,
-    "sampled": run_sampled,
 }
 
 

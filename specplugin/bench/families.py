@@ -32,11 +32,6 @@ class Family:
     load_source: Callable[[Path], Any]  # pair folder -> what build reads prompts from
     build: Callable[[Any, Any, Cell, int], CellPrompts]  # (source, sizes, cell, seed)
 
-    def grid(self, names: Sequence[str]) -> list[Cell]:
-        """Every cell of the workloads ``names``: their batch sizes times temperatures."""
-        return [Cell(w, b, t) for w in names for b in self.workloads[w].batch_sizes
-                for t in self.workloads[w].temperatures]
-
     def check_workloads(self, names: Sequence[str]) -> None:
         unknown = [w for w in names if w not in self.workloads]
         if unknown:
@@ -67,9 +62,9 @@ def workloads_help() -> str:
     return "; ".join(f"{f.name} pairs: {', '.join(f.workloads)}" for f in FAMILIES)
 
 
-def add_dtype_argument(parser, what: str = "") -> None:
+def add_dtype_argument(parser) -> None:
     """``--dtype`` with one help text for every command that takes it."""
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="vLLM's dtype (default: float32 for the pairs trained here, "
                              "auto, vLLM's own default, bf16 on CPU, for instruct pairs such "
-                             f"as smollm2){what}")
+                             "as smollm2)")

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from specplugin.bench.chat_questions import QUESTIONS
-from specplugin.bench.workloads import Cell, CellPrompts, half_greedy, same_temperature
+from specplugin.bench.workloads import Cell, CellPrompts, grid, half_greedy, same_temperature
 
 # paths under the stdlib root (missing ones are skipped): code a user might paste
 STDLIB_MODULES: tuple[str, ...] = (
@@ -32,9 +32,6 @@ STDLIB_MODULES: tuple[str, ...] = (
     "posixpath.py", "json/encoder.py", "email/utils.py", "urllib/parse.py", "base64.py",
     "pprint.py",
 )
-MIN_FUNCTION_LINES, MAX_FUNCTION_LINES = 8, 40
-MAX_FUNCTION_CHARS = 1000  # <= ~300 tokens: an edited copy ends within code-edit's max_tokens
-MIN_TEXT_CHARS, MAX_TEXT_CHARS = 300, 1200
 
 Messages = list[dict[str, str]]  # one chat: [{"role": "user", "content": ...}]
 
@@ -45,11 +42,27 @@ class Function:
 
     module: str  # dotted, e.g. "urllib.parse"
     name: str
-    code: str
+    code: str  # ends with one newline
     params: tuple[str, ...]  # parameters an edit may rename (not self, cls)
     local_names: tuple[str, ...]  # names the body assigns
     has_docstring: bool
     annotated: bool  # any parameter or return annotation already
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Which functions and docstring passages of a module are material."""
+
+    min_lines: int
+    max_lines: int
+    max_function_chars: int
+    min_passage_chars: int
+    max_passage_chars: int
+
+
+# a function of <= ~300 tokens: an edited copy ends within code-edit's max_tokens
+LIMITS = Limits(min_lines=8, max_lines=40, max_function_chars=1000, min_passage_chars=300,
+                max_passage_chars=1200)
 
 
 @dataclass(frozen=True)
@@ -68,16 +81,13 @@ class Material:
                              "under the stdlib root")
 
 
-def _module_name(rel_path: str) -> str:
-    return rel_path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
-
-
-def _function(node: ast.FunctionDef, lines: Sequence[str], module: str) -> Function | None:
+def _function(node: ast.FunctionDef, lines: Sequence[str], module: str,
+              limits: Limits) -> Function | None:
     num_lines = node.end_lineno - node.lineno + 1
-    if not MIN_FUNCTION_LINES <= num_lines <= MAX_FUNCTION_LINES or node.decorator_list:
+    if not limits.min_lines <= num_lines <= limits.max_lines or node.decorator_list:
         return None
-    code = textwrap.dedent("".join(lines[node.lineno - 1: node.end_lineno]))
-    if len(code) > MAX_FUNCTION_CHARS:
+    code = textwrap.dedent("".join(lines[node.lineno - 1: node.end_lineno])).rstrip() + "\n"
+    if len(code) > limits.max_function_chars:
         return None
     args = node.args
     every_arg = [*args.posonlyargs, *args.args, *args.kwonlyargs,
@@ -87,20 +97,36 @@ def _function(node: ast.FunctionDef, lines: Sequence[str], module: str) -> Funct
         n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
         and n.id not in params))
     annotated = node.returns is not None or any(a.annotation for a in every_arg)
-    return Function(module, node.name, code.rstrip() + "\n", params, local_names,
+    return Function(module, node.name, code, params, local_names,
                     ast.get_docstring(node) is not None, annotated)
 
 
-def _passage(docstring: str | None) -> str | None:
-    """The docstring's leading paragraphs up to MAX_TEXT_CHARS; None if too short."""
-    if not docstring:
-        return None
+def _passage(docstring: str | None, limits: Limits) -> str | None:
+    """The docstring's leading paragraphs up to the limit; None if too short."""
     text = ""
-    for paragraph in docstring.strip().split("\n\n"):
-        if text and len(text) + 2 + len(paragraph) > MAX_TEXT_CHARS:
+    for paragraph in (docstring or "").strip().split("\n\n"):
+        if text and len(text) + 2 + len(paragraph) > limits.max_passage_chars:
             break
         text = f"{text}\n\n{paragraph}" if text else paragraph
-    return text if MIN_TEXT_CHARS <= len(text) <= MAX_TEXT_CHARS else None
+    return text if limits.min_passage_chars <= len(text) <= limits.max_passage_chars else None
+
+
+def module_material(path: Path, rel_path: str, limits: Limits
+                    ) -> tuple[list[Function], list[tuple[str, str]]]:
+    """The functions and (module, passage) pairs of one source file, in ``ast.walk`` order."""
+    source = path.read_text(encoding="utf-8", errors="replace")
+    module = rel_path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+    lines = source.splitlines(keepends=True)
+    functions, texts = [], []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)):
+            passage = _passage(ast.get_docstring(node), limits)
+            if passage:
+                texts.append((module, passage))
+        function = isinstance(node, ast.FunctionDef) and _function(node, lines, module, limits)
+        if function:
+            functions.append(function)
+    return functions, texts
 
 
 def material_from_stdlib(root: Path | None = None,
@@ -109,24 +135,9 @@ def material_from_stdlib(root: Path | None = None,
     import sysconfig
 
     root = Path(root or sysconfig.get_paths()["stdlib"])
-    functions, texts = [], []
-    for rel_path in modules:
-        path = root / rel_path
-        if not path.is_file():
-            continue
-        source = path.read_text(encoding="utf-8", errors="replace")
-        tree, module = ast.parse(source), _module_name(rel_path)
-        lines = source.splitlines(keepends=True)
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)):
-                passage = _passage(ast.get_docstring(node))
-                if passage:
-                    texts.append((module, passage))
-            if isinstance(node, ast.FunctionDef):
-                function = _function(node, lines, module)
-                if function:
-                    functions.append(function)
-    return Material(tuple(functions), tuple(texts), QUESTIONS)
+    parts = [module_material(root / m, m, LIMITS) for m in modules if (root / m).is_file()]
+    return Material(tuple(f for functions, _ in parts for f in functions),
+                    tuple(t for _, texts in parts for t in texts), QUESTIONS)
 
 
 # ---------------------------------------------------------------- requests
@@ -160,7 +171,7 @@ EXPLAIN_TEXT = (
 EXPLAIN_LAYOUTS = ("{instruction}\n\n{body}", "{body}\n\n{instruction}")
 
 
-def _pick(options: Sequence[str], rng: np.random.Generator) -> str:
+def pick(options: Sequence[str], rng: np.random.Generator) -> str:
     return options[int(rng.integers(len(options)))]
 
 
@@ -169,14 +180,14 @@ def _edit_instruction(function: Function, rng: np.random.Generator) -> str:
     edits = ["rename"] * bool(function.params or function.local_names)
     edits += ["type-hints"] * (not function.annotated)
     edits += ["docstring"] * (not function.has_docstring)
-    edit = _pick(edits or ["rename-function"], rng)
+    edit = pick(edits or ["rename-function"], rng)
     if edit == "type-hints":
         return "Add type hints to its parameters and its return value."
     if edit == "docstring":
         return "Add a docstring that says what it does and what it returns."
     if edit == "rename-function":
         return f"Rename the function `{function.name}` to `{function.name}_v2`."
-    old = _pick(function.params or function.local_names, rng)
+    old = pick(function.params or function.local_names, rng)
     what = "parameter" if old in function.params else "local variable"
     words = set(re.findall(r"\w+", function.code))
     new = next(n for n in [*rng.permutation(NEW_NAMES), f"{old}_new"] if n not in words)
@@ -184,21 +195,21 @@ def _edit_instruction(function: Function, rng: np.random.Generator) -> str:
 
 
 def code_edit_request(function: Function, rng: np.random.Generator) -> str:
-    return _pick(EDIT_LAYOUTS, rng).format(
-        instruction=_edit_instruction(function, rng), reply=_pick(REPLY_WHOLE, rng),
+    return pick(EDIT_LAYOUTS, rng).format(
+        instruction=_edit_instruction(function, rng), reply=pick(REPLY_WHOLE, rng),
         code=function.code, module=function.module)
 
 
 def explain_code_request(function: Function, rng: np.random.Generator) -> str:
-    instruction = _pick(EXPLAIN_CODE, rng).format(module=function.module)
+    instruction = pick(EXPLAIN_CODE, rng).format(module=function.module)
     body = f"```python\n{function.code}```"
-    return _pick(EXPLAIN_LAYOUTS, rng).format(instruction=instruction, body=body)
+    return pick(EXPLAIN_LAYOUTS, rng).format(instruction=instruction, body=body)
 
 
 def explain_text_request(text: tuple[str, str], rng: np.random.Generator) -> str:
     module, passage = text
     body = f"From the documentation of Python's `{module}` module:\n\n{passage}"
-    return _pick(EXPLAIN_LAYOUTS, rng).format(instruction=_pick(EXPLAIN_TEXT, rng), body=body)
+    return pick(EXPLAIN_LAYOUTS, rng).format(instruction=pick(EXPLAIN_TEXT, rng), body=body)
 
 
 # ---------------------------------------------------------------- workloads and cells
@@ -256,13 +267,9 @@ INSTRUCT_SIZES = InstructSizes(min_requests=6)
 INSTRUCT_QUICK_SIZES = InstructSizes(min_requests=2, max_tokens_cap=96)
 
 
-def instruct_grid(workloads: Sequence[str] = tuple(INSTRUCT_WORKLOADS)) -> list[Cell]:
-    return [Cell(w, b, t) for w in workloads for b in INSTRUCT_WORKLOADS[w].batch_sizes
-            for t in INSTRUCT_WORKLOADS[w].temperatures]
-
-
 # the order in which cells take their hands of the decks
-DEAL_ORDER = INSTRUCT_HEADLINE + tuple(c for c in instruct_grid() if c not in INSTRUCT_HEADLINE)
+DEAL_ORDER = INSTRUCT_HEADLINE + tuple(c for c in grid(INSTRUCT_WORKLOADS)
+                                       if c not in INSTRUCT_HEADLINE)
 
 
 def request_kinds(cell: Cell, sizes: InstructSizes) -> list[str]:

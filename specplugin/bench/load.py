@@ -148,7 +148,7 @@ def load_one(name: str, model: str, engine_kwargs: dict, dataset: Path, args, ou
                                   stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         wait_healthy(base, server, log)
-        leavers = _start_leavers(base, model, args.concurrency) if leave_mid_stream else None
+        leavers = _start_leavers(base, model) if leave_mid_stream else None
         result = bench_serve(name, base, model, dataset, args, out_dir)
         if leavers is not None:
             result.left_mid_stream = leavers.join()
@@ -223,7 +223,7 @@ class _Leavers:
         return self.count
 
 
-def _start_leavers(base: str, model: str, concurrency: int) -> _Leavers:
+def _start_leavers(base: str, model: str) -> _Leavers:
     leavers = _Leavers(base, model)
     leavers.thread.start()
     return leavers

@@ -40,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from specplugin.bench.families import DTYPES
     from specplugin.bench.methods import METHODS, PLUGIN, names_in
     from specplugin.bench.runner import add_eager_argument
+    from specplugin.cli import int_option
     from specplugin.zoo import PAIR_HELP
 
     parser.add_argument("--zoo", help=PAIR_HELP)
@@ -51,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer prompts and draws (minutes)")
     parser.add_argument("--alpha", type=_alpha, default=DEFAULT_ALPHA,
                         help="family-wise false-alarm rate of the sampling check, in (0, 0.5]")
-    parser.add_argument("--draws", type=_draws, default=None,
+    parser.add_argument("--draws", type=int_option("--draws", 100), default=None,
                         help="draws per prompt (sampling), at least 100")
     parser.add_argument("--skip-greedy", action="store_true")
     parser.add_argument("--batch-size", type=int, choices=(1, 8), default=8,
@@ -84,29 +85,15 @@ def _alpha(text: str) -> float:
     return value
 
 
-MIN_DRAWS = 100
-
-
-def _draws(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--draws must be an integer; got {text!r}") from None
-    if value < MIN_DRAWS:
-        raise argparse.ArgumentTypeError(
-            f"--draws must be at least {MIN_DRAWS} draws per prompt; got {value}. Fewer "
-            "draws cannot tell distributions apart.")
-    return value
-
-
 # ---------------------------------------------------------------- method selection
 
 
 def _selected(args: argparse.Namespace):
+    from specplugin.bench.cli import csv_list
     from specplugin.bench.methods import BASELINE, METHODS, PLUGIN, names_in, resolve
 
     if args.methods:
-        names = [m.strip() for m in args.methods.split(",") if m.strip()]
+        names = csv_list(args.methods)
     else:
         names = (names_in(PLUGIN) if args.quick
                  else [m for m, spec in METHODS.items() if spec.family != BASELINE])
@@ -117,13 +104,9 @@ def _selected(args: argparse.Namespace):
     return specs
 
 
+# the positive control: a small known change the test must detect (vLLM's synthetic
+# acceptance mode does not run on CPU)
 CONTROL_TEMPERATURE = 0.9
-
-
-def control_payload(payload: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The sampled cells at temperature 0.9: a small known change the test must detect
-    (vLLM's synthetic acceptance mode does not run on CPU)."""
-    return [{**cell, "temperature": CONTROL_TEMPERATURE} for cell in payload]
 
 
 # ---------------------------------------------------------------- engines
@@ -288,19 +271,17 @@ class SampledTest:
     p_value: float
 
 
-def position_counts(token_ids: Sequence[Sequence[int]], position: int, vocab_size: int):
-    """Histogram of the token at ``position`` over draws: [vocab_size]."""
-    import torch
-
-    tokens = torch.tensor([t[position] for t in token_ids], dtype=torch.long)
-    return torch.bincount(tokens, minlength=vocab_size)
-
-
 def compare_samples(reference: Sequence[Sequence[Sequence[int]]],
                     candidate: Sequence[Sequence[Sequence[int]]],
                     num_positions: int, vocab_size: int) -> list[SampledTest]:
     """One chi-square test per (prompt, position); inputs [num_prompts][num_draws][num_tokens]."""
+    import torch
+
     from specplugin.stats import chi_square_homogeneity
+
+    def counts(draws, pos):  # [vocab_size]: the token at ``pos`` over draws
+        return torch.bincount(torch.tensor([t[pos] for t in draws], dtype=torch.long),
+                              minlength=vocab_size)
 
     if len(reference) != len(candidate):
         raise ValueError(f"{len(candidate)} prompts sampled with speculation against "
@@ -308,8 +289,7 @@ def compare_samples(reference: Sequence[Sequence[Sequence[int]]],
     tests = []
     for j, (ref, cand) in enumerate(zip(reference, candidate)):
         for pos in range(num_positions):
-            r = chi_square_homogeneity(position_counts(ref, pos, vocab_size),
-                                       position_counts(cand, pos, vocab_size))
+            r = chi_square_homogeneity(counts(ref, pos), counts(cand, pos))
             tests.append(SampledTest(j, pos, r.statistic, r.dof, r.p_value))
     return tests
 
@@ -381,7 +361,8 @@ def _check_sampling_on(specs, models, plan: SamplingPlan, alpha: float, power_ch
     for i, spec in enumerate(specs):
         ok &= _sampled_one(spec, spec.name, setup, engines, seed=2 + i, is_control=False)
     if power_check:
-        control = replace(setup, payload=tuple(control_payload(setup.payload)))
+        control = replace(setup, payload=tuple({**cell, "temperature": CONTROL_TEMPERATURE}
+                                               for cell in setup.payload))
         ok &= _sampled_one(METHODS["none"], f"control-T{CONTROL_TEMPERATURE:g}", control,
                            engines, seed=100, is_control=True)
     return ok

@@ -41,13 +41,13 @@ PLUGIN_SETTINGS: dict[str, dict[str, Any]] = {
     "plugin-suffix": {"num_speculative_tokens": 8, "proposers": ["suffix"]},
     # the README's recommended configuration: every proposer, one controller
     "plugin-union": {"num_speculative_tokens": 8, "proposers": ["draft", "ngram", "suffix"]},
+    # the union without its step arbiter: what the arbiter adds or costs
+    "plugin-union-no-arbiter": {"num_speculative_tokens": 8,
+                                "proposers": ["draft", "ngram", "suffix"], "step_arbiter": False},
     # the other unions, for check-lossless (every subset of proposers must be lossless)
     "plugin-ngram+suffix": {"num_speculative_tokens": 8, "proposers": ["ngram", "suffix"]},
     "plugin-draft+ngram": {"num_speculative_tokens": 8, "proposers": ["draft", "ngram"]},
     "plugin-draft+suffix": {"num_speculative_tokens": 8, "proposers": ["draft", "suffix"]},
-    # the union without its step arbiter: what the arbiter adds or costs
-    "plugin-union-no-arbiter": {"num_speculative_tokens": 8,
-                                "proposers": ["draft", "ngram", "suffix"], "step_arbiter": False},
     # the batch-expanding scorer: up to 2 candidates per request verified per step
     "plugin-union-scorer": {"num_speculative_tokens": 8, "proposers": ["draft", "ngram", "suffix"],
                             "max_candidates": 2},
@@ -59,6 +59,8 @@ PLUGIN_SETTINGS: dict[str, dict[str, Any]] = {
                                   "proposers": ["draft", "ngram", "suffix"], "max_candidates": 2,
                                   "fault_injection": {"decoy_primary": True}},
 }
+# the plugin's methods that are listed (MethodSpec.listed); the others run on request
+LISTED_PLUGIN = ("plugin-ngram", "plugin-draft", "plugin-suffix", "plugin-union")
 
 
 @dataclass(frozen=True)
@@ -84,8 +86,7 @@ class MethodSpec:
     settings: Mapping[str, Any] = field(default_factory=dict)
     search_space: tuple[tuple[dict[str, Any], ...], ...] = ()
     needs_draft: bool = False
-    # in the default lists of `bench` and `check-lossless --quick`
-    listed: bool = True
+    listed: bool = True  # in the default lists of `bench` and `check-lossless --quick`
 
     def engine_kwargs(self, models: Models, settings: Mapping[str, Any] | None = None) -> dict:
         """This method's keyword arguments for ``vllm.LLM``, on top of the runner's defaults."""
@@ -102,13 +103,8 @@ class MethodSpec:
 
     def search_grid(self) -> list[dict[str, Any]]:
         """Every combination of one choice per ``search_space`` axis, in a fixed order."""
-        grid = []
-        for choice in itertools.product(*self.search_space):
-            settings = dict(self.settings)
-            for part in choice:
-                settings.update(part)
-            grid.append(settings)
-        return grid
+        return [dict(self.settings, **{k: v for part in choice for k, v in part.items()})
+                for choice in itertools.product(*self.search_space)]
 
 
 def _no_speculation(models: Models, settings: Mapping[str, Any]) -> dict[str, Any]:
@@ -150,28 +146,8 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec("vllm-draft", BUILTIN, _vllm_draft_model, BUILTIN_SETTINGS["vllm-draft"],
                    search_space=(_K_AXIS, _DRAFT_SAMPLE_AXIS),
                    needs_draft=True),
-        MethodSpec("plugin-ngram", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-ngram"]),
-        MethodSpec("plugin-draft", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-draft"],
-                   needs_draft=True),
-        MethodSpec("plugin-draft-vllm-k", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-draft-vllm-k"],
-                   needs_draft=True, listed=False),
-        MethodSpec("plugin-suffix", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-suffix"]),
-        MethodSpec("plugin-union", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-union"],
-                   needs_draft=True),
-        MethodSpec("plugin-union-no-arbiter", PLUGIN, _plugin,
-                   PLUGIN_SETTINGS["plugin-union-no-arbiter"], needs_draft=True, listed=False),
-        MethodSpec("plugin-ngram+suffix", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-ngram+suffix"],
-                   listed=False),
-        MethodSpec("plugin-draft+ngram", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-draft+ngram"],
-                   needs_draft=True, listed=False),
-        MethodSpec("plugin-draft+suffix", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-draft+suffix"],
-                   needs_draft=True, listed=False),
-        MethodSpec("plugin-union-scorer", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-union-scorer"],
-                   needs_draft=True, listed=False),
-        MethodSpec("plugin-scorer-decoy", PLUGIN, _plugin, PLUGIN_SETTINGS["plugin-scorer-decoy"],
-                   listed=False),
-        MethodSpec("plugin-union-scorer-decoy", PLUGIN, _plugin,
-                   PLUGIN_SETTINGS["plugin-union-scorer-decoy"], needs_draft=True, listed=False),
+        *(MethodSpec(name, PLUGIN, _plugin, settings, needs_draft="draft" in settings["proposers"],
+                     listed=name in LISTED_PLUGIN) for name, settings in PLUGIN_SETTINGS.items()),
     )
 }
 
@@ -184,9 +160,9 @@ def resolve(names: list[str] | tuple[str, ...]) -> list[MethodSpec]:
     return [METHODS[n] for n in names]
 
 
-def names_in(family: str, listed_only: bool = True) -> list[str]:
-    return [name for name, spec in METHODS.items()
-            if spec.family == family and (spec.listed or not listed_only)]
+def names_in(family: str) -> list[str]:
+    """The listed methods of ``family``."""
+    return [name for name, spec in METHODS.items() if spec.family == family and spec.listed]
 
 
 def listed_names() -> list[str]:

@@ -5,7 +5,7 @@
 
 One fresh engine per method runs ``bench``'s prompts with timers on every per-step method
 of vLLM and the plugin: mean ms per step by exclusive phase (``rest``: unclaimed), then
-the timers' own cost as a tok/s ratio. ``--timers sampled`` uses py-spy samples instead.
+the timers' own cost as a tok/s ratio.
 Exit status 0 when every engine ran, 1 when any failed (the rest is still reported).
 """
 
@@ -14,11 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
-import os
-import re
 import shutil
-import signal
 import statistics
 import subprocess
 from collections.abc import Mapping, Sequence
@@ -30,9 +26,6 @@ from specplugin import trace
 DEFAULT_METHODS = "none,vllm-suffix,vllm-draft,plugin-suffix,plugin-union"
 # --workload's default by the pair's family
 DEFAULT_WORKLOAD = {"code windows": "complete", "instruct": "code-edit"}
-SAMPLED = "sampled"  # --timers: no timer, py-spy's samples (specplugin.stack_samples)
-TIMER_MODES = ("fine", "coarse", SAMPLED)
-SAMPLE_RATE = 100  # py-spy's samples a second of the worker, --timers sampled
 DEFAULT_OUT_DIR = "bench-out/profile"
 # --py-spy's formats (py-spy's own names) -> the file's suffix
 PY_SPY_FORMATS = {"flamegraph": ".svg", "raw": ".txt"}
@@ -71,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="short outputs (the test suite's size)")
     parser.add_argument("--requests", type=int, default=None, metavar="N",
                         help="requests in the cell (default: bench's, 4 at batch 1): more "
-                             "steps to time or sample, the same prompts' kind")
+                             "steps to time, the same prompts' kind")
     parser.add_argument("--rounds", type=int, default=1,
                         help="engines per method, methods interleaved and rotated per round: "
                              "the ledger is the first round's; the plain step's ratio to "
@@ -81,13 +74,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overhead-pairs", type=int, default=3,
                         help="timers-off/on runs per method after the profiled run, to "
                              "measure the timers' own cost (0: skip)")
-    parser.add_argument("--step-ab", type=int, default=0, metavar="PASSES",
-                        help="plugin methods: passes over the cell after the profiled run, "
-                             "timers off, in which blocks of 2-3 steady plain decode steps "
-                             "run as vLLM's own runner, the arms taking turns (the plugin's "
-                             "class and speculative config swapped out for the step): a "
-                             "plain step with the plugin against one without it, a few "
-                             "steps apart in the same engine (0: skip)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a plugin setting for every plugin method of the run (value as "
                              "JSON, e.g. --set step_arbiter=false); repeatable")
@@ -113,25 +99,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also write the union's decision trace (specplugin.trace: every "
                              "step's time, every block the step arbiter closed, every draft "
                              "plan) under OUT_DIR/trace and summarize the timed cell's part")
-    parser.add_argument("--timers", choices=TIMER_MODES, default="fine",
-                        help="fine: every phase of the plugin's work timed apart; coarse: the "
-                             "plugin timed at its entry points only (its own work in all, "
-                             "without most of the timers' own cost, measured at +4%% of the "
-                             "step with fine timers on this project's machine); sampled: no "
-                             "timer at all, py-spy samples the worker during the cell (stopping "
-                             "it for each read) and each sample is charged to the target's "
-                             "forward, the draft's, the plugin or vLLM (needs py-spy, installed "
-                             "with the test extra, or .venv/bin/pip install py-spy; "
-                             "--overhead-pairs then measure the sampler's own cost; --step-ab "
-                             "does not apply)")
-    parser.add_argument("--sample-rate", type=int, default=SAMPLE_RATE, metavar="HZ",
-                        help=f"--timers sampled: py-spy's samples a second (default "
-                             f"{SAMPLE_RATE})")
-    parser.add_argument("--nonblocking", action="store_true",
-                        help="--timers sampled: py-spy reads the worker without stopping it "
-                             "(no pauses, but reads of a stack that changed meanwhile fail and "
-                             "count nowhere: 12%% of them here, most in fast-moving Python, so "
-                             "the plugin's share and the draft's forward come out low)")
     add_eager_argument(parser)
     add_dtype_argument(parser)
 
@@ -158,13 +125,11 @@ def run(args: argparse.Namespace) -> int:
         for spec in specs:
             kwargs = spec.engine_kwargs(models, settings_for(spec, args.overrides))
             _check_plugin_settings(kwargs)
-        if (args.batch_size < 1 or args.overhead_pairs < 0 or args.rounds < 1
-                or args.step_ab < 0 or args.sample_rate < 1):
-            raise ValueError("--batch-size, --rounds and --sample-rate must be >= 1 and "
-                             "--overhead-pairs and --step-ab >= 0; got "
-                             f"{args.batch_size}, {args.rounds}, {args.sample_rate}, "
-                             f"{args.overhead_pairs} and {args.step_ab}.")
-        if args.py_spy or args.timers == SAMPLED:
+        if args.batch_size < 1 or args.overhead_pairs < 0 or args.rounds < 1:
+            raise ValueError("--batch-size and --rounds must be >= 1 and --overhead-pairs "
+                             f">= 0; got {args.batch_size}, {args.rounds} and "
+                             f"{args.overhead_pairs}.")
+        if args.py_spy:
             args.py_spy_path = find_py_spy()
         cell = Cell(args.workload, args.batch_size, args.temperature)
         sizes = family.quick_sizes if args.quick else family.sizes
@@ -191,9 +156,8 @@ def run(args: argparse.Namespace) -> int:
                 console.print(f"[red]FAILED {spec.name}: {err}[/red]")
                 continue
             result = results.setdefault(spec.name, summary)  # the first round's ledger
-            keys = SAMPLED_ROUND_KEYS if args.timers == SAMPLED else ROUND_KEYS
             result.setdefault("rounds", []).append(
-                {key: summary[key] for key in keys} | {"round": round_index})
+                {key: summary[key] for key in ROUND_KEYS} | {"round": round_index})
     if results:
         payload = {"meta": _meta(args, models, cell, prompts), "methods": results}
         title = _title(payload["meta"])
@@ -201,12 +165,11 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
-        plot_path = (None if args.timers == SAMPLED else
-                     plot(results, Path(args.plot or out_dir / "profile.png"), title))
+        plot_path = plot(results, Path(args.plot or out_dir / "profile.png"), title)
         if args.markdown:
             Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
             Path(args.markdown).write_text(markdown(results, title, payload["meta"]))
-        console.print((f"plot: {plot_path}  " if plot_path else "") + f"logs: {out_dir / 'logs'}"
+        console.print(f"plot: {plot_path}  logs: {out_dir / 'logs'}"
                       + (f"  json: {args.json}" if args.json else ""))
     for failure in failures:
         console.print(f"[red]FAILED {failure}[/red]")
@@ -245,44 +208,35 @@ def settings_for(spec, overrides: Mapping[str, Any]) -> dict[str, Any]:
 
 # what each round keeps of a method's summary (the ledger is the first round's)
 ROUND_KEYS = ("tok_s", "step_ms", "plain_step_ms", "skipped_step_ms")
-SAMPLED_ROUND_KEYS = ("tok_s", "own_share", "step_samples")
 
 
 def profile_method(spec, models, prompts, args, out_dir: Path,
                    round_index: int = 0) -> dict[str, Any]:
-    """One fresh engine: the method's summary, timed or sampled."""
+    """One fresh engine: the method's timed summary."""
     from specplugin.bench.runner import EngineJob, cell_payload, max_num_seqs, run_job
-    from specplugin.vllm_layer.profiling import ENV, TIMERS_ENV
+    from specplugin.vllm_layer.profiling import ENV
 
     label = f"profile-{spec.name}" + (f"-r{round_index + 1}" if round_index else "")
-    sampled = args.timers == SAMPLED
-    env = {} if sampled else {ENV: "1", TIMERS_ENV: args.timers}
+    env = {ENV: "1"}
     trace_dir = out_dir / "trace" / label
     if args.trace:
         shutil.rmtree(trace_dir, ignore_errors=True)
         env[trace.ENV] = str(trace_dir)
-    samples_path = out_dir / "samples" / f"{label}.txt"
     payload = cell_payload(prompts)
     job = EngineJob(label=label, model=models.target,
                     engine_kwargs={"dtype": args.dtype, "max_num_seqs": max_num_seqs([payload]),
                                    **spec.engine_kwargs(models, settings_for(spec, args.overrides))},
-                    cells=(payload,), kind=SAMPLED if sampled else "profile",
-                    eager=args.eager, overhead_pairs=args.overhead_pairs,
-                    step_ab=0 if sampled else args.step_ab,
-                    sampler=({"executable": args.py_spy_path, "path": str(samples_path),
-                              "rate": args.sample_rate, "nonblocking": args.nonblocking}
-                             if sampled else None), env=env)
-    # a sampled engine has py-spy on its worker already: no second one
+                    cells=(payload,), kind="profile", eager=args.eager,
+                    overhead_pairs=args.overhead_pairs, env=env)
     spy = (PySpy(out_dir / f"flame-{spec.name}{PY_SPY_FORMATS[args.py_spy]}",
-                 args.py_spy_path, args.py_spy) if args.py_spy and not sampled else None)
+                 args.py_spy_path, args.py_spy) if args.py_spy else None)
     try:
         result = run_job(job, out_dir / "logs", spy.on_event if spy else lambda e: None)
     finally:
         if spy:
             spy.stop()
     cell = next(iter(result.cells.values()))
-    summary = (sampled_summary(cell, args, samples_path) if sampled
-               else timed_summary(cell, prompts.cell.batch_size, spy))
+    summary = timed_summary(cell, prompts.cell.batch_size, spy)
     summary.update({
         "method": spec.name, "settings": settings_for(spec, args.overrides),
         "startup_s": result.startup_s, "num_output_tokens": cell["num_output_tokens"],
@@ -290,17 +244,16 @@ def profile_method(spec, models, prompts, args, out_dir: Path,
         "num_accepted_tokens": cell["num_accepted_tokens"],
         "mean_acceptance_length": (1 + cell["num_accepted_tokens"] / cell["num_drafts"]
                                    if cell["num_drafts"] else None),
-        # the timed cell's part of the trace: the first num_steps after the warm-up's
-        # forget (a sampled summary has no step count, so it runs on)
+        # the timed cell's part of the trace: the first num_steps after the warm-up's forget
         "trace": (trace.summarize(trace.after_last_forget(trace.read(trace_dir)),
-                                  max_steps=summary.get("num_steps"))
+                                  max_steps=summary["num_steps"])
                   if env.get(trace.ENV) else None),
     })
     return summary
 
 
 def timed_summary(cell: Mapping[str, Any], batch_size: int, spy) -> dict[str, Any]:
-    """A timed engine's cell: per-step ledger, timers' cost, flame graph, plain-step A/B."""
+    """A timed engine's cell: per-step ledger, timers' cost, flame graph."""
     from specplugin.profiling import Ledger, combine, summarize
 
     ledger = combine(Ledger.from_dict(cell["ledger"]["engine"]),
@@ -316,112 +269,8 @@ def timed_summary(cell: Mapping[str, Any], batch_size: int, spy) -> dict[str, An
         "overhead": overhead(off, on, summary["timer_calls_per_step"] * cell["timer_cost_s"]
                              * 1e3, summary["step_ms"]),
         "flame_graph": str(spy.path) if spy and spy.path.exists() else None,
-        "step_ab": step_ab_summary(cell.get("step_ab")),
     })
     return summary
-
-
-def sampled_summary(cell: Mapping[str, Any], args, samples_path: Path) -> dict[str, Any]:
-    """A sampled engine's cell: shares of its step's samples, and the sampler's cost."""
-    sampled = cell["sampled"]
-    return {"tok_s": cell["num_output_tokens"] / cell["seconds"],
-            "sampled": sampled, "own_share": sampled["own_share"],
-            "step_samples": sampled["step_samples"], "sample_rate": args.sample_rate,
-            "nonblocking": args.nonblocking,
-            "overhead": overhead(cell["overhead_tok_s"]["off"], cell["overhead_tok_s"]["on"]),
-            "samples_path": str(samples_path)}
-
-
-def sampled_rows(results: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
-    """``--timers sampled``: each row's share of the worker's step samples."""
-    from specplugin.stack_samples import DRAFT_FORWARD, FORWARD, PLUGIN, VLLM
-
-    rs = list(results.values())
-    share = lambda row: [f"{r['sampled']['shares'][row]:.1%}" for r in rs]  # noqa: E731
-    rows: list = [
-        ("forward (the target's, LM head included)", share(FORWARD)),
-        ("draft forward (and its LM head)", share(DRAFT_FORWARD)),
-        ("vLLM (the rest of the step)", share(VLLM)),
-        ("plugin's own work (no forwards)",
-         [f"{r['own_share']:.1%} +-{r['sampled']['own_half_interval']:.1%}" for r in rs]),
-        None,
-        ("  per round (fresh engines); all rounds' samples pooled",
-         [", ".join(f"{x['own_share']:.1%}" for x in r["rounds"])
-          + (f"; {pooled_own_share(r['rounds']):.1%}" if len(r["rounds"]) > 1 else "")
-          for r in rs]),
-        ("  and outside the step (the worker's wait)",
-         [f"{r['sampled']['background_share']:.1%}" for r in rs]),
-        ("samples in the step / all the worker's",
-         [f"{r['sampled']['step_samples']} / {r['sampled']['samples']}" for r in rs]),
-        ("py-spy's failed reads (in no row) / reads",
-         ["-" if not r["sampled"].get("failed_reads") else
-          "{} / {}".format(*r["sampled"]["failed_reads"]) for r in rs]),
-        ("tok/s (sampled run)", [f"{r['tok_s']:.1f}" for r in rs]),
-        ("sampler overhead: measured (1 - tok/s sampled / not)",
-         [_pct(r["overhead"]["measured"]) for r in rs]),
-        ("mean acceptance length", ["-" if r["mean_acceptance_length"] is None
-                                    else f"{r['mean_acceptance_length']:.2f}" for r in rs]),
-    ]
-    top = max((len(r["sampled"]["plugin_functions"]) for r in rs), default=0)
-    for i in range(min(top, 8)):
-        rows.append((f"plugin function #{i + 1} (innermost, not passing through)",
-                     [_function_share(r, i) for r in rs]))
-    return rows
-
-
-def pooled_own_share(rounds: Sequence[Mapping[str, Any]]) -> float:
-    """The plugin's share of every round's step samples together."""
-    samples = sum(r["step_samples"] for r in rounds)
-    return sum(r["own_share"] * r["step_samples"] for r in rounds) / samples if samples else 0.0
-
-
-def _function_share(result: Mapping[str, Any], i: int) -> str:
-    functions = result["sampled"]["plugin_functions"]
-    if i >= len(functions):
-        return "-"
-    name, share = functions[i]
-    return f"{_shorten(name, 40)} {share:.1%}"
-
-
-SAMPLED_NOTE = ("sampled: py-spy reads rank 0's worker {rate} times a second{how}; "
-                "shares are of the samples inside the worker's step (execute_model and "
-                "sample_tokens), no timer installed; +- is the samples' 95% interval")
-
-
-def step_ab_summary(records: Sequence[Sequence] | None) -> dict[str, Any] | None:
-    """``--step-ab`` records ``[arm, seconds, segment, plugin_ran]`` paired (a ``plugin``
-    step with the next ``vllm`` step of its segment): geometric-mean ``ratio`` and mean
-    ``excess_ms`` with 95% intervals. None without a pair; only ``wrong_arm`` if the swap broke."""
-    records = records or []
-    wrong = sum(1 for r in records if r[3] != (r[0] == "plugin"))
-    if wrong:
-        return {"pairs": 0, "wrong_arm": wrong}
-    pairs, i = [], 0
-    while i < len(records) - 1:
-        (arm, seconds, segment, _), (next_arm, next_seconds, next_segment, _) = records[i:i + 2]
-        if arm == "plugin" and next_arm == "vllm" and segment == next_segment:
-            pairs.append((seconds * 1e3, next_seconds * 1e3))
-            i += 2
-        else:
-            i += 1
-    if not pairs:
-        return None
-    logs = [math.log(mine / theirs) for mine, theirs in pairs]
-    mean, half = _mean_and_half_interval(logs)
-    excess, excess_half = _mean_and_half_interval([mine - theirs for mine, theirs in pairs])
-    return {"pairs": len(pairs), "wrong_arm": 0, "ratio": math.exp(mean),
-            "low": math.exp(mean - half), "high": math.exp(mean + half),
-            "excess_ms": excess, "excess_low_ms": excess - excess_half,
-            "excess_high_ms": excess + excess_half,
-            "median_ms": {"plugin": statistics.median(p for p, _ in pairs),
-                          "vllm": statistics.median(v for _, v in pairs)}}
-
-
-def _mean_and_half_interval(values: Sequence[float]) -> tuple[float, float]:
-    """The mean and the half width of its 95% interval (normal approximation)."""
-    if len(values) < 2:
-        return statistics.fmean(values), math.inf
-    return statistics.fmean(values), 1.96 * statistics.stdev(values) / math.sqrt(len(values))
 
 
 def overhead(off: Sequence[float], on: Sequence[float], timers_ms: float = 0.0,
@@ -439,22 +288,19 @@ def ordered_phases(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
 
 
 def _title(meta: Mapping[str, Any]) -> str:
-    mode = meta.get("timers", "fine")
     length = (f"{meta['max_tokens']} tokens" if meta.get("ignore_eos", True)
               else f"up to {meta['max_tokens']} tokens (stop at EOS)")
     return (f"specplugin profile: {meta['cell']}, {meta['num_requests']} requests x "
             f"{length}, {'eager' if meta['eager'] else 'compiled'}, "
             + (f"{meta['dtype']}, " if "dtype" in meta else "")
-            + ("no timers, py-spy's samples of the worker's step (share of them)"
-               if mode == SAMPLED else
-               f"{mode} timers, ms per engine step (share of the step)"))
+            + "ms per engine step (share of the step)")
 
 
 def _report_saved(path: Path, args, console) -> int:
     payload = json.loads(path.read_text())
     results, meta = payload["methods"], payload["meta"]
     print_ledger(results, _title(meta))
-    if args.plot and meta.get("timers") != SAMPLED:
+    if args.plot:
         plot(results, Path(args.plot), _title(meta))
     if args.markdown:
         Path(args.markdown).write_text(markdown(results, _title(meta), meta))
@@ -464,8 +310,6 @@ def _report_saved(path: Path, args, console) -> int:
 def ledger_rows(results: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
     """(label, one cell per method): the phases, a separator (None), then the totals."""
     rs = list(results.values())
-    if rs and "sampled" in rs[0]:
-        return sampled_rows(results)
     rows: list = [(phase, [_ms_share(r, phase) for r in rs]) for phase in ordered_phases(results)]
     rows.append(None)
     rows += [
@@ -491,7 +335,6 @@ def ledger_rows(results: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, lis
         ("  of them planned (drafting ran, nothing to verify)",
          [_plain(r, results, "planned") for r in rs]),
         ("  skipped / none's, per round (median)", [_plain_rounds(r, results) for r in rs]),
-        ("plain step, plugin / vLLM's runner, step by step", [_step_ab(r) for r in rs]),
         ("engine busy (steps / wall)", [f"{r['busy_share']:.0%}" for r in rs]),
         ("front end ms / step (alongside)", [f"{r['front_end_ms_per_step']:.3f}" for r in rs]),
         ("engine memory probe, ms (16 MB copy; high: a slow engine)",
@@ -567,12 +410,6 @@ OVERHEAD_NOTE = ("overhead measured = 1 - median tok/s with timers on / off (sam
 
 
 def _note(results: Mapping[str, Mapping[str, Any]]) -> str:
-    if any("sampled" in r for r in results.values()):
-        rates = sorted({r.get("sample_rate", SAMPLE_RATE) for r in results.values()})
-        how = {r.get("nonblocking", False) for r in results.values()}
-        return SAMPLED_NOTE.format(rate="/".join(map(str, rates)), how=(
-            " without stopping it (failed reads count nowhere)" if how == {True}
-            else ", stopping it for each read" if how == {False} else ""))
     return f"timing: {_devices(results)}; {OVERHEAD_NOTE}"
 
 
@@ -632,26 +469,6 @@ def _plain_rounds(result: Mapping[str, Any], results: Mapping[str, Mapping[str, 
             + (f" ({statistics.median(ratios):.3f}x)" if len(ratios) > 1 else ""))
 
 
-def _step_ab(result: Mapping[str, Any]) -> str:
-    ab = result.get("step_ab")
-    if not ab:
-        return "-"
-    if ab["wrong_arm"]:
-        return f"broken: {ab['wrong_arm']} steps ran the other arm's code"
-    # the worker's step ratio, then the excess as a share of the plain step, else in ms
-    text = f"{ab['ratio']:.3f}x ({ab['low']:.3f}-{ab['high']:.3f}), "
-    plain_ms = result.get("plain_step_ms")
-    if plain_ms:
-        text += (f"{ab['excess_ms'] / plain_ms:+.1%} of a plain step "
-                 f"({ab['excess_low_ms'] / plain_ms:+.1%} to "
-                 f"{ab['excess_high_ms'] / plain_ms:+.1%})")
-    else:
-        text += (f"{ab['excess_ms']:+.3f} ms ({ab['excess_low_ms']:+.3f} to "
-                 f"{ab['excess_high_ms']:+.3f})")
-    text += f", {ab['pairs']} pairs"
-    return text
-
-
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:+.1%}"
 
@@ -698,8 +515,7 @@ def _meta(args, models, cell, prompts) -> dict[str, Any]:
             "ignore_eos": prompts.ignore_eos, "dtype": args.dtype,
             "max_num_seqs": cell.batch_size,  # runner.max_num_seqs of the job's one cell
             "eager": args.eager, "engine_defaults": engine_kwargs({"dtype": args.dtype}, args.eager),
-            "overhead_pairs": args.overhead_pairs, "step_ab": args.step_ab,
-            "overrides": args.overrides, "timers": args.timers}
+            "overhead_pairs": args.overhead_pairs, "overrides": args.overrides}
 
 
 def find_py_spy() -> str:
@@ -737,77 +553,3 @@ class PySpy:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.proc.terminate()
-
-
-class SampledWindow:
-    """``py-spy record`` (raw, idle threads too) of one process during the ``with`` block,
-    from a core it is not bound to. Blocking reads cost ~26% tok/s at 100 Hz but skew no
-    row; ``nonblocking`` reads fail on changing stacks, biasing fast Python code low."""
-
-    def __init__(self, executable: str, pid: int, path: Path, rate: int = SAMPLE_RATE,
-                 nonblocking: bool = False):
-        self.executable, self.pid, self.path, self.rate = executable, pid, path, rate
-        self.nonblocking = nonblocking
-        self.proc: subprocess.Popen | None = None
-        self.errors: tuple[int, int] | None = None  # (failed reads, samples), py-spy's count
-
-    def command(self) -> list[str]:
-        return [self.executable, "record", "--pid", str(self.pid), "--rate", str(self.rate),
-                "--idle", "--format", "raw", "--output", str(self.path)] + (
-                    ["--nonblocking"] if self.nonblocking else [])
-
-    def __enter__(self) -> SampledWindow:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        cores = other_cores(self.pid)
-        self.proc = subprocess.Popen(
-            self.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            preexec_fn=(lambda: _bind(cores)) if cores else None)
-        first = self.proc.stdout.readline()
-        if "Sampling process" not in first:
-            rest, _ = self.proc.communicate(timeout=30)
-            raise RuntimeError(f"py-spy did not start sampling process {self.pid}: "
-                               f"{(first + rest).strip()}")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        output, _ = self.proc.communicate(timeout=120)
-        if self.proc.returncode != 0 or not self.path.exists():
-            raise RuntimeError(f"py-spy failed on process {self.pid} "
-                               f"(exit {self.proc.returncode}): {output.strip()[-500:]}")
-        # "Samples: N Errors: M": failed reads are in no row
-        found = re.search(r"Samples: (\d+) Errors: (\d+)", output)
-        self.errors = (int(found[2]), int(found[1])) if found else None
-
-
-def other_cores(pid: int) -> set[int]:
-    """The cores process ``pid`` may not run on, where py-spy runs so as not to take the
-    worker's core (vLLM binds its CPU worker)."""
-    return set(range(os.cpu_count() or 1)) - os.sched_getaffinity(pid)
-
-
-def _bind(cores: set[int]) -> None:
-    try:
-        os.sched_setaffinity(0, cores)
-    except OSError:  # none of them allowed here: py-spy runs where the system puts it
-        pass
-
-
-WORKER_TITLE = "VLLM::Worker"  # the process title vLLM gives its worker processes
-
-
-def worker_pid() -> int:
-    """Rank 0's worker: the earliest descendant titled :data:`WORKER_TITLE`."""
-    import psutil  # a dependency of vLLM's
-
-    workers = []
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            if WORKER_TITLE in " ".join(proc.cmdline()):
-                workers.append((proc.create_time(), proc.pid))
-        except psutil.Error:  # gone, or not ours to read
-            continue
-    if not workers:
-        raise RuntimeError(f"no vLLM worker process ({WORKER_TITLE!r}) under this engine "
-                           "to sample")
-    return min(workers)[1]

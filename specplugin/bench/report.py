@@ -321,22 +321,18 @@ def markdown(rows: Sequence[Row], meta: Mapping[str, Any]) -> str:
         lines += ["Each round's tok/s, in the order run (in brackets: the engine's memory "
                   "probe, ms to copy 16 MB in its worker; a high one marks a slow engine):", ""]
         for cell in cells:
-            rounds = "; ".join(
-                f"{m} " + ", ".join(_with_probe(t, p) for t, p in _rounds(by_key[(cell, m)]))
-                for m in methods if (cell, m) in by_key)
+            rounds = "; ".join(f"{m} {_rounds(by_key[(cell, m)])}"
+                               for m in methods if (cell, m) in by_key)
             lines.append(f"- {cell.key}: {rounds}")
         lines.append("")
     return "\n".join(lines)
 
 
-def _rounds(row: Row) -> list[tuple[float, float | None]]:
-    """(tok/s, memory probe ms or None) of each round."""
+def _rounds(row: Row) -> str:
+    """Each round's tok/s, with its memory probe's ms in brackets when there is one."""
     probes = row.memory_probe_ms_rounds or (None,) * len(row.tok_s_rounds)
-    return list(zip(row.tok_s_rounds, probes))
-
-
-def _with_probe(tok_s: float, probe_ms: float | None) -> str:
-    return f"{tok_s:.1f}" if probe_ms is None else f"{tok_s:.1f} [{probe_ms:.2f}]"
+    return ", ".join(f"{t:.1f}" if p is None else f"{t:.1f} [{p:.2f}]"
+                     for t, p in zip(row.tok_s_rounds, probes))
 
 
 def write_json(rows: Sequence[Row], meta: Mapping[str, Any], path: Path) -> Path:

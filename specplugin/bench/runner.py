@@ -116,8 +116,6 @@ class EngineJob:
     return_token_ids: bool = False
     return_texts: bool = False  # decoded after the timed calls, so timing is unchanged
     overhead_pairs: int = 0  # "profile" jobs: timers-off/on runs after the ledger's run
-    step_ab: int = 0  # "profile" jobs: plain-step A/B passes (PlainStepAB)
-    sampler: Mapping[str, Any] | None = None  # "sampled" jobs: SampledWindow's arguments
     env: Mapping[str, str] = field(default_factory=dict)  # the child's, over child_env()
     timeout_s: float = 3600.0
 
@@ -289,8 +287,6 @@ class EngineRun:
     worker_gc_frozen: int | None = None
     worker_learning: dict[str, float] | None = None
     proposer_failures: dict[str, int] | None = None
-    # py-spy sampled cells: SampledLedger.summary()
-    sampled: dict[str, Any] | None = None
     warnings: list[str] = field(default_factory=list)
     log_path: Path | None = None
 
@@ -305,8 +301,7 @@ class EngineRun:
                    worker_gc_frozen=out.get("worker_gc_frozen"),
                    worker_learning=out.get("worker_learning"),
                    proposer_failures=out.get("proposer_failures"),
-                   sampled=out.get("sampled"), warnings=list(result.warnings),
-                   log_path=result.log_path, **counters)
+                   warnings=list(result.warnings), log_path=result.log_path, **counters)
 
     @property
     def num_output_tokens(self) -> int:

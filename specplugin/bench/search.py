@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,17 +43,16 @@ def _short(settings: Mapping[str, Any]) -> str:
     return ",".join(f"{names.get(k, k)}={v}" for k, v in settings.items())
 
 
+def median_tok_s(runs: Sequence[Mapping[str, Any]]) -> float:
+    return statistics.median(r["num_output_tokens"] / r["seconds"] for r in runs)
+
+
 def score(result: SuiteResult, label: str, cells: Sequence[CellPrompts]) -> float | None:
     """Geometric mean over cells of the median tok/s; None if a cell is missing."""
-    import statistics
-
-    rates = []
-    for cp in cells:
-        runs = result.cell_runs(label, cp.cell.key)
-        if not runs:
-            return None
-        rates.append(statistics.median(r["num_output_tokens"] / r["seconds"] for r in runs))
-    return math.exp(sum(math.log(r) for r in rates) / len(rates))
+    runs = [result.cell_runs(label, cp.cell.key) for cp in cells]
+    if not all(runs):
+        return None
+    return math.exp(sum(math.log(median_tok_s(r)) for r in runs) / len(runs))
 
 
 def best_settings(entries: Sequence[Entry], scores: Mapping[str, float | None]) -> dict[str, dict]:
@@ -89,8 +89,6 @@ def search(specs: Sequence[MethodSpec], models: Models, cells: Sequence[CellProm
 
 
 def _print_scores(entries, cells, result: SuiteResult, scores, console) -> None:
-    import statistics
-
     from rich.table import Table
 
     table = Table(title="built-in settings search: median tok/s per cell, geometric mean")
@@ -102,8 +100,7 @@ def _print_scores(entries, cells, result: SuiteResult, scores, console) -> None:
         cols = []
         for cp in cells:
             runs = result.cell_runs(entry.label, cp.cell.key)
-            cols.append(f"{statistics.median(r['num_output_tokens'] / r['seconds'] for r in runs):.1f}"
-                        if runs else "-")
+            cols.append(f"{median_tok_s(runs):.1f}" if runs else "-")
         s = scores[entry.label]
         table.add_row(entry.label, *cols, "-" if s is None else f"{s:.1f}")
     console.print(table)

@@ -7,7 +7,6 @@ drafts are both accepted and rejected often. No tokenizer: prompts are token ids
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +31,8 @@ def build_tiny_llama(out_dir: Path, shape: TinyShape) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from specplugin.zoo.train import mark_float32
+
     hf_logging.disable_progress_bar()  # no "Writing model shards" bars in the check's report
 
     config = LlamaConfig(
@@ -48,12 +49,7 @@ def build_tiny_llama(out_dir: Path, shape: TinyShape) -> Path:
         weight.normal_(0.0, shape.logit_std / shape.hidden_size ** 0.5)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir), safe_serialization=True)
-    cfg_path = out_dir / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["dtype"] = "float32"
-    cfg.pop("torch_dtype", None)
-    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    (out_dir / "generation_config.json").unlink(missing_ok=True)  # no sampling defaults
+    mark_float32(out_dir)
     return out_dir
 
 

@@ -1,11 +1,7 @@
-"""vLLM's rejection sampler against the plugin's shortcuts, timed on two batches.
+"""vLLM's rejection sampler against the plugin's ``verify_greedy`` and ``verify_sampled``,
+timed on all-greedy batches and on temperature-1 batches with draft probabilities.
 
-An all-greedy batch, and a batch sampling at temperature 1 with draft probabilities.
-
-vLLM's ``RejectionSampler`` does far more than these batches need (on CPU torch's argmax
-alone costs ~10x numpy's), so the plugin verifies them itself (``verify_greedy``,
-``verify_sampled``). Run: ``.venv/bin/python -m specplugin.bench.verify_bench``.
-The metadata builders are the tests' too.
+Run: ``.venv/bin/python -m specplugin.bench.verify_bench``. The tests use its metadata builders.
 """
 
 from __future__ import annotations
@@ -61,7 +57,7 @@ def _ms(call, repeats: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vocab-size", type=int, default=6144)  # the zoo's pairs
     parser.add_argument("--repeats", type=int, default=300)
     args = parser.parse_args()

@@ -13,9 +13,10 @@ never share prompts.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -35,10 +36,6 @@ class PromptSource:
         if self.stream.size == 0:
             raise ValueError("the held-out token stream is empty; the zoo's held-out files "
                              "were not found under the stdlib root")
-
-    def random_ids(self) -> np.ndarray:  # [num_allowed]
-        """Ids a random prompt may contain: the vocabulary minus special tokens."""
-        return np.setdiff1d(np.arange(self.vocab_size), np.array(self.special_ids, dtype=np.int64))
 
 
 @dataclass(frozen=True)
@@ -97,7 +94,8 @@ def mixed_prompts(source: PromptSource, sizes: Sizes, count: int,
 
 def adversarial_prompts(source: PromptSource, sizes: Sizes, count: int,
                         rng: np.random.Generator) -> list[list[int]]:
-    allowed = source.random_ids()
+    allowed = np.setdiff1d(np.arange(source.vocab_size),  # [num_allowed]: no special tokens
+                           np.array(source.special_ids, dtype=np.int64))
     return rng.choice(allowed, size=(count, sizes.random_prompt_len)).tolist()
 
 
@@ -163,9 +161,10 @@ class Cell:
         return zlib.crc32(self.key.encode()) ^ base_seed
 
 
-def full_grid(workloads: Sequence[str] = tuple(WORKLOADS)) -> list[Cell]:
-    return [Cell(w, b, t) for w in workloads for b in WORKLOADS[w].batch_sizes
-            for t in WORKLOADS[w].temperatures]
+def grid(workloads: Mapping[str, Any], names: Sequence[str] = ()) -> list[Cell]:
+    """Every cell of the workloads ``names`` (default: all): batch sizes times temperatures."""
+    return [Cell(w, b, t) for w in names or workloads for b in workloads[w].batch_sizes
+            for t in workloads[w].temperatures]
 
 
 # --quick: one cell that copies, one mixed batch sampled, and the adversarial one.

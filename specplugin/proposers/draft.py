@@ -15,26 +15,31 @@ import torch
 
 from specplugin import host_kernels
 from specplugin.proposers.base import Candidate, StepBatch
+from specplugin.requests import Requests
 
 
 class DraftKVCursor:
-    """How far each request's draft KV is written, so the draft runs only for rows that
-    use it. A skipped row's next first pass re-reads ``[written, num_tokens)``; a
-    preempted one is reset (:meth:`forget`)."""
+    """How far each request's draft KV is written (its record's ``draft_kv_end``), so the
+    draft runs only for rows that use it. A skipped row's next first pass re-reads
+    ``[draft_kv_end, num_tokens)``; a preempted one is reset (:meth:`forget`)."""
 
-    def __init__(self):
-        self._written: dict[str, int] = {}  # req id -> context positions with draft KV
+    def __init__(self, requests: Requests | None = None):
+        self.requests = requests if requests is not None else Requests()
         # req id -> positions past its written end already written by the last run (drafted)
         self._ahead: dict[str, int] = {}
+
+    def _end(self, req_id: str) -> int:
+        state = self.requests.get(req_id)
+        return 0 if state is None else state.draft_kv_end
 
     def starts(self, req_ids: Sequence[str],  # [n] the rows that will draft
                num_tokens: Sequence[int],  # [n] context length, newest token included
                budget: int) -> list[int]:  # [n] first position to read; -1: not this step
         """Rows whose re-read would overflow ``budget`` tokens in all wait for a later step.
         (A plain loop: after the target's forward each numpy call costs microseconds.)"""
-        written, starts, total = self._written, [], 0
+        starts, total = [], 0
         for req_id, n in zip(req_ids, num_tokens):
-            start = written.get(req_id, 0)
+            start = self._end(req_id)
             if start >= n:  # a context that shrank: re-read all
                 start = 0
             total += n - start
@@ -44,13 +49,13 @@ class DraftKVCursor:
     def behind(self, req_ids: Sequence[str],  # [n]
                num_tokens: np.ndarray) -> list[int]:  # [n] context length, newest included
         """Tokens each row's first pass would read beyond its newest one (the catch-up cost)."""
-        written = self._written
         return [n - 1 - (w if w < n else 0)
-                for w, n in zip((written.get(r, 0) for r in req_ids), num_tokens.tolist())]
+                for w, n in zip(map(self._end, req_ids), num_tokens.tolist())]
 
     def advance(self, req_ids: Sequence[str], num_tokens: Sequence[int]) -> None:
+        requests = self.requests
         for req_id, n in zip(req_ids, num_tokens):
-            self._written[req_id] = n
+            requests[req_id].draft_kv_end = n
 
     def drafted(self, req_ids: Sequence[str],  # [n] the rows the run drafted for
                 ahead: Sequence[int]) -> None:  # [n] see below
@@ -66,19 +71,22 @@ class DraftKVCursor:
         ahead, self._ahead = self._ahead, {}
         if not ahead:
             return
-        written = self._written
+        requests = self.requests
         for req_id, a in zip(req_ids, num_accepted):
             n = ahead.get(req_id, 0)
-            if n and a > 0 and req_id in written:
-                written[req_id] += min(a, n)
+            state = requests.get(req_id) if n and a > 0 else None
+            if state is not None and state.draft_kv_end > 0:
+                state.draft_kv_end += min(a, n)
 
     def forget_pending(self) -> None:
         """The last run's drafts will not be verified (the step failed or was skipped)."""
         self._ahead = {}
 
     def forget(self, req_ids: Iterable[str]) -> None:
+        """Their draft KV is gone (preempted): the next run re-reads their context."""
+        req_ids = list(req_ids)
+        self.requests.restart(req_ids)
         for req_id in req_ids:
-            self._written.pop(req_id, None)
             self._ahead.pop(req_id, None)
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specplugin.proposers.base import Candidate, StepBatch
+from specplugin.requests import Requests
 
 SEP = -1  # separator between texts in a buffer: never a token id, so it never matches
 _NO_IDS = np.zeros(0, dtype=np.int64)
@@ -581,9 +582,11 @@ class SuffixProposer:
     name = "suffix"
 
     def __init__(self, config: SuffixConfig | None = None, num_alternatives: int = 0,
-                 index: str = "auto"):
+                 index: str = "auto", requests: Requests | None = None):
         """``num_alternatives``: up to that many less frequent branches per walk. ``index``:
-        ``"python"``, ``"arctic"``, or ``"auto"`` (arctic if installed and no alternatives)."""
+        ``"python"``, ``"arctic"``, or ``"auto"`` (arctic if installed and no alternatives).
+        ``requests``: the running requests' records, where each one's feed position is kept
+        (default: the proposer's own)."""
         if index not in ("auto", "python", "arctic"):
             raise ValueError(f"suffix index must be auto, python or arctic; got {index!r}.")
         if index == "auto":
@@ -595,7 +598,7 @@ class SuffixProposer:
         self.cache = (ArcticSuffixIndex(config or SuffixConfig()) if index == "arctic"
                       else SuffixCache(config))
         self.num_alternatives = num_alternatives
-        self._fed: dict[str, int] = {}  # req id -> context tokens the cache has seen
+        self.requests = requests if requests is not None else Requests()
         # where deferrable work goes (see Proposer)
         self.defer: Callable[[Callable[[], None]], None] = _run_now
 
@@ -619,7 +622,8 @@ class SuffixProposer:
         return candidates
 
     def _feed(self, req_id: str, context: np.ndarray, num_prompt_tokens: int) -> None:
-        fed = self._fed.get(req_id)
+        state = self.requests[req_id]
+        fed = state.suffix_fed
         if fed is None or fed > len(context):  # new (or restarted from its prompt)
             if fed is not None:
                 self.cache.stop_request(req_id)
@@ -627,9 +631,11 @@ class SuffixProposer:
             self.cache.start_request(req_id, context[:fed])
         if len(context) > fed:
             self.cache.add_tokens(req_id, context[fed:])
-        self._fed[req_id] = len(context)
+        state.suffix_fed = len(context)
 
     def finish_requests(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
-            if self._fed.pop(req_id, None) is not None:
+            state = self.requests.get(req_id)
+            if state is not None and state.suffix_fed is not None:
+                state.suffix_fed = None
                 self.cache.stop_request(req_id)

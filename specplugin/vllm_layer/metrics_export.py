@@ -96,8 +96,9 @@ def merge(snapshots: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """The sum of several workers' snapshots (data-parallel engines each publish one)."""
     total: dict[str, Any] = {**dict.fromkeys(STEP_COUNTERS, 0), "k_histogram": Counter(),
                              "proposers": {}, "proposer_failures": Counter(),
-                             "arbiter": Counter(), "scorer": Counter()}
+                             "arbiter": Counter(), "scorer": Counter(), "tracked_requests": 0}
     for snap in snapshots:
+        total["tracked_requests"] += snap.get("tracked_requests", 0)
         for key in STEP_COUNTERS:
             total[key] += snap.get(key, 0)
         total["k_histogram"].update(snap.get("k_histogram", {}))
@@ -119,8 +120,9 @@ def merge(snapshots: Iterable[dict[str, Any]]) -> dict[str, Any]:
 
 
 def metric_families(total: dict[str, Any]) -> list:
-    """Prometheus counter families for one merged snapshot."""
-    from prometheus_client.core import CounterMetricFamily
+    """Prometheus families for one merged snapshot: counters, and the gauge of requests
+    whose records the plugin holds (back to 0 when nothing runs)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     def family(name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
         return CounterMetricFamily(PREFIX + name, doc, labels=labels)
@@ -159,8 +161,11 @@ def metric_families(total: dict[str, Any]) -> list:
                       ["proposer"])
     for name, count in sorted(total["proposer_failures"].items()):
         failures.add_metric([name], count)
+    tracked = GaugeMetricFamily(PREFIX + "tracked_requests",
+                                "Requests whose per-request records the plugin holds now.")
+    tracked.add_metric([], total["tracked_requests"])
     return [*per_proposer.values(), *per_pos.values(), k, *scalars(STEP_COUNTERS, total),
-            blocks, failures, *scalars(SCORER_COUNTERS, total["scorer"], "scorer_")]
+            blocks, failures, *scalars(SCORER_COUNTERS, total["scorer"], "scorer_"), tracked]
 
 
 class _Collector:

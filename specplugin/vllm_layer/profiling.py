@@ -15,23 +15,17 @@ import contextlib
 import functools
 import importlib
 import os
-import random
 import time
 from typing import Any
 
 import torch
 
 from specplugin.profiling import (BACKGROUND, BACKGROUND_WAIT, DRAFT_FORWARDS, DRAFT_TOKENS,
-                                  DRAFTED, PROBE_ENV, QUERY_TOKENS, SETTLED, WORKER,
-                                  PhaseClock)
-from specplugin.stack_samples import StackRoles
-from specplugin.vllm_layer import draft_handoff, patches
+                                  DRAFTED, PROBE_ENV, QUERY_TOKENS, WORKER, PhaseClock)
+from specplugin.vllm_layer import patches
 
 ENV = "SPECPLUGIN_PROFILE"  # "1" in specplugin profile's engine children only
-# "coarse": time the plugin at its entry points only (COARSE_PLUGIN_ROWS)
-TIMERS_ENV = "SPECPLUGIN_PROFILE_TIMERS"
 DRAFT_FORWARD = "draft forward"  # the draft model's compute: its forwards and LM heads
-DRAFT_LM_HEAD = "_logits"  # PluginDraftProposer's
 RPC = "specplugin_profile"
 # answered by each worker of an engine started with PROBE_ENV (memory_probe_ms)
 PROBE_RPC = "specplugin_memory_probe"
@@ -97,7 +91,7 @@ WORKER_TIMED: Timed = (
     (_DRAFT, "PluginDraftProposer", "propose", "plugin: other"),
     (_DRAFT, "PluginDraftProposer", "draft_step", "plugin: other"),
     (_DRAFT, "PluginDraftProposer", "_learn_draft_step", "plugin: learn"),
-    (_DRAFT, None, "_step_batch", "plugin: context"),
+    (_DRAFT, None, "step_batch", "plugin: context"),
     ("specplugin.adaptive.draft_rule", None, "draft_prices", "plugin: plan"),
     (_DRAFT, "PluginDraftProposer", "_first_pass_inputs", "draft: inputs"),
     (_DRAFT, "PluginDraftProposer", "_forward", "draft: inputs"),  # metadata around the forward
@@ -105,13 +99,13 @@ WORKER_TIMED: Timed = (
     (_DRAFT, None, "decode_passes", "draft: inputs"),
     # per forward: vLLM's attention metadata, the next pass's positions and slots
     (_DRAFT, "PluginDraftProposer", "_attn_metadata", "draft: metadata"),
-    (_DRAFT, "DecodePasses", "set_pass", "draft: metadata"),
+    ("specplugin.vllm_layer.draft_inputs", "DecodePasses", "set_pass", "draft: metadata"),
     (_DRAFT, "PluginDraftProposer", "_sample_into", "draft: sample"),
     # inside it: the draw and the stop rule
     (_DRAFT, None, "sample_draft_tokens", "draft: draw"),
     (_DRAFT, None, "greedy_draft_tokens", "draft: draw"),
     ("specplugin.adaptive.draft_rule", "DraftRun", "add", "draft: stop rule"),
-    (_DRAFT, "PluginDraftProposer", DRAFT_LM_HEAD, DRAFT_FORWARD),  # the LM head: model compute
+    (_DRAFT, "PluginDraftProposer", "_logits", DRAFT_FORWARD),  # the LM head: model compute
     (_DRAFT, "PluginDraftProposer", "_draft", "draft: loop"),
     (_DRAFT, "PluginDraftProposer", "_union_drafts", "plugin: hand back"),
     (_DRAFT, "PluginDraftProposer", "_full_rows", "plugin: hand back"),
@@ -137,20 +131,6 @@ WORKER_TIMED: Timed = (
     ("specplugin.proposers.suffix", "SuffixProposer", "propose", "propose: suffix"),
     ("specplugin.proposers.draft", "DraftCandidates", "propose", "propose: draft"),
 )
-# ``--timers coarse``: only the plugin's entry points and the draft model's compute;
-# nested rows are charged to their entry point. Full timing costs ~4% of a step.
-COARSE_PLUGIN_ROWS = frozenset({
-    ("PluginRunnerMixin", "_update_states"), ("PluginRunnerMixin", "_prepare_inputs"),
-    ("PluginRunnerMixin", "_model_forward"), ("PluginRunnerMixin", "_sample"),
-    ("PluginRunnerMixin", "_copy_draft_token_ids_to_cpu"),
-    ("PluginRunnerMixin", "_get_draft_token_ids_cpu"), ("PluginRunnerMixin", "_skip_drafting"),
-    ("PluginRunnerMixin", "propose_draft_token_ids"),
-    ("Speculator", "propose"), ("PluginDraftProposer", "propose"),
-    ("PluginDraftProposer", "draft_step"),
-    ("PluginDraftProposer", "_logits"),
-    (None, "expected_acceptance"), (None, "draw_recovered"), (None, "verify_greedy"),
-    (None, "verify_sampled"),
-})
 # vLLM drafters: one ``set_forward_context`` block per forward ("draft forward", counted).
 # The plugin's passes share one context, so its forwards are its model calls instead.
 DRAFT_FORWARD_MODULES = ("vllm.v1.spec_decode.llm_base_proposer",)
@@ -290,18 +270,6 @@ def _counted_sync(original):
     return wrapper
 
 
-def stack_roles() -> StackRoles:
-    """The draft's model call and LM head, for ``--timers sampled``."""
-    owner = _owner(*DRAFT_FORWARD_METHOD[:2])
-    return StackRoles(frozenset(getattr(owner, name).__qualname__
-                                for name in (DRAFT_FORWARD_METHOD[2], DRAFT_LM_HEAD)))
-
-
-def _is_plugin(phase: str) -> bool:
-    """A phase of the plugin's own work (see the tables' prefixes)."""
-    return phase.startswith(("plugin:", "propose:", "draft:", "scorer:"))
-
-
 def _owner(module_name: str, class_name: str | None):
     module = importlib.import_module(module_name)
     return module if class_name is None else getattr(module, class_name)
@@ -335,11 +303,7 @@ def install_worker(runner) -> None:
     first = _owner(*WORKER_ROOTS[0][:2])
     if patches.is_patched(first, WORKER_ROOTS[0][2]):
         return
-    table = WORKER_TIMED
-    if os.environ.get(TIMERS_ENV) == "coarse":
-        table = tuple(row for row in table if not _is_plugin(row[3])
-                      or (row[1], row[2]) in COARSE_PLUGIN_ROWS)
-    _install_table(table)
+    _install_table(WORKER_TIMED)
     for module_name, class_name, attribute, phase in WORKER_ROOTS:
         patches.patch_around(_owner(module_name, class_name), attribute,
                              _root(phase, step=attribute == "execute_model"))
@@ -357,121 +321,8 @@ def install_worker(runner) -> None:
         CLOCK.sync = torch.cuda.synchronize
 
 
-class PlainStepAB:
-    """``specplugin profile --step-ab``: A/B a plain step with the plugin against vLLM's own
-    plain step in the same engine, a few steps apart.
-
-    Eligible steps (one-token decodes, no drafts for :data:`~specplugin.profiling.SETTLED`
-    steps) go in blocks of 2 or 3 (random, to not align with the plugin's peek cycle),
-    arms alternating. A ``vllm`` step swaps the runner's class to vLLM's with no
-    speculative config. Only each block's last step is recorded.
-
-    Records: ``[arm, seconds, segment, plugin_ran]``; ``segment`` numbers runs of eligible
-    steps (pairs are made within one); ``plugin_ran`` must be False in a ``vllm`` step.
-    """
-
-    BLOCKS = (2, 3)  # steps per block, drawn
-
-    def __init__(self, runner, seed: int = 0):
-        from specplugin.vllm_layer.worker import plain_decode
-
-        self._plain_decode = plain_decode
-        self.runner = runner
-        self.plugin_class = type(runner)
-        self.vllm_class = _vllm_runner_class(self.plugin_class)
-        self.records: list[list] = []
-        self._rng = random.Random(seed)
-        self._quiet = 0  # steps in a row that neither verified nor handed back drafts
-        self._left = 0  # steps left in the running block
-        self._block_arm = "vllm"  # the running block's arm (so the first is the plugin's)
-        self._segment = 0
-        self._in_run = False  # the last step was eligible
-        self._arm: str | None = None
-        self._recorded = self._verifies = False
-        self._execute_s = 0.0
-        self._spec = self._scheduled = None
-
-    def install(self) -> None:
-        self.runner.execute_model = self.execute_model
-        self.runner.sample_tokens = self.sample_tokens
-
-    def uninstall(self) -> list[list]:
-        self._restore()
-        for name in ("execute_model", "sample_tokens"):
-            self.runner.__dict__.pop(name, None)
-        return self.records
-
-    def execute_model(self, scheduler_output, *args, **kwargs):
-        runner = self.runner
-        if self._quiet >= SETTLED and self._plain_decode(scheduler_output):
-            if not self._left:  # the next block, the other arm
-                self._block_arm = "plugin" if self._block_arm == "vllm" else "vllm"
-                self._left = self._rng.choice(self.BLOCKS)
-            self._left -= 1
-            self._arm, self._recorded = self._block_arm, not self._left
-            self._in_run = True
-        else:
-            self._arm, self._recorded = None, False
-            if self._in_run:  # a run of eligible steps ended
-                self._segment += 1
-            self._left, self._block_arm, self._in_run = 0, "vllm", False
-        self._verifies = any(scheduler_output.scheduled_spec_decode_tokens.values())
-        self._scheduled = scheduler_output
-        if self._arm == "vllm":
-            self._spec, runner.speculative_config = runner.speculative_config, None
-            runner.__class__ = self.vllm_class
-        start = time.perf_counter()
-        try:
-            output = type(runner).execute_model(runner, scheduler_output, *args, **kwargs)
-        except BaseException:
-            self._restore()
-            raise
-        self._execute_s = time.perf_counter() - start
-        if output is not None:  # no sampling call follows (nothing was scheduled)
-            self._restore()
-            self._arm = None
-        return output
-
-    def sample_tokens(self, grammar_output):
-        runner = self.runner
-        start = time.perf_counter()
-        try:
-            output = type(runner).sample_tokens(runner, grammar_output)
-        finally:
-            seconds = self._execute_s + time.perf_counter() - start
-            vllm_step = self._arm == "vllm"
-            self._restore()
-        if vllm_step:
-            draft_handoff.attach(output, None)  # as a plugin plain step's output
-            timer = getattr(runner.drafter, "timer", None)
-            if timer is not None:  # the drafter did not see this step: restart its lap
-                timer.restart()
-        drafted = getattr(output, draft_handoff.ATTRIBUTE, None) is not None
-        self._quiet = 0 if drafted or self._verifies else self._quiet + 1
-        if self._recorded and not drafted:
-            # the plugin's _update_states keeps the scheduler output: did it see the step?
-            plugin_ran = runner.__dict__.get("step_scheduler_output") is self._scheduled
-            self.records.append([self._arm, seconds, self._segment, plugin_ran])
-        self._scheduled = None
-        return output
-
-    def _restore(self) -> None:
-        if self.runner.__class__ is self.vllm_class:
-            self.runner.__class__ = self.plugin_class
-            self.runner.speculative_config = self._spec
-
-
-def _vllm_runner_class(plugin_class: type) -> type:
-    """The vLLM runner class the plugin's mixin was put in front of."""
-    from specplugin.vllm_layer.worker import PluginRunnerMixin
-
-    return next(c for c in plugin_class.__mro__ if not issubclass(c, PluginRunnerMixin))
-
-
 def _act(action: str, install) -> Any:
     """One process's part of an RPC action."""
-    if action in ("step_ab_on", "step_ab_off"):  # the worker's business (worker_rpc)
-        return None
     if action == "start":
         install()
         CLOCK.take()
@@ -488,13 +339,11 @@ def _act(action: str, install) -> Any:
     if action == "device":
         return "cuda (timers synchronise)" if CLOCK.sync is not None else "synchronous"
     raise ValueError(f"{RPC}: unknown action {action!r}; one of start, stop, pause, resume, "
-                     "timer_cost, device, step_ab_on, step_ab_off.")
+                     "timer_cost, device.")
 
 
 def worker_rpc(worker, action: str) -> Any:
-    """Sent by the engine core to every worker; ``step_ab_on``/``_off``: :func:`_step_ab`."""
-    if action in ("step_ab_on", "step_ab_off"):
-        return _step_ab(worker.model_runner, action == "step_ab_on")
+    """Sent by the engine core to every worker."""
     if action == "device":
         return ("cuda (timers synchronise)" if worker.model_runner.device.type == "cuda"
                 else "cpu (every phase synchronous)")
@@ -524,26 +373,6 @@ def _background_s(runner) -> tuple[float, float]:
     if publisher is not None and getattr(runner, "publishes_in_wait", False):
         busy += publisher.busy_s
     return busy, waited
-
-
-def _step_ab(runner, on: bool) -> bool | list[list]:
-    """On: install :class:`PlainStepAB` (False if not the plugin's runner, or under tensor
-    parallelism). Off: remove it and return its records (None if it was not on)."""
-    ab = runner.__dict__.get("_specplugin_step_ab")
-    if not on:
-        if ab is None:
-            return None
-        del runner.__dict__["_specplugin_step_ab"]
-        return ab.uninstall()
-    from specplugin.vllm_layer.worker import PluginRunnerMixin
-
-    if (not isinstance(runner, PluginRunnerMixin)
-            or runner.parallel_config.tensor_parallel_size > 1):
-        return False
-    if ab is None:
-        ab = runner.__dict__["_specplugin_step_ab"] = PlainStepAB(runner)
-        ab.install()
-    return True
 
 
 def memory_probe_ms(worker=None, num_floats: int = 4_000_000, repeats: int = 30) -> float:

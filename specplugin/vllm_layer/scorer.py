@@ -24,14 +24,13 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from vllm.forward_context import get_forward_context, override_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.sample.sampler import _SAMPLING_EPS
 
 from specplugin.adaptive.controller import MAX_EXTRA_ROWS  # sizes the scratch pool
-from specplugin.adaptive.union import Scored
+from specplugin.adaptive.learning import Scored
 from specplugin.scorers.multi_draft import longest_accepted, one_hot_multi_draft_verify
 
 logger = logging.getLogger("specplugin")

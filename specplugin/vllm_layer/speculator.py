@@ -19,7 +19,8 @@ from specplugin.adaptive.cost import StepTimer
 from specplugin.adaptive.memory import open_memory
 from specplugin.metrics import FailureCounter
 from specplugin.proposers import StepBatch
-from specplugin.adaptive.union import StepPlan, Verified
+from specplugin.adaptive.learning import Verified
+from specplugin.adaptive.plan import StepPlan
 from specplugin.vllm_layer.ranks import tensor_parallel_rank
 from specplugin.vllm_layer.config_hook import plugin_config
 from specplugin.vllm_layer import verification
@@ -178,4 +179,5 @@ class Speculator:
             failures[learning.name] = learning.count
         failures.update(verification.failures())
         return {**self.union.stats.as_dict(), "proposer_failures": failures,
-                "arbiter": None if self.union.arbiter is None else self.union.arbiter.stats()}
+                "arbiter": None if self.union.arbiter is None else self.union.arbiter.stats(),
+                "tracked_requests": len(self.union.requests)}

@@ -82,9 +82,6 @@ class PluginRunnerMixin:
                                  if tensor_parallel_rank() == 0 else None)
         # True once use_the_wait ran: publish there; an in-process engine publishes on steps
         self.publishes_in_wait = False
-        # per-request specplugin_max_k / specplugin_proposers
-        self.request_options = RequestOptionsCache(config.num_speculative_tokens,
-                                                   config.proposers)
         self._plugin_config = config
         self._draft_lengths: list[int] | None = None
         # the running step's scheduler output (step_context, the scorer)
@@ -99,6 +96,9 @@ class PluginRunnerMixin:
             self.drafter = PluginDraftProposer(self.vllm_config, self.device, self, config)
         else:  # vLLM built specplugin.Speculator through its custom_class hook
             self.drafter.attach(self)
+        # per-request specplugin_max_k / specplugin_proposers, in the requests' records
+        self.request_options = RequestOptionsCache(config.num_speculative_tokens,
+                                                   config.proposers, self.drafter.union.requests)
         # steps foretold plain, still to run as vLLM's own (see execute_model)
         self._plain_ahead = 0
         self._vllm_step = False  # the running step is one of them
@@ -321,9 +321,8 @@ class PluginRunnerMixin:
         if self._stats_publisher is not None and not self.publishes_in_wait:
             self._stats_publisher.maybe_publish(self.plugin_stats)
         finished = scheduler_output.finished_req_ids
-        if finished:
+        if finished:  # (finished or aborted: their records go, in the union)
             self.drafter.finish_requests(finished)
-            self.request_options.forget(finished)
         # resumed after preemption: new KV blocks, the drafter's KV state is stale
         resumed = scheduler_output.scheduled_cached_reqs.resumed_req_ids
         if resumed:

@@ -15,7 +15,6 @@ VALIDATION_DIR = Path(__file__).resolve().parent / "validation"
 PAIRS = {"zoo": WEIGHTS_DIR, "validation": VALIDATION_DIR}  # name -> folder
 # name -> module whose fetch() returns the pair's cache folder, building it the first time
 FETCHED_PAIRS = {"smollm2": "specplugin.zoo.smollm2"}
-MODEL_NAMES = ("target", "draft")
 PAIR_HELP = ("model pair: zoo (default), validation (the pair never tuned on), smollm2 "
              "(SmolLM2-135M-Instruct, fetched and converted on first use, with the draft "
              "distilled here), or a folder with target/ and draft/")
@@ -32,9 +31,8 @@ def pair_root(name_or_path: str | Path | None) -> Path:
 
 
 def zoo_path(name: str, root: Path | None = None) -> Path:
-    """Folder of a zoo model in Hugging Face format, loadable by ``vllm.LLM(model=...)``."""
-    if name not in MODEL_NAMES:
-        raise ValueError(f"unknown zoo model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
+    """Folder of model ``name`` (target or draft) in Hugging Face format, loadable by
+    ``vllm.LLM(model=...)``."""
     path = (root or WEIGHTS_DIR) / name
     if not (path / "config.json").exists():
         raise FileNotFoundError(
@@ -54,8 +52,6 @@ def build(out_dir: Path | None = None, quick: bool = False, time_budget_s: float
     """Train a pair; ``recipe`` is ``full`` (the zoo pair) or ``validation``."""
     from specplugin.zoo.train import FULL, QUICK, VALIDATION, build as _build
 
-    recipes = {"full": (FULL, WEIGHTS_DIR), "validation": (VALIDATION, VALIDATION_DIR)}
-    if recipe not in recipes:
-        raise ValueError(f"unknown recipe {recipe!r}; choose one of {', '.join(recipes)}")
-    chosen, default_out = recipes[recipe]
+    chosen, default_out = {"full": (FULL, WEIGHTS_DIR),
+                           "validation": (VALIDATION, VALIDATION_DIR)}[recipe]
     return _build(Path(out_dir or default_out), QUICK if quick else chosen, time_budget_s)

@@ -25,12 +25,9 @@ class Corpus:
     train_files: tuple[str, ...]  # paths relative to root, sorted
     heldout_files: tuple[str, ...]
 
-    def read(self, rel_path: str) -> str:
-        return (self.root / rel_path).read_text(encoding="utf-8", errors="replace")
-
     def texts(self, split: str) -> list[str]:
         files = self.train_files if split == "train" else self.heldout_files
-        return [self.read(f) for f in files]
+        return [(self.root / f).read_text(encoding="utf-8", errors="replace") for f in files]
 
 
 def is_heldout(rel_path: str) -> bool:

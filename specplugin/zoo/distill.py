@@ -18,11 +18,10 @@ import argparse
 import json
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from specplugin.zoo.distill_prompts import (HELDOUT_MODULES, KINDS, TRAIN_MODULES, Chat,
                                             build_chats)
@@ -58,7 +57,6 @@ class Recipe:
     generation_dtype: str = "float32"
     train_modules: tuple[str, ...] = TRAIN_MODULES
     heldout_modules: tuple[str, ...] = HELDOUT_MODULES
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
@@ -237,12 +235,6 @@ def plan_requests(chats: list[Chat], tokenizer, recipe: Recipe, sampled: bool) -
     return requests
 
 
-def _topk_rows(logits: torch.Tensor, k: int):
-    """Top-k log-probabilities of each row: ids [R, k] int64, logprobs [R, k] float32."""
-    logprobs, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
-    return ids, logprobs
-
-
 @torch.no_grad()
 def answer_with_transformers(target, requests: list[Request], recipe: Recipe,
                              eos_id: int) -> list[Sequence]:
@@ -257,7 +249,8 @@ def answer_with_transformers(target, requests: list[Request], recipe: Recipe,
                               pad_token_id=eos_id, attention_mask=torch.ones_like(prompt),
                               **(sample if req.temperature else {"do_sample": False}))
         token_ids = out[0]
-        ids, logprobs = _topk_rows(target(input_ids=token_ids[None, :-1]).logits[0], recipe.top_k)
+        logits = target(input_ids=token_ids[None, :-1]).logits[0]  # [T - 1, V]
+        logprobs, ids = torch.log_softmax(logits.float(), dim=-1).topk(recipe.top_k, dim=-1)
         seqs.append(Sequence(token_ids, len(req.prompt_ids), req.kind, req.temperature,
                              ids, logprobs))
     return seqs
@@ -324,8 +317,7 @@ def answer_with_vllm(target_dir: Path, requests: list[Request], recipe: Recipe) 
     seqs = []
     for req, (answer, prompt_ids, prompt_lp, answer_ids, answer_lp) in zip(requests, rows):
         token_ids = torch.tensor([*req.prompt_ids, *answer], dtype=torch.long)
-        topk_ids = torch.from_numpy(prompt_ids).long()
-        topk_ids = torch.cat([topk_ids, torch.from_numpy(answer_ids).long()])
+        topk_ids = torch.cat([torch.from_numpy(prompt_ids), torch.from_numpy(answer_ids)]).long()
         topk_lp = torch.cat([torch.from_numpy(prompt_lp), torch.from_numpy(answer_lp)])
         assert topk_ids.shape[0] == token_ids.numel() - 1  # P - 1 prompt rows, A answer rows
         seqs.append(Sequence(token_ids, len(req.prompt_ids), req.kind, req.temperature,

@@ -9,15 +9,16 @@ prompt is trained on; held-out prompts use modules and chat topics training neve
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import re
 import sysconfig
-import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from specplugin.bench.instruct import (EXPLAIN_LAYOUTS, Function, Limits, module_material,
+                                       pick)
 
 TRAIN_MODULES: tuple[str, ...] = (
     "abc.py", "aifc.py", "argparse.py", "ast.py", "asyncio/base_events.py",
@@ -35,22 +36,11 @@ HELDOUT_MODULES: tuple[str, ...] = (
     "cmd.py", "code.py", "codeop.py", "filecmp.py", "getopt.py", "gettext.py",
     "graphlib.py", "ipaddress.py", "lzma.py", "mimetypes.py",
 )
-MIN_LINES, MAX_LINES = 5, 40
-MAX_FUNCTION_CHARS = 1100  # about 300 tokens: an edited copy mostly ends within 256 tokens
-MIN_PASSAGE_CHARS, MAX_PASSAGE_CHARS = 250, 1100
+# about 300 tokens: an edited copy mostly ends within 256 tokens
+LIMITS = Limits(min_lines=5, max_lines=40, max_function_chars=1100, min_passage_chars=250,
+                max_passage_chars=1100)
 KINDS = ("edit", "explain", "chat")
 HELDOUT_TOPIC_EVERY = 6  # one chat topic in 6 is held out
-
-
-@dataclass(frozen=True)
-class Function:
-    module: str  # dotted, e.g. "http.client"
-    name: str
-    code: str  # dedented, ends with a newline
-    params: tuple[str, ...]  # renamable: not self or cls
-    local_names: tuple[str, ...]
-    has_docstring: bool
-    annotated: bool
 
 
 @dataclass(frozen=True)
@@ -62,37 +52,6 @@ class Chat:
         return [{"role": "user", "content": self.content}]
 
 
-def _module(rel_path: str) -> str:
-    return rel_path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
-
-
-def _function(node: ast.FunctionDef, lines: list[str], module: str) -> Function | None:
-    if not MIN_LINES <= node.end_lineno - node.lineno + 1 <= MAX_LINES or node.decorator_list:
-        return None
-    code = textwrap.dedent("".join(lines[node.lineno - 1: node.end_lineno])).rstrip() + "\n"
-    if len(code) > MAX_FUNCTION_CHARS:
-        return None
-    args = node.args
-    every = [*args.posonlyargs, *args.args, *args.kwonlyargs,
-             *(a for a in (args.vararg, args.kwarg) if a)]
-    params = tuple(a.arg for a in every if a.arg not in ("self", "cls"))
-    stores = (n.id for n in ast.walk(node)
-              if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) and n.id not in params)
-    annotated = node.returns is not None or any(a.annotation for a in every)
-    return Function(module, node.name, code, params, tuple(dict.fromkeys(stores)),
-                    ast.get_docstring(node) is not None, annotated)
-
-
-def _passage(docstring: str | None) -> str | None:
-    """A docstring's leading paragraphs up to MAX_PASSAGE_CHARS, or None if too short."""
-    text = ""
-    for paragraph in (docstring or "").strip().split("\n\n"):
-        if text and len(text) + 2 + len(paragraph) > MAX_PASSAGE_CHARS:
-            break
-        text = f"{text}\n\n{paragraph}" if text else paragraph
-    return text if MIN_PASSAGE_CHARS <= len(text) <= MAX_PASSAGE_CHARS else None
-
-
 def read_material(modules: tuple[str, ...], root: Path | None = None
                   ) -> tuple[list[Function], list[tuple[str, str]]]:
     """Functions and (module, docstring passage) pairs of ``modules``, in file order."""
@@ -101,18 +60,9 @@ def read_material(modules: tuple[str, ...], root: Path | None = None
     if missing:
         raise FileNotFoundError(f"stdlib modules {', '.join(missing)} not found under {root}; "
                                 "drop them from the recipe's module lists")
-    functions, passages = [], []
-    for rel_path in modules:
-        source = (root / rel_path).read_text(encoding="utf-8", errors="replace")
-        lines, module = source.splitlines(keepends=True), _module(rel_path)
-        for node in ast.walk(ast.parse(source)):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)):
-                passage = _passage(ast.get_docstring(node))
-                if passage:
-                    passages.append((module, passage))
-            if isinstance(node, ast.FunctionDef) and (function := _function(node, lines, module)):
-                functions.append(function)
-    return functions, passages
+    parts = [module_material(root / m, m, LIMITS) for m in modules]
+    return ([f for functions, _ in parts for f in functions],
+            [p for _, passages in parts for p in passages])
 
 
 # ---------------------------------------------------------------- edit and explain
@@ -145,28 +95,21 @@ EXPLAIN_TEXT = (
     "Give a one-paragraph summary of this text.",
     "Explain the key points of this passage.",
 )
-EXPLAIN_LAYOUTS = ("{instruction}\n\n{body}", "{body}\n\n{instruction}")
-
-
-def _pick(options, rng: np.random.Generator):
-    return options[int(rng.integers(len(options)))]
-
-
 def edit_instruction(function: Function, rng: np.random.Generator) -> str:
     """One change the function allows, phrased in one of a few ways."""
     changes = ["param"] * bool(function.params) + ["local"] * bool(function.local_names)
     changes += ["hints"] * (not function.annotated) + ["docstring"] * (not function.has_docstring)
     changes += ["function", "comments"]
-    change = _pick(changes, rng)
+    change = pick(changes, rng)
     words = set(re.findall(r"\w+", function.code))
     new = next((n for n in rng.permutation(NEW_NAMES) if n not in words), "renamed")
     if change in ("param", "local"):
-        old = _pick(function.params if change == "param" else function.local_names, rng)
+        old = pick(function.params if change == "param" else function.local_names, rng)
         what = "parameter" if change == "param" else "variable"
-        return _pick((f"Change the name of the {what} `{old}` to `{new}`.",
+        return pick((f"Change the name of the {what} `{old}` to `{new}`.",
                       f"Rename `{old}` to `{new}` throughout.",
                       f"Use `{new}` instead of `{old}` as the {what} name."), rng)
-    return _pick({
+    return pick({
         "hints": ("Add type annotations to the parameters and the return type.",
                   "Annotate this function with type hints."),
         "docstring": ("Write a docstring for it.",
@@ -181,22 +124,22 @@ def edit_instruction(function: Function, rng: np.random.Generator) -> str:
 def edit_chat(function: Function, rng: np.random.Generator) -> Chat:
     instruction = edit_instruction(function, rng)
     lower = instruction[0].lower() + instruction[1:]
-    return Chat("edit", _pick(EDIT_LAYOUTS, rng).format(
-        instruction=instruction, lower=lower, reply=_pick(REPLY, rng), code=function.code,
+    return Chat("edit", pick(EDIT_LAYOUTS, rng).format(
+        instruction=instruction, lower=lower, reply=pick(REPLY, rng), code=function.code,
         module=function.module))
 
 
 def explain_chat(function: Function, rng: np.random.Generator) -> Chat:
-    instruction = _pick(EXPLAIN_CODE, rng).format(name=function.name, module=function.module)
+    instruction = pick(EXPLAIN_CODE, rng).format(name=function.name, module=function.module)
     body = f"```python\n{function.code}```"
-    return Chat("explain", _pick(EXPLAIN_LAYOUTS, rng).format(instruction=instruction, body=body))
+    return Chat("explain", pick(EXPLAIN_LAYOUTS, rng).format(instruction=instruction, body=body))
 
 
 def explain_passage_chat(passage: tuple[str, str], rng: np.random.Generator) -> Chat:
     module, text = passage
     body = f"This is from the documentation of `{module}`:\n\n{text}"
-    return Chat("explain", _pick(EXPLAIN_LAYOUTS, rng).format(
-        instruction=_pick(EXPLAIN_TEXT, rng), body=body))
+    return Chat("explain", pick(EXPLAIN_LAYOUTS, rng).format(
+        instruction=pick(EXPLAIN_TEXT, rng), body=body))
 
 
 # ---------------------------------------------------------------- chat

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -47,7 +47,6 @@ class Recipe:
     max_position_embeddings: int = 2048
     corpus: str = "python"  # "python": the stdlib's .py files; "c": the system's C headers
     architecture: str = "llama"  # "llama" or "qwen2"
-    extra: dict = field(default_factory=dict)
 
 
 FULL = Recipe(
@@ -96,11 +95,7 @@ def model_config(shape: ModelShape, recipe: Recipe, eos_id: int):
     """A Hugging Face config of ``recipe.architecture`` with ``shape``."""
     from transformers import LlamaConfig, Qwen2Config
 
-    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config}
-    if recipe.architecture not in classes:
-        raise ValueError(f"unknown architecture {recipe.architecture!r}; choose one of "
-                         f"{', '.join(classes)}")
-    return classes[recipe.architecture](
+    return {"llama": LlamaConfig, "qwen2": Qwen2Config}[recipe.architecture](
         vocab_size=recipe.vocab_size,
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
@@ -176,19 +171,23 @@ def _train_loop(model, loss_fn, recipe: Recipe, steps: int, next_batch, deadline
     return done
 
 
-def _save_model(model, out_dir: Path) -> None:
-    """fp16 safetensors on disk, ``dtype: float32`` in config.json so vLLM runs fp32 on CPU."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.to(torch.float16).save_pretrained(str(out_dir), safe_serialization=True)
-    model.to(torch.float32)
+def mark_float32(out_dir: Path) -> None:
+    """``dtype: float32`` in config.json so vLLM runs fp32 on CPU; no generation_config.json,
+    from which vLLM would take sampling defaults."""
     cfg_path = out_dir / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["dtype"] = "float32"
     cfg.pop("torch_dtype", None)
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    gen_cfg = out_dir / "generation_config.json"
-    if gen_cfg.exists():  # vLLM would take sampling defaults from it; we want none
-        gen_cfg.unlink()
+    (out_dir / "generation_config.json").unlink(missing_ok=True)
+
+
+def _save_model(model, out_dir: Path) -> None:
+    """fp16 safetensors on disk, run in fp32 (``mark_float32``)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.to(torch.float16).save_pretrained(str(out_dir), safe_serialization=True)
+    model.to(torch.float32)
+    mark_float32(out_dir)
 
 
 def build(out_dir: Path, recipe: Recipe, time_budget_s: float | None = None) -> dict:
