@@ -1,13 +1,10 @@
 """The draft proposer inside vLLM: vLLM's draft-model machinery, our drafting loop.
 
-Subclasses vLLM's ``DraftModelProposer`` (draft KV in the target's paged block pool, a
-first pass re-reading verified tokens) and replaces only the drafting loop, so that:
-- each request stops drafting when the draft's calibrated confidence says the next token
-  is unlikely to be used, and may go past the default K up to ``num_speculative_tokens``
-  (rule and calibration: :mod:`specplugin.adaptive.draft_rule`);
-- no request drafts beyond the tokens it may still emit (``max_tokens``);
-- at temperature > 0 the draft probabilities are kept for vLLM's rejection sampler.
-Batched: one forward per draft position for all requests, no per-request Python loop.
+Subclasses vLLM's ``DraftModelProposer`` (draft KV in the target's paged block pool) and
+replaces the drafting loop: each request stops when the draft's calibrated confidence says
+the next token is unlikely to be used (:mod:`specplugin.adaptive.draft_rule`), never past
+the tokens it may still emit; sampled drafts keep their probabilities for vLLM's rejection
+sampler. One batched forward per draft position, no per-request Python loop.
 """
 
 from __future__ import annotations
@@ -113,11 +110,9 @@ class PluginDraftProposer(DraftModelProposer):
         self._held_jobs: list = []
 
     def calibrate(self, num_tokens: np.ndarray, seconds: np.ndarray) -> None:
-        """Timed target forwards from engine start (see the worker)."""
-        self.union.cost.calibrate(num_tokens, seconds)
+        self.union.cost.calibrate(num_tokens, seconds)  # target forwards timed at start
 
-    def _defer(self, job) -> None:
-        """Learning for after this step's drafts (:meth:`_release_learning`)."""
+    def _defer(self, job) -> None:  # learning for after this step's drafts
         self._held_jobs.append(job)
 
     def _release_learning(self) -> None:
