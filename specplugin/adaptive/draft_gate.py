@@ -138,6 +138,12 @@ def best_forwards(cost: StepCostModel, acceptance, with_draft: list[Choice], k: 
     return best, best_rate
 
 
+def step_seconds(cost: StepCostModel, num_tokens: int, drafts: bool) -> float:
+    """Seconds of a step of ``num_tokens`` query tokens as ``cost`` now prices it
+    (``drafts``: it verifies some, and pays the speculative machinery)."""
+    return cost.step_one(num_tokens) + (cost.spec_overhead_s if drafts else 0.0)
+
+
 def rate_terms(cost: StepCostModel, acceptance, choices) -> tuple[float, float]:
     """(expected tokens emitted, seconds) of a step that verifies ``choices``."""
     expected, num_tokens = float(len(choices)), len(choices)
@@ -145,8 +151,7 @@ def rate_terms(cost: StepCostModel, acceptance, choices) -> tuple[float, float]:
         if c.candidate != NO_CANDIDATE:
             expected += sum(cumulative(acceptance[r][c.candidate][:c.num_tokens]))
             num_tokens += c.num_tokens
-    drafts = num_tokens > len(choices)
-    return expected, cost.step_one(num_tokens) + (cost.spec_overhead_s if drafts else 0.0)
+    return expected, step_seconds(cost, num_tokens, num_tokens > len(choices))
 
 
 def run_overhead(estimator: AcceptanceEstimator, cost: StepCostModel, acceptance,

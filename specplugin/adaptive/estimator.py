@@ -258,10 +258,6 @@ class RequestHistory:
         self.requests = requests
         self.alpha = alpha
 
-    def get(self, req_id: str) -> float | None:
-        state = self.requests.get(req_id)
-        return None if state is None else state.recent_acceptance
-
     def update(self, req_id: str, judged: int, accepted: int) -> None:
         """Average in ``judged`` tokens of one draft, the first ``accepted`` accepted (a
         request that has ended keeps nothing)."""

@@ -26,7 +26,7 @@ from specplugin.adaptive.controller import NO_CANDIDATE, Choice, divergence, exp
 from specplugin.adaptive.cost import StepCostModel
 from specplugin.adaptive.draft_gate import (Backoff, add_draft_estimates, best_forwards,
                                             plan_with_draft, rate_terms, run_overhead,
-                                            trial_rows)
+                                            step_seconds, trial_rows)
 from specplugin.adaptive.draft_rule import CostModel as DraftCostModel, draft_prices
 from specplugin.adaptive.estimator import (AcceptanceEstimator, as_list, expected_emitted,
                                            history_bucket)
@@ -337,8 +337,8 @@ class Union:
         the counters, the peek's countdown, a peek due then waiting for the next
         decision), without its decisions, which were foregone."""
         self.settle()
-        for step_seconds in seconds:
-            self._observe(step_seconds, num_reqs, num_reqs, speculative=False,
+        for wall in seconds:
+            self._observe(wall, num_reqs, num_reqs, speculative=False,
                           num_reqs=num_reqs)
         self._count_plain_step(num_reqs, len(seconds))
         self._skipped_steps += len(seconds)
@@ -502,10 +502,8 @@ class Union:
         return num_reqs / self.cost.step_one(num_reqs)
 
     def _step_seconds(self, num_tokens: int, drafts: bool) -> float:
-        """Seconds of a step of ``num_tokens`` query tokens as the cost model now prices
-        it (``drafts``: it verifies some, and pays the speculative machinery): what the
-        step arbiter re-predicts its speculative blocks' steps with."""
-        return self.cost.step_one(num_tokens) + (self.cost.spec_overhead_s if drafts else 0.0)
+        """What the step arbiter re-predicts its speculative blocks' steps with."""
+        return step_seconds(self.cost, num_tokens, drafts)
 
     def _count_plain_step(self, num_reqs: int, num_steps: int = 1) -> None:
         if self._pending or self._pending_extras or self._unchosen:  # (no new objects on
@@ -881,6 +879,21 @@ class Union:
                       any(k > 0 for k in scheduled_drafts), verified.draft_seconds,
                       unrated=unrated, read_prompts=verified.read_prompts,
                       num_reqs=len(num_emitted), rate_tokens=rate_tokens)
+
+    def counters(self, own: FailureCounter, extra_failures: dict[str, int]) -> dict:
+        """A drafter's counters, JSON-able, with its ``own`` failures (a name the union also
+        counts is summed) and ``extra_failures``; verdicts still held are not waited for."""
+        self.background.settle()
+        failures = own.snapshot()
+        for f in self.failures:
+            failures[f.name] = failures.get(f.name, 0) + f.count
+        learning = self.background.failures
+        if learning.count:
+            failures[learning.name] = learning.count
+        failures.update(extra_failures)
+        return {**self.stats.as_dict(), "proposer_failures": failures,
+                "arbiter": None if self.arbiter is None else self.arbiter.stats(),
+                "tracked_requests": len(self.requests)}
 
     def flush_learning(self) -> None:
         """Everything judged so far into the estimator (:meth:`Learner.flush`)."""

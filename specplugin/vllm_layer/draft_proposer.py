@@ -266,19 +266,9 @@ class PluginDraftProposer(DraftModelProposer):
         self.union.forget_pending()
 
     def stats(self) -> dict:
-        """The plugin's own counters, JSON-able (published by metrics_export)."""
-        arbiter = self.union.arbiter
-        failures = self.failures.snapshot()
-        self.background.settle()  # (what was handed over; held jobs write nothing yet)
-        learning = self.background.failures
-        if learning.count:
-            failures[learning.name] = learning.count
-        for f in self.union.failures:  # the union's counter "draft" adds to the drafter's own
-            failures[f.name] = failures.get(f.name, 0) + f.count
-        failures.update(verification.failures())
-        return {**self.proposer_stats.as_dict(), "proposer_failures": failures,
-                "arbiter": None if arbiter is None else arbiter.stats(),
-                "tracked_requests": len(self.union.requests)}
+        """The plugin's own counters, JSON-able (published by metrics_export); the union's
+        counter "draft" adds to the drafter's own. Held learning jobs write nothing yet."""
+        return self.union.counters(self.failures, verification.failures())
 
     def _propose(
         self,

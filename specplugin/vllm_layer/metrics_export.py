@@ -121,7 +121,7 @@ def merge(snapshots: Iterable[dict[str, Any]]) -> dict[str, Any]:
 
 def metric_families(total: dict[str, Any]) -> list:
     """Prometheus families for one merged snapshot: counters, and the gauge of requests
-    whose records the plugin holds (back to 0 when nothing runs)."""
+    whose records the plugin holds (a record goes at the step after its request ends)."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     def family(name: str, doc: str, labels: list[str]) -> CounterMetricFamily:

@@ -171,13 +171,4 @@ class Speculator:
 
     def stats(self) -> dict:
         """The plugin's counters, JSON-able (for :mod:`.metrics_export`)."""
-        self.union.background.settle()
-        failures = {f.name: f.count for f in self.union.failures}
-        failures[self.failures.name] = self.failures.count
-        learning = self.union.background.failures
-        if learning.count:
-            failures[learning.name] = learning.count
-        failures.update(verification.failures())
-        return {**self.union.stats.as_dict(), "proposer_failures": failures,
-                "arbiter": None if self.union.arbiter is None else self.union.arbiter.stats(),
-                "tracked_requests": len(self.union.requests)}
+        return self.union.counters(self.failures, verification.failures())
