@@ -15,6 +15,7 @@ fix; :func:`parse` runs in the front-end process, before any engine process star
 from __future__ import annotations
 
 import os
+import dataclasses
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -88,10 +89,12 @@ class DraftSettings:
 @dataclass(frozen=True)
 class FaultSettings:
     """Test-only fault injection (:mod:`specplugin.proposers.faults`): ``proposers`` maps a
-    proposer to N, ``draft_forward`` is N (every N-th call / forward raises)."""
+    proposer to N, ``draft_forward`` is N (every N-th call / forward raises); ``rank``: they
+    fire on that tensor-parallel rank only (None: on every rank)."""
 
     proposers: dict = field(default_factory=dict)
     draft_forward: int | None = None
+    rank: int | None = None
     # send the scheduler a decoy draft and verify the real one as an extra candidate, so
     # non-primary winners carry the output (needs max_candidates >= 2)
     decoy_primary: bool = False
@@ -120,6 +123,18 @@ class FaultSettings:
             raise SpecPluginConfigError(
                 f"{where}[\"draft_forward\"] must be an integer >= 1 (every N-th draft "
                 f"forward raises) or null; got {n!r}.")
+        r = self.rank
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
+            raise SpecPluginConfigError(
+                f"{where}[\"rank\"] must be a tensor-parallel rank (an integer >= 0) or "
+                f"null (every rank); got {r!r}.")
+
+    def on_rank(self, rank: int) -> FaultSettings:
+        """The settings on tensor-parallel ``rank``: without the failures if they are pinned
+        to another rank (the other switches hold on every rank alike)."""
+        if self.rank is None or self.rank == rank:
+            return self
+        return dataclasses.replace(self, proposers={}, draft_forward=None)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,11 @@ phases sum to the step's wall time by construction. The outermost phase, :data:`
 holds what no inner timer claims (vLLM's glue), as a visible column.
 
 Counters (draft forwards, query tokens, host syncs) count only inside a timed step.
+
+The plugin names its phases where they are written: ``@phase("plugin: plan")`` marks a
+function or method and returns it unchanged, so a normal engine pays nothing; ``specplugin
+profile``'s engines wrap every marked one when the window opens. Only vLLM's own methods
+are named in a table (:mod:`specplugin.vllm_layer.profiling`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 REST = "rest"  # the step's own time: whatever no inner timer claims
+DRAFT_FORWARD = "draft forward"  # the draft model's compute: its forwards and LM heads
+PHASE_MARK = "__specplugin_phase__"  # (phase, counter or None) on a marked function
 
 # counters the summary turns into per-step figures
 DRAFT_FORWARDS = "draft_forwards"
@@ -31,6 +38,17 @@ BACKGROUND_WAIT = "background_wait_s"  # seconds that learning ran on a step ins
 TIMER_CALLS = "timer_calls"  # phases closed (to estimate the timers' own cost)
 # "1": each worker answers the memory probe before every bench cell
 PROBE_ENV = "SPECPLUGIN_MEMORY_PROBE"
+
+
+def phase(name: str, count: str | None = None) -> Callable:
+    """Mark a function as phase ``name`` of a profiled step (``count``: a counter each call
+    adds one to, e.g. :data:`DRAFT_FORWARDS`). The function is returned as it is."""
+
+    def mark(func: Callable) -> Callable:
+        setattr(func, PHASE_MARK, (name, count))
+        return func
+
+    return mark
 
 
 class PhaseClock:

@@ -23,6 +23,15 @@ class RequestState:
     suffix_fed: int | None = None  # context tokens the suffix index has seen (None: not started)
     draft_kv_end: int = 0  # context positions with draft KV (proposers.draft.DraftKVCursor)
 
+    def average_in(self, judged: int, accepted: int, alpha: float = 0.3) -> None:
+        """``judged`` tokens of one draft, the first ``accepted`` accepted, into
+        :attr:`recent_acceptance` (an exponential average of weight ``alpha`` per token)."""
+        value = self.recent_acceptance
+        for j in range(judged):
+            a = 1.0 if j < accepted else 0.0
+            value = a if value is None else value + alpha * (a - value)
+        self.recent_acceptance = value
+
 
 class Requests:
     """The running requests' records, by request id."""

@@ -825,21 +825,17 @@ def test_a_failing_recovered_draw_falls_back_to_vllms(monkeypatch):
     assert verification.failures() == {"recovered draw": 1}
 
 
-def test_sampled_rows_read_vllms_batch_flags_before_the_temperatures():
-    """An all-greedy or all-sampled batch is told from vLLM's flags alone (no device
-    tensor read after the forward); a mixed one from the temperatures."""
+def test_sampled_rows_read_the_batchs_host_temperatures():
+    """Greedy rows hold temperature 0 in vLLM's input batch (-1 never occurs, but reads as
+    greedy too); rows past ``num_reqs`` are not read."""
     from types import SimpleNamespace
+
+    import numpy as np
 
     from specplugin.vllm_layer.draft_inputs import sampled_rows
 
-    flags = dict(temperature=None)  # never read for a batch of one kind
-    assert sampled_rows(SimpleNamespace(all_greedy=True, all_random=False, **flags), 2) == [
-        False, False]
-    assert sampled_rows(SimpleNamespace(all_greedy=False, all_random=True, **flags), 3) == [
-        True, True, True]
-    mixed = SimpleNamespace(all_greedy=False, all_random=False,
-                            temperature=torch.tensor([0.0, 1.0, 0.7, -1.0]))
-    assert sampled_rows(mixed, 3) == [False, True, True]
+    batch = SimpleNamespace(temperature_cpu=np.array([0.0, 1.0, 0.7, -1.0, 1.0], np.float32))
+    assert sampled_rows(batch, 4).tolist() == [False, True, True, False]
 
 
 def _idle_processor(cls, state: str, value):

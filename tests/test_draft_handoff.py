@@ -74,19 +74,13 @@ def test_a_mixed_batch_hands_the_sampler_each_rows_tokens_and_probabilities():
     import numpy as np
     import torch
 
-    from specplugin.vllm_layer.draft_proposer import PluginDraftProposer
-
-    class Drafter:
-        _last_draft_probs = None
+    from specplugin.vllm_layer.draft_inputs import mixed_draft_probs
 
     vocab = 11
     draft_probs = torch.rand((4, 3, vocab))
     drafts = [[3, 4], [6, 2, 1], [], [10]]  # row 0 the draft's, rows 1 and 3 token-level
     draft_rows = np.array([True, False, True, False])
-    drafter = Drafter()
-    out = PluginDraftProposer._mixed_output(drafter, draft_probs, drafts, draft_rows)
-    assert out == [[3, 4], [6, 2, 1], [], [10]]  # each row's draft as sent
-    probs = drafter._last_draft_probs
+    probs = mixed_draft_probs(draft_probs, drafts, draft_rows)
     assert probs.shape == (4, 3, vocab)
     assert torch.equal(probs[0, :2], draft_probs[0, :2]) and not probs[0, 2].any()
     for r, draft in ((1, [6, 2, 1]), (3, [10])):
@@ -94,5 +88,4 @@ def test_a_mixed_batch_hands_the_sampler_each_rows_tokens_and_probabilities():
         one_hot[torch.arange(len(draft)), torch.tensor(draft)] = 1.0
         assert torch.equal(probs[r], one_hot), r
     assert not probs[2].any()
-    PluginDraftProposer._mixed_output(drafter, None, drafts, draft_rows)
-    assert drafter._last_draft_probs is None  # greedy: no probabilities
+    assert mixed_draft_probs(None, drafts, draft_rows) is None  # greedy: no probabilities

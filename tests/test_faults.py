@@ -38,6 +38,8 @@ def test_the_setting_wraps_only_the_named_proposer():
     ({"proposers": {"draft": 2}}, 'injected with fault_injection["draft_forward"]'),
     ({"draft_forward": 2}, "needs the 'draft' proposer"),
     ({"draft_forward": True}, "draft_forward"),
+    ({"rank": -1}, "must be a tensor-parallel rank"),
+    ({"rank": True}, "must be a tensor-parallel rank"),
     ({"every": 2}, "unknown key(s) ['every']"),
 ])
 def test_bad_fault_settings_are_refused_by_name(faults, message):
@@ -66,3 +68,33 @@ def test_a_failing_proposer_costs_its_own_candidates_and_is_counted():
     assert {union.proposers[i].name for _, i, _ in first} == {"ngram", "suffix"}
     assert {union.proposers[i].name for _, i, _ in second} == {"suffix"}  # ngram's 2nd call
     assert [f.count for f in union.failures] == [1, 0]
+
+
+def test_faults_pinned_to_a_rank_fire_there_only():
+    faults = parse({"proposers": ["ngram"], "step_arbiter": False, "fault_injection": {
+        "proposers": {"ngram": 2}, "rank": 1, "alternate_blocks": True}}, 8).fault_injection
+    assert faults.on_rank(1) is faults
+    elsewhere = faults.on_rank(0)
+    assert elsewhere.proposers == {} and elsewhere.draft_forward is None
+    assert elsewhere.alternate_blocks  # a switch, not a failure: the same on every rank
+
+
+def test_a_proposer_failing_on_another_rank_offers_nothing_on_this_one():
+    """Tensor parallel: the ranks must plan the same step (the draft model's sharded run
+    follows the plan), so what failed anywhere is dropped everywhere."""
+    batch = StepBatch(("a", "b"), np.zeros((2, 8), dtype=np.int64), np.array([4, 4]),
+                      np.array([2, 2]), np.array([4, 4]), np.zeros(2, dtype=bool), (0, 1))
+    union = Union([_Offer("ngram"), _Offer("suffix")], explore=False)
+    heard = []
+
+    def other_rank_failed_ngram(flags):  # what this rank saw, OR'ed with the other rank's
+        heard.append(list(flags))
+        return [True, flags[1]]
+
+    union.any_rank = other_rank_failed_ngram
+    offers = union.ask(batch, range(2))
+    assert heard == [[False, False]]
+    assert {union.proposers[i].name for _, i, _ in offers} == {"suffix"}
+    local = Union([FaultyProposer(_Offer("ngram"), 1), _Offer("suffix")], explore=False)
+    local.any_rank = lambda flags: flags
+    assert {local.proposers[i].name for _, i, _ in local.ask(batch, range(2))} == {"suffix"}

@@ -36,9 +36,9 @@ def test_metrics_are_summed_by_exact_name():
             'vllm:kv_cache_usage_perc_other 7\n'
             'vllm:specplugin_proposer_failures_total{proposer="ngram"} 3.0\n'
             'vllm:specplugin_proposer_failures_total{proposer="union"} 1.0\n')
-    assert load._sum_metric(text, "vllm:kv_cache_usage_perc") == 0.25
-    assert load._sum_metric(text, "vllm:specplugin_proposer_failures_total") == 4.0
-    assert load._sum_metric(text, "vllm:absent") is None
+    assert load.metric_sum(text, "vllm:kv_cache_usage_perc") == 0.25
+    assert load.metric_sum(text, "vllm:specplugin_proposer_failures_total") == 4.0
+    assert load.metric_sum(text, "vllm:absent") is None
 
 
 def test_the_report_compares_with_no_speculation_and_the_builtin(capsys):
@@ -53,3 +53,32 @@ def test_the_report_compares_with_no_speculation_and_the_builtin(capsys):
     assert "1.50x" in out and "1.25x" in out and "2/3" in out and "3/3" in out
     args = SimpleNamespace(num_prompts=10)
     assert all(r.completed == args.num_prompts for r in results)
+
+
+def test_a_soak_mixes_lengths_temperatures_options_and_clients_that_leave():
+    from specplugin.bench.soak import soak_bodies
+
+    items = list(soak_bodies("m", ["a", "b", "c"], 400, leave_share=0.1))
+    bodies = [b for b, _ in items]
+    assert len(items) == 400 and [b["prompt"] for b in bodies[:4]] == ["a", "b", "c", "a"]
+    assert len({b["max_tokens"] for b in bodies}) > 50
+    assert {b["temperature"] for b in bodies} == {0.0, 0.7, 1.0}
+    assert {json.dumps(b.get("vllm_xargs")) for b in bodies} >= {
+        "null", '{"specplugin_max_k": 0}', '{"specplugin_proposers": "ngram"}'}
+    leaving = [n for _, n in items if n is not None]
+    assert 20 < len(leaving) < 60 and all(1 <= n <= 4 for n in leaving)
+    assert list(soak_bodies("m", ["a"], 50, 0.1)) == list(soak_bodies("m", ["a"], 50, 0.1))
+
+
+def test_rss_growth_compares_the_end_with_the_baseline_after_n_requests(tmp_path):
+    from specplugin.bench.soak import plot, rss_growth
+
+    sampler = SimpleNamespace(rss_mb=[[0, 900.0], [5, 1000.0], [10, 1010.0], [15, 1050.0]],
+                              completed=[[0, 0], [5, 400], [10, 1200], [15, 2000]])
+    growth = rss_growth(sampler, 1000)
+    assert growth["rss_baseline_mb"] == 1010.0 and growth["rss_end_mb"] == 1050.0
+    assert abs(growth["rss_growth"] - 40 / 1010) < 1e-9
+    report = {"requests": 2000, "concurrency": 64, "rss_mb": sampler.rss_mb,
+              "tracked_requests": [[0, 0], [5, 64], [15, 0]]}
+    plot(report, tmp_path / "soak.png")
+    assert (tmp_path / "soak.png").stat().st_size > 0

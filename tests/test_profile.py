@@ -136,7 +136,29 @@ def test_every_timed_method_exists_in_this_vllm_and_plugin():
         assert callable(getattr(target, attribute, None)), f"{module}.{owner}.{attribute}"
     for module in p.DRAFT_FORWARD_MODULES:
         assert callable(getattr(p.importlib.import_module(module), "set_forward_context"))
-    assert callable(getattr(p._owner(*p.DRAFT_FORWARD_METHOD[:2]), p.DRAFT_FORWARD_METHOD[2]))
+
+
+def test_the_plugins_phases_are_marked_where_they_are_written():
+    """Every phase of the plugin's own comes from a mark on its function; a marked
+    function imported into another module is found there too (its callers use that name)."""
+    import specplugin.vllm_layer.draft_proposer  # noqa: F401 - the drafters' modules
+    import specplugin.vllm_layer.speculator  # noqa: F401
+    from specplugin.profiling import PHASE_MARK
+    from specplugin.vllm_layer import profiling as p
+
+    found = p.marked(p.plugin_modules())
+    phases = {getattr(func, PHASE_MARK)[0] for _, _, func in found}
+    assert phases == {
+        "plugin: context", "plugin: runner", "plugin: plain step", "plugin: hand back",
+        "plugin: other", "plugin: metrics", "plugin: learn", "plugin: ask",
+        "plugin: estimate", "plugin: plan", "plugin: peek", "plugin: verify",
+        "scorer: expand", "scorer: resolve", "draft: inputs", "draft: metadata",
+        "draft: sample", "draft: draw", "draft: stop rule", "draft: loop", "draft forward",
+        "propose: ngram", "propose: suffix", "propose: draft"}
+    where = {(getattr(owner, "__name__", None), attribute) for owner, attribute, _ in found}
+    assert ("specplugin.vllm_layer.verification", "expected_acceptance") in where
+    assert ("specplugin.vllm_layer.draft_proposer", "step_batch") in where
+    assert ("Union", "plan_draft") in where
 
 
 def test_the_plugins_work_inside_vllms_rejection_sampler_is_timed_as_its_own(monkeypatch):
@@ -145,16 +167,16 @@ def test_the_plugins_work_inside_vllms_rejection_sampler_is_timed_as_its_own(mon
     ledger charges them to "plugin: verify", not to vLLM's sampling."""
     import torch
 
-    from specplugin.profiling import is_plugin_phase
+    from specplugin.profiling import PHASE_MARK, is_plugin_phase
     from specplugin.vllm_layer import profiling as p
     from specplugin.vllm_layer import verification
 
-    rows = [row for row in p.WORKER_TIMED if row[0] == p._VERIFY]
-    assert {row[2] for row in rows} == {"expected_acceptance", "draw_recovered",
-                                        "verify_greedy", "verify_sampled"}
-    for _, _, attribute, phase in rows:  # as _install_table wraps them, undone after
+    rows = {attribute: func for _, attribute, func in p.marked([verification])}
+    assert set(rows) == {"expected_acceptance", "draw_recovered", "verify_greedy",
+                         "verify_sampled"}
+    for attribute, func in rows.items():  # as the profile wraps them, undone after
         monkeypatch.setattr(verification, attribute,
-                            p._timed_function(phase, getattr(verification, attribute)))
+                            p._timed_function(getattr(func, PHASE_MARK)[0], func))
     vllms = verification._listened(lambda *args, **kwargs: None)
     target = torch.softmax(torch.randn(3, 64), dim=-1)  # [num_tokens, vocab_size]
     draft = torch.softmax(torch.randn(3, 64), dim=-1)
@@ -179,12 +201,13 @@ def test_the_plugins_verification_of_a_sampled_step_is_timed_as_its_own(monkeypa
     import torch
 
     from specplugin.bench.verify_bench import greedy_sampling_metadata, spec_decode_metadata
+    from specplugin.profiling import PHASE_MARK
     from specplugin.vllm_layer import profiling as p
     from specplugin.vllm_layer import verification
 
-    [row] = [row for row in p.WORKER_TIMED if row[0] == p._VERIFY and row[2] == "verify_sampled"]
+    phase, _ = getattr(verification.verify_sampled, PHASE_MARK)
     monkeypatch.setattr(verification, "verify_sampled",
-                        p._timed_function(row[3], verification.verify_sampled))
+                        p._timed_function(phase, verification.verify_sampled))
     sampling = greedy_sampling_metadata(2, all_greedy=False, all_random=True,
                                         temperature=torch.ones(2))
     p.CLOCK.take()

@@ -2,6 +2,7 @@
 the union, its proposers, the draft KV cursor and the options cache, dropped in one place."""
 
 import numpy as np
+import pytest
 
 from specplugin.adaptive import build
 from specplugin.config import parse
@@ -45,3 +46,13 @@ def test_a_requests_record_is_shared_and_dropped_in_one_place():
     assert len(requests) == 0 and stopped == ["a", "b"] and union.idle
     # a request seen again after it ended starts from nothing
     assert options.get("a", {MAX_K_KEY: 5}).max_k == 5 and cursor.starts(["a"], [12], 100) == [0]
+
+
+def test_recent_acceptance_averages_each_judged_token():
+    from specplugin.requests import RequestState
+
+    state = RequestState("a")
+    state.average_in(3, 2)  # accepted, accepted, rejected: 1, 1, then 1 + 0.3 * (0 - 1)
+    assert state.recent_acceptance == pytest.approx(0.7)
+    state.average_in(0, 0)
+    assert state.recent_acceptance == pytest.approx(0.7)

@@ -1,7 +1,8 @@
-"""`vllm serve` (the stock console script) with the plugin: completions, per-request
-options, metrics, the batch-expanding scorer, faults (a proposer failing every 3rd call, a client leaving
-mid-stream) under a few concurrent streaming clients, start-up errors. The full load
-run (64 clients, 2,000 requests) is ``specplugin load``, not part of the suite."""
+"""`vllm serve` (the stock console script, two API server processes) with the plugin:
+completions, per-request options, metrics, the batch-expanding scorer, faults (a proposer
+failing every 3rd call, a client leaving mid-stream) under a few concurrent streaming
+clients, a small soak and a storm of aborts, start-up errors. The full load runs (64
+clients, 2,000 or 20,000 requests) are ``specplugin load``, not part of the suite."""
 
 import json
 import os
@@ -39,6 +40,12 @@ def _serve_args(model, port, additional: dict) -> list[str]:
             "--speculative-config", SPEC, "--additional-config", json.dumps(additional)]
 
 
+# two API servers put vLLM in Prometheus's multiprocess mode; dev mode serves
+# /collective_rpc, which reads the plugin's counters from the worker itself
+SERVER_ARGS = ["--api-server-count", "2"]
+SERVER_ENV = {**MULTIPROCESS, "VLLM_SERVER_DEV_MODE": "1"}
+
+
 def _http(url: str, body: dict | None = None) -> str:
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -47,24 +54,30 @@ def _http(url: str, body: dict | None = None) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(zoo_root, tmp_path_factory):
+def server_proc(zoo_root, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(_serve_args(zoo_path("target", zoo_root), port, SETTINGS),
-                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **MULTIPROCESS})
+        proc = subprocess.Popen(_serve_args(zoo_path("target", zoo_root), port, SETTINGS)
+                                + SERVER_ARGS, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **SERVER_ENV})
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, proc, log, timeout_s=300)
     except RuntimeError as err:  # exited early, or not up in time
         proc.kill()
         pytest.fail(str(err))
-    yield base
+    yield base, proc
     proc.terminate()
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(server_proc):
+    return server_proc[0]
 
 
 def test_completions_through_the_openai_api_use_the_plugin(server):
@@ -172,3 +185,57 @@ def test_a_client_leaving_mid_stream_frees_its_kv_cache(server):
             line for line in metrics.splitlines() if "running" in line or "kv_cache" in line))
     # and the server goes on serving
     assert json.loads(_http(server + "/v1/completions", {**body, "max_tokens": 8}))["choices"]
+
+
+def _plugin_series(metrics: str) -> dict[str, float]:
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines() if line.startswith("vllm:specplugin_")}
+
+
+def test_every_api_server_reports_the_workers_own_counts(server):
+    """With two API servers (vLLM's multiprocess registry), every scrape, whichever server
+    answers, has every ``vllm:specplugin_*`` series with the drafting worker's totals."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from specplugin.vllm_layer.metrics_export import merge, metric_families
+
+    model = json.loads(_http(server + "/v1/models"))["data"][0]["id"]
+    code = "def area(width, height):\n    return width * height\n\n\n"
+    _http(server + "/v1/completions", {"model": model, "prompt": code + code,
+                                       "max_tokens": 24, "temperature": 0.0})
+    time.sleep(1.0)  # past the publishing period: the RPC's wait publishes what it read
+    stats = json.loads(_http(server + "/collective_rpc",
+                             {"method": "specplugin_stats"}))["results"][0]
+    time.sleep(0.5)
+
+    class Families:
+        def collect(self):
+            return metric_families(merge([stats]))
+
+    registry = CollectorRegistry()
+    registry.register(Families())
+    expected = _plugin_series(generate_latest(registry).decode())
+    assert len(expected) > 20 and any("accepted_tokens_total" in k for k in expected)
+    for _ in range(6):  # new connections: both servers answer some
+        assert _plugin_series(_http(server + "/metrics")) == expected
+
+
+def test_a_soak_then_a_storm_of_aborts_leaves_nothing_behind(server_proc, zoo_root):
+    """A small ``specplugin load --soak``: mixed requests with clients leaving, then 500
+    streams aborted at once, then greedy requests: none fails, greedy output equals
+    speculation off, and the plugin holds no request's record once the server is idle."""
+    from specplugin.bench.load import text_prompts
+    from specplugin.bench.soak import soak
+
+    base, proc = server_proc
+    model = json.loads(_http(base + "/v1/models"))["data"][0]["id"]
+    report = soak(base, proc.pid, model, text_prompts(zoo_root, 40), num_requests=80,
+                  concurrency=16, num_aborts=500, every_s=1.0, leave_share=0.1)
+    assert report["failed"] == 0, report["errors"]
+    assert report["left_mid_stream"] > 0
+    assert report["tracked_requests_end"] == 0
+    assert report["storm"]["aborts"] == 500 and report["storm"]["window_s"] < 1.0
+    assert report["resumed"]["failed"] == 0, report["resumed"]["errors"]
+    assert report["resumed"]["differ_from_spec_off"] == 0
+    assert report["resumed"]["tracked_requests_end"] == 0
+    assert max(n for _, n in report["tracked_requests"]) > 0  # the gauge saw the load

@@ -5,8 +5,9 @@ Two engines: the full union (draft model, n-gram, suffix: the draft's forward is
 across both ranks, so a rank that decided differently would stall the other; see
 ``specplugin/vllm_layer/ranks.py``) and the token-level union (``specplugin.Speculator``).
 In each, the same prompts run with speculation off per request (``specplugin_max_k=0``,
-the engine's plain path) and on, greedy: the outputs must be identical token for token
-and drafts must have been verified. Requests naming one proposer each
+the engine's plain path) and on, greedy, with proposers and draft forwards failing on rank 1
+only: the outputs must be identical token for token, drafts must have been verified, and
+no rank may hang. Requests naming one proposer each
 (``specplugin_proposers``) exercise every proposer on its own under tensor parallelism.
 """
 
@@ -28,8 +29,12 @@ PROMPTS = [CODE + "\n\n# The same function again:\n" + CODE[:60],
 
 # The step arbiter decides from rank 0's clock for every rank; left to measure, on
 # these short runs it may keep every block plain (seen: a run with no draft at all), so
-# its blocks alternate: its decisions still cross ranks, and drafts are certain.
-ALTERNATE = {"fault_injection": {"alternate_blocks": True}}
+# its blocks alternate: its decisions still cross ranks, and drafts are certain. And
+# failures on rank 1 only (test-only): a proposer's, and a draft forward's before it runs;
+# a rank left alone in the draft's sharded forward would wait forever (the probe's
+# timeout), and ranks planning different steps would stall or diverge.
+ALTERNATE = {"alternate_blocks": True}
+RANK_LOCAL = {"proposers": {"ngram": 3, "suffix": 4}, "rank": 1}
 
 PROBE = r"""
 import json, sys
@@ -62,13 +67,14 @@ def _probe(target, options, extras):
     kwargs = engine_kwargs({**plugin_engine_kwargs(8, options), "tensor_parallel_size": 2},
                            eager=True)
     job = {"model": target, "engine_kwargs": kwargs, "prompts": PROMPTS, "extras": extras}
-    return run_probe(PROBE, job, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    return run_probe(PROBE, job, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, timeout=240)
 
 
 @pytest.fixture(scope="module")
 def full_union(zoo_root):
     options = {"proposers": ["draft", "ngram", "suffix"],
-               "draft_model": str(zoo_path("draft", zoo_root)), **ALTERNATE}
+               "draft_model": str(zoo_path("draft", zoo_root)),
+               "fault_injection": {**ALTERNATE, **RANK_LOCAL, "draft_forward": 5}}
     # one request per proposer alone, one with all of them
     extras = [{}, {"specplugin_proposers": "draft"}, {"specplugin_proposers": "ngram"},
               {"specplugin_proposers": "suffix"}]
@@ -78,7 +84,8 @@ def full_union(zoo_root):
 @pytest.fixture(scope="module")
 def token_union(zoo_root):
     return _probe(str(zoo_path("target", zoo_root)),
-                  {"proposers": ["ngram", "suffix"], **ALTERNATE}, [{}] * len(PROMPTS))
+                  {"proposers": ["ngram", "suffix"],
+                   "fault_injection": {**ALTERNATE, **RANK_LOCAL}}, [{}] * len(PROMPTS))
 
 
 @pytest.mark.parametrize("run", ["full_union", "token_union"])

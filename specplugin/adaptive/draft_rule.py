@@ -29,6 +29,7 @@ import torch
 
 from specplugin.adaptive.cost import LEARN_EVERY, GapFilter, StepCostModel, StepSums
 from specplugin.adaptive.estimator import as_list, judged_outcomes
+from specplugin.profiling import phase
 
 # An engine's first draft forwards pay one-time costs (~2-4x a later one) and are left
 # out of the price: a draft priced too dear never runs, so is never corrected.
@@ -218,6 +219,7 @@ class DraftPrices:
     warm_run_s: float | None  # run_s right after another run (None: this is one, or untimed)
 
 
+@phase("plugin: plan")
 def draft_prices(costs: CostModel, step_cost: StepCostModel, num_rows: int,
                  behind: Sequence[int], warm: bool, param_ratio: Callable[[], float]
                  ) -> DraftPrices:
@@ -366,6 +368,7 @@ class DraftRun:
     def num_reqs(self) -> int:
         return len(self.sampled)
 
+    @phase("draft: stop rule")
     def add(
         self,
         token_ids: torch.Tensor | np.ndarray,  # [num_reqs] drafted at this position

@@ -23,7 +23,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from specplugin.adaptive import kernels
-from specplugin.requests import Requests
 
 POSITION_EDGES = np.array([1, 2, 3, 4, 8])  # groups: 0, 1, 2, 3, 4-7, 8+
 HISTORY_EDGES = np.array([0.3, 0.7])  # recent acceptance: low, mid, high (+ "new")
@@ -248,24 +247,3 @@ def history_bucket(recent_acceptance: float | None) -> int:
         return len(HISTORY_EDGES) + 1
     # np.searchsorted(side="right") without numpy's call cost
     return sum(recent_acceptance >= edge for edge in _HISTORY_EDGE_LIST)
-
-
-class RequestHistory:
-    """Per-request exponential average of judged tokens' acceptance (weight ``alpha``), kept
-    in each request's record (:class:`~specplugin.requests.RequestState`)."""
-
-    def __init__(self, requests: Requests, alpha: float = 0.3):
-        self.requests = requests
-        self.alpha = alpha
-
-    def update(self, req_id: str, judged: int, accepted: int) -> None:
-        """Average in ``judged`` tokens of one draft, the first ``accepted`` accepted (a
-        request that has ended keeps nothing)."""
-        state = self.requests.get(req_id)
-        if state is None:
-            return
-        value, alpha = state.recent_acceptance, self.alpha
-        for j in range(judged):
-            a = 1.0 if j < accepted else 0.0
-            value = a if value is None else value + alpha * (a - value)
-        state.recent_acceptance = value

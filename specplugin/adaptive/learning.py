@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specplugin.adaptive.estimator import (AcceptanceEstimator, RequestHistory, as_list,
-                                           judged_outcomes)
+from specplugin.adaptive.estimator import AcceptanceEstimator, as_list, judged_outcomes
 from specplugin.config import MODEL_PROPOSERS
 from specplugin.metrics import ProposerStats
 from specplugin.proposers.base import StepBatch
@@ -109,7 +108,6 @@ class Learner:
         self.stats = stats
         self.requests = requests
         self.learn_every = learn_every
-        self.history = RequestHistory(requests)
         self._start()
 
     def reset(self) -> None:
@@ -158,7 +156,7 @@ class Learner:
                 k = min(len(sent.signal), scheduled)
                 won = outcome is not None and outcome.winner is not None
                 own = min(emitted, k) if outcome is None else outcome.own_accepted
-                self.history.update(req_id, min(k, emitted + 1), emitted)
+                self._average_in(req_id, min(k, emitted + 1), emitted)
                 self.stats.verified(self.names[sent.proposer], k, 0 if won else min(emitted, k))
                 if own is not None:
                     # (with the scorer's extras, the verdicts: its rows are not the batch's)
@@ -230,11 +228,17 @@ class Learner:
             if judged == accepted < len(shadow.tokens):
                 continue  # so far so good (or nothing emitted yet): wait for the rest
             parts.append((shadow.sent, judged_outcomes(None, r, False, judged, accepted)))
-            self.history.update(req_id, judged, accepted)
+            self._average_in(req_id, judged, accepted)
             state.shadow = None
         if parts:
             self.teach(parts)
             self.flush()
+
+    def _average_in(self, req_id: str, judged: int, accepted: int) -> None:
+        """Into the request's recent acceptance (a request that has ended keeps nothing)."""
+        state = self.requests.get(req_id)
+        if state is not None:
+            state.average_in(judged, accepted)
 
     def teach(self, judged_parts: list[tuple[Sent, list]]) -> None:
         """(sent, what each judged token teaches: :func:`judged_outcomes`) per candidate:

@@ -35,30 +35,25 @@ from specplugin.adaptive.plan import DraftModel, FlatPlan, StepPlan
 from specplugin import trace
 from specplugin.metrics import FailureCounter, ProposerStats
 from specplugin.config import MODEL_PROPOSERS
+from specplugin.profiling import phase
 from specplugin.proposers.base import Candidate, Proposer, StepBatch
 from specplugin.requests import Requests
 
 logger = logging.getLogger("specplugin")
-# Backoffs: asks that keep finding nothing are spaced out, the gap doubling up to a limit,
-# and back to 1 when one finds something or new requests join (Backoff).
-# Plain steps between two peeks (plain_step): a peek costs ~0.1 ms, 1-3% of a small
-# model's plain step, and a copy stays in sight as long as it runs.
+# Asks that keep finding nothing are spaced out, the gap doubling to a limit (Backoff).
+# Plain steps between two peeks: a peek costs ~0.1 ms, and a copy stays in sight.
 MAX_PEEK_GAP = 8
-# Speculative steps between two asks of the draft model's gate (plan_draft), once it kept
-# the draft off GATE_PATIENCE times in a row: the gate prices the draft's candidate with
-# a second plan, about twice the token-level proposers' share of the step.
+# Speculative steps between two asks of the draft's gate once it kept the draft off
+# GATE_PATIENCE times in a row (its second plan costs about the proposers' share).
 MAX_GATE_GAP = 8
 GATE_PATIENCE = 2  # one posterior draw keeping the draft off is noise; two say more
-# Speculative steps between two full looks while every row keeps choosing the draft model
-# (holding): a held step runs the draft as the last look planned and asks nothing else.
-# A greedy batch looks more often: a copy can come in sight at any step and pays several
-# tokens a step.
+# Steps between two full looks while every row holds the draft model (a greedy batch
+# looks more often: a copy can come in sight at any step).
 MAX_HOLD_GAP = 8
 MAX_HOLD_GAP_GREEDY = 2
 HOLD_PATIENCE = 3
-# An untried draft model runs on an optimistic estimate in its first DRAFT_TRIALS gated
-# steps (until DRAFT_TRIAL_EVIDENCE of its tokens are judged), for the rows whose first
-# pass reads least (draft_gate.DRAFT_TRIAL_ROWS): its worth is learnt only by running it.
+# An untried draft runs on an optimistic estimate in its first DRAFT_TRIALS gated steps
+# (until DRAFT_TRIAL_EVIDENCE of its tokens are judged): its worth is learnt by running it.
 DRAFT_TRIALS = 4
 DRAFT_TRIAL_EVIDENCE = 8.0
 
@@ -70,15 +65,12 @@ class Union:
                  decoy_primary: bool = False, max_peek_gap: int = MAX_PEEK_GAP,
                  draft_always: bool = False, learn_every: int = LEARN_EVERY,
                  background: Background | None = None, requests: Requests | None = None):
-        """``explore``: one row per step (at random among those with candidates) is judged by
-        posterior draws (Thompson sampling), the others by posterior means: a proposer unlucky
-        early is tried again without every row of a large batch paying for exploration.
-        ``arbiter``: switches whole steps to plain decoding where speculating does not pay
-        (None: every step is planned). ``max_peek_gap``: :data:`MAX_PEEK_GAP`.
-        ``draft_always``: tests only, the draft model runs in every speculative step.
-        ``learn_every``: :data:`LEARN_EVERY`. ``background``: where verdicts are learned once
-        the next plan is made (default inline). ``requests``: the running requests' records,
-        shared with the proposers and the vLLM layer (default: the union's own)."""
+        """``explore``: one random row per step is judged by posterior draws (Thompson
+        sampling), the others by posterior means, so a proposer unlucky early is tried again
+        without a whole batch paying. ``arbiter``: switches steps to plain decoding where
+        speculating does not pay (None: every step is planned). ``draft_always``: tests only.
+        ``background``: where verdicts are learned once the next plan is made (default
+        inline). ``requests``: the records shared with the proposers and the vLLM layer."""
         self.explore = explore
         self.arbiter = arbiter
         if arbiter is not None:
@@ -91,6 +83,9 @@ class Union:
         self.draft_costs = DraftCostModel()  # what the draft model's runs cost, as timed
         self.draft_costs.deferred_flush = True  # (learned in the background, as the steps)
         self.failures = [FailureCounter(name, logger) for name in names]
+        # tensor parallel (set by the vLLM layer): flags -> set on any rank
+        self.any_rank: Callable[[list[bool]], list[bool]] | None = None
+        self._failed_asks: set[int] = set()  # proposers that raised in this ask
         self.stats = ProposerStats()
         self.requests = requests if requests is not None else Requests()
         self.learner = Learner(self.estimator, names, self.stats, self.requests, learn_every)
@@ -104,14 +99,11 @@ class Union:
         self._peek_index = next((i for name in ("ngram", "suffix")
                                  for i, p in enumerate(self.proposers) if p.name == name), None)
         self.max_peek_gap = max_peek_gap
-        # the draft run plan_draft let go this step, priced for the arbiter's prediction:
+        # the draft run plan_draft let go this step, for the arbiter's prediction:
         # (seconds a forward, a run's fixed seconds, forwards planned)
         self._draft_price = (0.0, 0.0, 0)
-        # the row whose offers this step's estimates draw from the posterior (see
-        # _explorer; None: not picked yet this step, -1: none)
-        self._step_explorer: int | None = None
-        # plan_draft's plan over this step's token-level candidates (their id()s, the
-        # plan): choose reuses it when the draft then runs for no row
+        self._step_explorer: int | None = None  # the row drawn from the posterior (_explorer)
+        # plan_draft's plan over this step's token-level candidates (their id()s, the plan)
         self._gate_plan: tuple[frozenset[int], FlatPlan] | None = None
         # the compiled plan's outputs, kept from step to step (grown when a step needs more)
         self._token_buffer = np.empty(0)  # each offered token's estimate
@@ -153,19 +145,16 @@ class Union:
         # request ids, the draft's tokens per row, and the draft run's price (_draft_price)
         self._hold_plan: tuple[tuple, list[int], tuple[float, float, int]] | None = None
         self._draft_trials = DRAFT_TRIALS  # optimistic draft runs left (see plan_draft)
-        # this step's time is not a rate of speculating that the step arbiter should weigh
-        # (see _observe): it runs one of the draft's optimistic trials (its exploration),
-        # or the draft's catch-up over the tokens decoded plainly just before it
+        # this step's time is no rate for the step arbiter (_observe): a draft trial, or the
+        # draft's catch-up over tokens decoded plainly just before
         self._unrated_step = False
         self._last_plain = False  # the last decision kept its step plain
         self._after_plain = False  # this step speculates right after a plain one
 
     def forget_learned(self) -> None:
-        """Back to what a fresh engine knows: acceptance counts, request histories, the arbiter's
-        rates, the draft's trials and the cost model's step observations are forgotten; the
-        forwards timed at engine start, the proposers' indexes and the counters are kept.
-        ``specplugin bench`` calls it after warming an engine up, so a cell starts as a user's
-        engine does. Only between requests (nothing pending)."""
+        """Back to what a fresh engine knows (acceptance, histories, the arbiter's rates, the
+        draft's trials, step observations); kept: the start-up forward times, the proposers'
+        indexes, the counters. For ``specplugin bench`` after warm-up, between requests."""
         self.settle()
         self._start_learning()
         if trace.TRACE is not None:
@@ -176,6 +165,7 @@ class Union:
         if self.arbiter is not None:
             self.arbiter.forget()
 
+    @phase("plugin: other")
     def step(self, batch: StepBatch, verified: Verified | None,
              draft: DraftModel | None = None) -> StepPlan:
         """Learn from ``verified``, then the step's plan for ``batch``: ask the proposers,
@@ -215,6 +205,7 @@ class Union:
         """The draft model's index among :attr:`proposers` (None: the union has none)."""
         return self._draft_index
 
+    @phase("plugin: learn")
     def begin(self, verified: Verified | None, num_reqs: int, sampled: bool) -> bool:
         """Learn from ``verified``; return whether this step speculates (the arbiter's call;
         ``sampled``: most requests sample). A plain step needs nothing else. After
@@ -287,10 +278,8 @@ class Union:
         """The cheap path after a step that verified no draft: observe its time and say whether
         the next step speculates. False: the next step is plain and nothing runs for it. True:
         the caller plans it with :meth:`begin`. Always True without an arbiter or with drafts
-        awaiting their verdict. ``draft_seconds``: the part of ``seconds`` the draft model ran,
-        kept out of the cost model; ``read_prompts``: see :meth:`_observe`.
-
-        ``peek``: the batch as it stands. Where the arbiter keeps the step plain, the cheapest
+        awaiting their verdict. ``draft_seconds``: the draft model's part of ``seconds``, kept
+        out of the cost model. ``peek``: the batch as it stands. Where the arbiter keeps the step plain, the cheapest
         token-level proposer is asked on it (:meth:`_copy_in_sight`); if the plan it allows
         beats the measured plain rate, the step speculates after all: a rate measured on earlier
         text must not keep decoding plainly through text that copies."""
@@ -323,9 +312,8 @@ class Union:
     def plain_steps_ahead(self) -> int:
         """After :meth:`plain_step` kept the next step plain: how many following decisions are
         foregone (the arbiter's plain block runs on), so those steps may run as the engine's
-        own plain steps with only their times kept (:meth:`plain_steps_ran`). Each must decode
-        one token per request of an unchanged batch. 0 while speculating. A peek that comes due
-        within the run waits for the step that ends it."""
+        own, one token per request of an unchanged batch, only their times kept
+        (:meth:`plain_steps_ran`). 0 while speculating."""
         if self.speculating or self.arbiter is None or self._pending or self._pending_extras:
             return 0
         return self.arbiter.plain_steps_ahead()
@@ -333,9 +321,7 @@ class Union:
     def plain_steps_ran(self, seconds: Sequence[float], num_reqs: int) -> None:
         """Steps that :meth:`plain_steps_ahead` foretold ran, each in ``seconds`` of wall
         time, ``num_reqs`` requests decoding one token each: learn what :meth:`plain_step`
-        would have learned from each (the cost model's and the arbiter's observations,
-        the counters, the peek's countdown, a peek due then waiting for the next
-        decision), without its decisions, which were foregone."""
+        would have learned from each, without its decisions, which were foregone."""
         self.settle()
         for wall in seconds:
             self._observe(wall, num_reqs, num_reqs, speculative=False,
@@ -384,6 +370,7 @@ class Union:
         self._hold_plan = (tuple(batch.req_ids), self._gate_k, self._draft_price)
         self._hold.asked(False, MAX_HOLD_GAP if all(batch.sampled) else MAX_HOLD_GAP_GREEDY)
 
+    @phase("plugin: plan")
     def choose_held(self, batch: StepBatch, lengths: list[int], signals: list[list[float]],
                     draft_forwards: int) -> StepPlan:
         """A held step's plan (:attr:`holding`): each row sends what the draft model's run drafted
@@ -464,6 +451,7 @@ class Union:
         if self.arbiter is not None:
             self.arbiter.new_requests(num_new, num_reqs)
 
+    @phase("plugin: peek")
     def _copy_in_sight(self, peek: Callable[[], StepBatch]) -> bool:
         """Whether the peek's proposer (n-gram, else suffix; if the union has either) finds,
         on the batch ``peek()`` returns, candidates the controller would verify (posterior
@@ -544,10 +532,17 @@ class Union:
             self.arbiter.observe(num_emitted if rate_tokens is None else rate_tokens,
                                  None if unrated else seconds)
 
+    @phase("plugin: ask")
     def ask(self, batch: StepBatch, proposers: Sequence[int]) -> list[tuple[int, int, Candidate]]:
         if not self.speculating:
             return []
+        self._failed_asks.clear()
         per_proposer = {i: self._ask(i, batch) for i in proposers}
+        if self.any_rank is not None:  # what failed on one rank offers nothing on any
+            for i, failed in zip(list(per_proposer), self.any_rank(
+                    [i in self._failed_asks for i in per_proposer])):
+                if failed:
+                    per_proposer[i] = [None] * batch.num_reqs
         # a proposer's alternatives are for the scorer only (see _alternates): the choice
         # of each request's draft, and whether the draft model runs, stay the union's
         self._alternative_offers += [(r, i, alt) for i, cands in per_proposer.items()
@@ -570,6 +565,7 @@ class Union:
         return (self._draft_trials > 0
                 and self.estimator.judged_tokens(draft_index) < DRAFT_TRIAL_EVIDENCE)
 
+    @phase("plugin: plan")
     def plan_draft(self, batch: StepBatch, offers, draft_index: int, caps: np.ndarray,
                    forward_seconds: float,
                    catch_up_seconds: Sequence[float] | None = None,
@@ -636,6 +632,7 @@ class Union:
         self._unrated_step = trial or catch_up
         return k
 
+    @phase("plugin: plan")
     def choose(self, batch: StepBatch, offers, draft_forwards: int | None = None) -> StepPlan:
         """The controller's choice among ``offers``: the step's plan, one draft per row.
         ``draft_forwards``: the forwards the draft's run made (its stop rule's count), which the
@@ -788,6 +785,7 @@ class Union:
         self.settle()
         return not len(self.requests) and not self._pending and not self._pending_extras
 
+    @phase("plugin: learn")
     def finish_requests(self, req_ids: Sequence[str]) -> None:
         """These requests ended (finished or aborted): the proposers let go of them, then
         their records go (:meth:`Requests.finish <specplugin.requests.Requests.finish>`,
@@ -808,9 +806,11 @@ class Union:
             candidates = proposer.propose(batch)
         except Exception:  # a proposer bug costs its drafts, never a request
             self.failures[index].record()
+            self._failed_asks.add(index)
             return [None] * batch.num_reqs
         return [c if c is not None and len(c) else None for c in candidates]
 
+    @phase("plugin: estimate")
     def _estimate(self, offers, batch: StepBatch, histories: list[int],
                   explore: bool | None = None, explorer: int | None = None) -> list[list[float]]:
         """Acceptance of every offered token, per offer: posterior means in one compiled

@@ -5,11 +5,15 @@ One server per configuration (none, the plugin's union, vLLM's best built-in; wi
 ``--faults`` the union with injected failures and clients leaving mid-stream), the same
 greedy prompts each. Reports tok/s ratios, output identity with no speculation, caught
 failures, and KV cache usage afterwards (must be 0: aborts hold nothing).
+
+``--soak N`` instead runs one server with the union for a long run (:mod:`.soak`): memory
+and the plugin's per-request state over time, and with ``--storm`` a burst of aborts.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -58,6 +62,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "that leave mid-stream")
     parser.add_argument("--sample", type=int, default=200,
                         help="outputs compared with the spec-off server's")
+    parser.add_argument("--soak", type=int, metavar="N",
+                        help="instead: one server with the union under N mixed requests "
+                             "(lengths, temperatures, options, clients leaving); samples RSS "
+                             "and vllm:specplugin_tracked_requests; plot in --out-dir")
+    parser.add_argument("--storm", type=int, default=0, metavar="A",
+                        help="with --soak: then A streams aborted at once, then greedy "
+                             "requests compared with speculation off")
+    parser.add_argument("--sample-every", type=float, default=5.0,
+                        help="with --soak: seconds between samples")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="servers' logs, client results")
     add_eager_argument(parser)
@@ -73,6 +86,8 @@ def run(args) -> int:
     root, models = zoo_models(args.zoo)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.soak:
+        return run_soak(args, root, models, out_dir, console)
     dataset = write_dataset(root, out_dir / "prompts.jsonl", args.num_prompts, args.max_tokens)
     configs = [("none", METHODS["none"].engine_kwargs(models)),
                ("plugin-union", METHODS["plugin-union"].engine_kwargs(models)),
@@ -102,8 +117,33 @@ def run(args) -> int:
     return 0 if ok else 1
 
 
-def write_dataset(zoo_root: Path, path: Path, num_prompts: int, max_tokens: int) -> Path:
-    """A ``vllm bench serve --dataset-name custom`` file of mixed text prompts."""
+def run_soak(args, root: Path, models, out_dir: Path, console) -> int:
+    """``--soak N``: the union's server under :func:`specplugin.bench.soak.soak`."""
+    from specplugin.bench import soak
+    from specplugin.bench.methods import METHODS
+    from specplugin.bench.runner import run_environment
+
+    prompts = text_prompts(root, min(args.soak, 500))
+    kwargs = METHODS["plugin-union"].engine_kwargs(models)
+    with serving("soak", models.target, kwargs, args.eager, out_dir) as (base, pid):
+        console.print(f"soak: {args.soak} requests, {args.concurrency} at a time")
+        report = soak.soak(base, pid, models.target, prompts, args.soak, args.concurrency,
+                           args.storm, args.sample_every)
+    report["meta"] = run_environment()
+    soak.plot(report, out_dir / "soak.png")
+    console.print_json(json.dumps({k: v for k, v in report.items()
+                                   if k not in ("rss_mb", "tracked_requests", "requests_done")}))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    resumed = report.get("resumed", {})
+    ok = (report["failed"] == 0 and report["tracked_requests_end"] == 0
+          and not resumed.get("failed") and not resumed.get("differ_from_spec_off")
+          and resumed.get("tracked_requests_end", 0) == 0)
+    return 0 if ok else 1
+
+
+def text_prompts(zoo_root: Path, num_prompts: int) -> list[str]:
+    """Mixed text prompts of the pair's held-out files (edits and completions)."""
     import numpy as np
     from tokenizers import Tokenizer
 
@@ -112,10 +152,14 @@ def write_dataset(zoo_root: Path, path: Path, num_prompts: int, max_tokens: int)
     tokenizer = Tokenizer.from_file(str(Path(zoo_root) / "target" / "tokenizer.json"))
     prompts = mixed_prompts(source_from_zoo(zoo_root), FULL_SIZES, num_prompts,
                             np.random.default_rng(0))
+    return [tokenizer.decode(ids) for ids in prompts]
+
+
+def write_dataset(zoo_root: Path, path: Path, num_prompts: int, max_tokens: int) -> Path:
+    """A ``vllm bench serve --dataset-name custom`` file of mixed text prompts."""
     with open(path, "w") as out:
-        for ids in prompts:
-            out.write(json.dumps({"prompt": tokenizer.decode(ids), "output_tokens": max_tokens})
-                      + "\n")
+        for prompt in text_prompts(zoo_root, num_prompts):
+            out.write(json.dumps({"prompt": prompt, "output_tokens": max_tokens}) + "\n")
     return path
 
 
@@ -135,35 +179,42 @@ def serve_args(model: str, port: int, engine_kwargs: dict[str, Any], eager: bool
     return args + (["--enforce-eager"] if eager else [])
 
 
-def load_one(name: str, model: str, engine_kwargs: dict, dataset: Path, args, out_dir: Path,
-             leave_mid_stream: bool = False) -> LoadResult:
+@contextlib.contextmanager
+def serving(name: str, model: str, engine_kwargs: dict, eager: bool, out_dir: Path):
+    """A `vllm serve` of these engine kwargs, healthy: yields its URL and process id."""
     from specplugin.bench.runner import CHILD_ENV_DEFAULTS
 
     port = free_port()
-    base = f"http://127.0.0.1:{port}"
     log = out_dir / f"{name}.server.log"
     env = {**CHILD_ENV_DEFAULTS, **os.environ}
     with open(log, "w") as out:
-        server = subprocess.Popen(serve_args(model, port, engine_kwargs, args.eager),
+        server = subprocess.Popen(serve_args(model, port, engine_kwargs, eager),
                                   stdout=out, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, server, log)
-        leavers = _start_leavers(base, model) if leave_mid_stream else None
-        result = bench_serve(name, base, model, dataset, args, out_dir)
-        if leavers is not None:
-            result.left_mid_stream = leavers.join()
-        time.sleep(2.0)  # the engine publishes its counters at most every 0.5 s of steps
-        metrics = _get(base + "/metrics")
-        result.plugin_failures = _sum_metric(metrics, "vllm:specplugin_proposer_failures_total")
-        result.kv_usage_after = _sum_metric(metrics, "vllm:kv_cache_usage_perc")
-        result.running_after = _sum_metric(metrics, "vllm:num_requests_running")
-        return result
+        yield base, server.pid
     finally:
         server.terminate()
         try:
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+def load_one(name: str, model: str, engine_kwargs: dict, dataset: Path, args, out_dir: Path,
+             leave_mid_stream: bool = False) -> LoadResult:
+    with serving(name, model, engine_kwargs, args.eager, out_dir) as (base, _):
+        leavers = _start_leavers(base, model) if leave_mid_stream else None
+        result = bench_serve(name, base, model, dataset, args, out_dir)
+        if leavers is not None:
+            result.left_mid_stream = leavers.join()
+        time.sleep(2.0)  # the engine publishes its counters at most every 0.5 s of steps
+        metrics = read_url(base + "/metrics")
+        result.plugin_failures = metric_sum(metrics, "vllm:specplugin_proposer_failures_total")
+        result.kv_usage_after = metric_sum(metrics, "vllm:kv_cache_usage_perc")
+        result.running_after = metric_sum(metrics, "vllm:num_requests_running")
+        return result
 
 
 def bench_serve(name: str, base: str, model: str, dataset: Path, args, out_dir: Path) -> LoadResult:
@@ -265,7 +316,7 @@ def wait_healthy(base: str, server: subprocess.Popen, log: Path, timeout_s: floa
             raise RuntimeError(f"vllm serve exited early; see {log}:\n"
                                + log.read_text()[-3000:])
         try:
-            _get(base + "/health")
+            read_url(base + "/health")
             return
         except OSError:
             time.sleep(2)
@@ -273,12 +324,13 @@ def wait_healthy(base: str, server: subprocess.Popen, log: Path, timeout_s: floa
                        + log.read_text()[-3000:])
 
 
-def _get(url: str) -> str:
+def read_url(url: str) -> str:
     with urllib.request.urlopen(url, timeout=60) as resp:
         return resp.read().decode()
 
 
-def _sum_metric(metrics: str, name: str) -> float | None:
+def metric_sum(metrics: str, name: str) -> float | None:
+    """The sum of a metric's samples (all labels) in a ``/metrics`` text; None if absent."""
     values = [float(line.split()[-1]) for line in metrics.splitlines()
               if line.startswith((name + " ", name + "{"))]
     return sum(values) if values else None

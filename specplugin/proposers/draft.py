@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from specplugin import host_kernels
+from specplugin.profiling import phase
 from specplugin.proposers.base import Candidate, StepBatch
 from specplugin.requests import Requests
 
@@ -90,6 +91,7 @@ class DraftKVCursor:
             self._ahead.pop(req_id, None)
 
 
+@phase("draft: draw")
 def sample_draft_tokens(
     logits: torch.Tensor,  # [num_reqs, vocab_size]
     temperature: torch.Tensor,  # [num_reqs]
@@ -263,6 +265,7 @@ def inverse_cdf_draw(weights: torch.Tensor,  # [num_rows, vocab_size] >= 0, unno
     return torch.searchsorted(cdf, uniform * cdf[:, -1:]).squeeze(1)
 
 
+@phase("draft: draw")
 def greedy_draft_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
     """Argmax tokens [num_reqs] and their softmax probability, ``1 / sum(exp(logits - max))``
     (cheaper than a full softmax)."""
@@ -289,6 +292,7 @@ class DraftCandidates:
 
     name = "draft"
 
+    @phase("propose: draft")
     def propose(self, batch: StepBatch) -> list[Candidate | None]:
         return [None] * batch.num_reqs
 

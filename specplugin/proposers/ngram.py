@@ -20,6 +20,7 @@ import numba
 import numpy as np
 
 from specplugin.host_kernels import JIT
+from specplugin.profiling import phase
 from specplugin.proposers.base import Candidate, StepBatch
 
 
@@ -131,6 +132,7 @@ class NgramProposer:
         self.max_n = max_n
         self.num_alternatives = num_alternatives
 
+    @phase("propose: ngram")
     def propose(self, batch: StepBatch) -> list[Candidate | None]:
         if self.num_alternatives:
             return self._propose_with_alternatives(batch)

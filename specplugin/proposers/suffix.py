@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specplugin.profiling import phase
 from specplugin.proposers.base import Candidate, StepBatch
 from specplugin.requests import Requests
 
@@ -602,6 +603,7 @@ class SuffixProposer:
         # where deferrable work goes (see Proposer)
         self.defer: Callable[[Callable[[], None]], None] = _run_now
 
+    @phase("propose: suffix")
     def propose(self, batch: StepBatch) -> list[Candidate | None]:
         for row, req_id in enumerate(batch.req_ids):
             self._feed(req_id, batch.context(row), int(batch.num_prompt_tokens[row]))

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from specplugin import host_kernels
+from specplugin.profiling import phase
 from specplugin.proposers.draft import inverse_cdf_draw
 
 # Fills output slots past a row's emitted tokens.
@@ -284,6 +285,7 @@ def _assemble(draft_token_ids, num_accepted, final_ids, layout: _Layout) -> Veri
     return VerifyOutput(output, num_accepted + 1)
 
 
+@phase("plugin: verify")
 def expected_acceptance(
     draft_token_ids: torch.Tensor,  # [num_tokens]
     draft_probs: torch.Tensor | None,  # [num_tokens, vocab_size]; None: every draft one-hot
@@ -296,6 +298,7 @@ def expected_acceptance(
     return torch.minimum(target_probs, draft_probs).sum(dim=-1)
 
 
+@phase("plugin: verify")
 def draw_recovered(
     draft_token_ids: torch.Tensor,  # [num_tokens]
     draft_probs: torch.Tensor | None,  # [num_tokens, vocab_size]; None: every draft one-hot

@@ -42,6 +42,18 @@ def plugin_config(vllm_config) -> SpecPluginConfig:
     return parse(plugin_options(vllm_config), vllm_config.speculative_config.num_speculative_tokens)
 
 
+def worker_config(vllm_config) -> SpecPluginConfig:
+    """The settings as this worker applies them: test failures pinned to another
+    tensor-parallel rank (``fault_injection["rank"]``) left out."""
+    from specplugin.vllm_layer.ranks import tensor_parallel_rank
+
+    config = plugin_config(vllm_config)
+    faults = config.fault_injection.on_rank(tensor_parallel_rank())
+    if faults is config.fault_injection:
+        return config
+    return dataclasses.replace(config, fault_injection=faults)
+
+
 def check_vllm_config(vllm_config) -> None:
     spec = vllm_config.speculative_config
     if (spec is not None and spec.method == "draft_model"

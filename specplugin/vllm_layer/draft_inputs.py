@@ -14,6 +14,7 @@ from vllm.v1.sample.sampler import _SAMPLING_EPS
 from vllm.v1.spec_decode.llm_base_proposer import PADDING_SLOT_ID
 
 from specplugin import host_kernels
+from specplugin.profiling import phase
 from specplugin.proposers.base import StepBatch
 
 
@@ -88,6 +89,7 @@ class DecodePasses:
     max_model_len: int
     views: list[PassViews] | None = None
 
+    @phase("draft: metadata")
     def set_pass(self, index: int, cad, input_ids: torch.Tensor,
                  layer_names) -> tuple[dict, dict]:
         """Set pass ``index`` (0: the first decode pass) into ``cad``; returns its model
@@ -145,6 +147,7 @@ class DecodePassBuffers:
         return kept
 
 
+@phase("draft: inputs")
 def decode_passes(block_table: torch.Tensor,  # [num_rows, max_blocks] the rows' own tables
                   ends: np.ndarray,  # [num_rows] context length, the newest token included
                   num_passes: int, block_size: int, max_model_len: int,
@@ -239,6 +242,7 @@ def host_view(table: torch.Tensor) -> np.ndarray:
     return table.numpy() if table.device.type == "cpu" else table.cpu().numpy()
 
 
+@phase("plugin: context")
 def step_batch(input_batch, context, sampled: list[bool], caps: list[int],
                 num_accepted: list[int], next_tokens: list[int]) -> StepBatch:
     """The batch as token-level proposers see it (tokens, accepted drafts, sampled token):
@@ -271,14 +275,10 @@ def num_accepted_drafts(scheduled: list[int], rejected: list[int] | None) -> lis
     return [s - r if s > r else 0 for s, r in zip(scheduled, rejected)]
 
 
-def sampled_rows(sampling_metadata, num_reqs: int) -> list[bool]:  # [num_reqs]
-    """Which rows sample (temperature >= ``_SAMPLING_EPS``); vLLM's all-greedy/all-random
-    flags spare reading the device temperatures (~35 us on CPU at batch 1)."""
-    if sampling_metadata.all_greedy:
-        return [False] * num_reqs
-    if sampling_metadata.all_random:
-        return [True] * num_reqs
-    return (sampling_metadata.temperature[:num_reqs] >= _SAMPLING_EPS).tolist()
+def sampled_rows(input_batch, num_reqs: int) -> np.ndarray:  # [num_reqs] bool
+    """Which rows sample (temperature >= ``_SAMPLING_EPS``), from the batch's host copy of
+    the temperatures (greedy rows hold 0): one reading for every drafter and the peek."""
+    return input_batch.temperature_cpu[:num_reqs] >= _SAMPLING_EPS
 
 
 def draft_caps(remaining_tokens: list[int], max_k, prefilling: list[bool]) -> list[int]:
@@ -287,3 +287,33 @@ def draft_caps(remaining_tokens: list[int], max_k, prefilling: list[bool]) -> li
     ``remaining_tokens`` excludes this step's token(s), ``remaining - 2`` cuts nothing useful."""
     return [0 if p else min(max(r - 2, 0), k)
             for r, k, p in zip(remaining_tokens, max_k, prefilling)]
+
+
+@phase("plugin: hand back")
+def mixed_draft_probs(draft_probs: torch.Tensor | None, drafts,
+                      draft_rows: np.ndarray) -> torch.Tensor | None:
+    """[num_reqs, k_out, vocab] probabilities of the rows' chosen ``drafts`` when sampling
+    (None: greedy): ``draft_probs`` [num_reqs, positions, vocab] for ``draft_rows``, one-hot
+    for the other rows' deterministic guesses."""
+    num_reqs, k_out = len(drafts), max(1, max(len(d) for d in drafts))
+    probs = None
+    guessed = [bool(d) and not draft_rows[r] for r, d in enumerate(drafts)]
+    if draft_probs is not None and not any(guessed):
+        # vLLM reads only each row's first len(draft) positions: usable as they are
+        probs = draft_probs
+    elif draft_probs is not None:
+        probs = torch.zeros((num_reqs, k_out, draft_probs.shape[-1]),
+                            dtype=draft_probs.dtype, device=draft_probs.device)
+        lengths = np.array([len(d) for d in drafts], dtype=np.int64)  # [num_reqs]
+        for r in np.flatnonzero(draft_rows & (lengths > 0)).tolist():
+            probs[r, :lengths[r]] = draft_probs[r, :lengths[r]]
+        # deterministic guesses: one-hot draft probabilities, all at once
+        guess = (~draft_rows & (lengths > 0))[:, None] & (
+            np.arange(k_out)[None, :] < lengths[:, None])  # [num_reqs, k_out]
+        if guess.any():
+            rows, positions = np.nonzero(guess)
+            tokens = [drafts[r][j] for r, j in zip(rows.tolist(), positions.tolist())]
+            r, j, t = (torch.as_tensor(a, dtype=torch.int64, device=probs.device)
+                       for a in (rows, positions, tokens))
+            probs[r, j, t] = 1.0
+    return probs

@@ -26,23 +26,20 @@ from specplugin.adaptive import build
 from specplugin.adaptive.cost import StepTimer
 from specplugin.adaptive.memory import open_memory
 from specplugin.config import SpecPluginConfig
+from specplugin.profiling import DRAFT_FORWARD, DRAFT_FORWARDS, phase
 from specplugin.proposers.faults import EveryNth
 from specplugin.metrics import FailureCounter
 from specplugin.proposers import StepBatch
 from specplugin.proposers.base import Candidate
-from specplugin.adaptive.draft_rule import (AcceptanceCalibration, DraftRun,
-                                             OutcomeTracker, StopRule)
-from specplugin.proposers.draft import (DraftKVCursor, HostDraws,
-                                        UniformPool, greedy_draft_tokens,
-                                        sample_draft_tokens)
+from specplugin.adaptive.draft_rule import AcceptanceCalibration, DraftRun, OutcomeTracker, StopRule
+from specplugin.proposers.draft import (DraftKVCursor, HostDraws, UniformPool,
+                                        greedy_draft_tokens, sample_draft_tokens)
 from specplugin.adaptive.learning import Verified
 from specplugin.adaptive.plan import DraftOutput, StepPlan
-from specplugin.vllm_layer.draft_inputs import (KEPT_FIRST_VIEWS, DecodePassBuffers,
-                                                FirstPassBuffers, cpu_attn_metadata,
-                                                cpu_metadata_builder, decode_passes,
-                                                draft_caps, host_view, num_accepted_drafts,
-                                                sampled_rows, step_batch,
-                                                update_cpu_decode_metadata)
+from specplugin.vllm_layer.draft_inputs import (
+    KEPT_FIRST_VIEWS, DecodePassBuffers, FirstPassBuffers, cpu_attn_metadata,
+    cpu_metadata_builder, decode_passes, draft_caps, host_view, num_accepted_drafts,
+    mixed_draft_probs, sampled_rows, step_batch, update_cpu_decode_metadata)
 from specplugin.vllm_layer.ranks import RankZeroClock, tensor_parallel_rank
 from specplugin.vllm_layer import verification
 
@@ -98,6 +95,8 @@ class PluginDraftProposer(DraftModelProposer):
         self._run_inputs: tuple | None = None
         # the decider: the draft alone is a union of one
         self.union = build(plugin_config, vllm_config.scheduler_config.max_num_batched_tokens)
+        if self.clock.shared:  # a proposer failing on one rank fails on all (ranks.py)
+            self.union.any_rank = self.clock.any_rank
         self.cursor = DraftKVCursor(self.union.requests)  # where each request's draft KV ends
         self.plan: StepPlan | None = None  # the union's plan of the last step
         self.costs = self.union.draft_costs  # what drafting costs, as timed
@@ -202,6 +201,7 @@ class PluginDraftProposer(DraftModelProposer):
         except Exception:
             self.failures.record()
 
+    @phase("plugin: other")
     def propose(self, num_speculative_tokens: int, *args, **kwargs) -> list[list[int]]:
         """vLLM's drafting call, where the worker could not call :meth:`draft_step` (its
         sampled tokens were not a tensor); a failure costs this step's drafts, no request."""
@@ -225,6 +225,7 @@ class PluginDraftProposer(DraftModelProposer):
         self.forget_pending()
         self.timer.reset()
 
+    @phase("plugin: other")
     def draft_step(self, sampled_token_ids: torch.Tensor, sampling_metadata,
                    cad) -> list[list[int]]:
         """The step's drafts from ``sampled_token_ids`` [num_reqs, 1 + drafts] (-1 past a
@@ -306,7 +307,7 @@ class PluginDraftProposer(DraftModelProposer):
         # accepted draft tokens whose draft KV the last run's decode passes wrote
         self.cursor.accepted(context.req_ids[:num_reqs], num_accepted)
         self._learn_draft_step(context, num_accepted, rejected)
-        sampled = sampled_rows(sampling_metadata, num_reqs)
+        sampled = sampled_rows(self.plugin_runner.input_batch, num_reqs).tolist()
         # rows still in chunked prefill have no token to draft from yet
         caps = draft_caps(context.remaining_tokens[:num_reqs], context.max_k[:num_reqs],
                      self.plugin_runner.discard_request_mask.np[:num_reqs].tolist())
@@ -339,6 +340,7 @@ class PluginDraftProposer(DraftModelProposer):
             self._last_draft_seconds = time.perf_counter() - start
         return run, rows
 
+    @phase("draft: loop")
     def _draft(self, run: DraftRun, batch: StepBatch, rows: list[int], starts: list[int],
                ends: list[int], cad, temperature: torch.Tensor | None) -> None:
         """Draft for ``rows`` (ascending): a first pass re-reads each row's context from
@@ -349,9 +351,14 @@ class PluginDraftProposer(DraftModelProposer):
         row_array = np.array(rows, dtype=np.int64)  # [num_rows]
         end_array = np.array(ends, dtype=np.int64)  # [num_rows] exclusive
         query_lens = [e - s for s, e in zip(starts, ends)]  # [num_rows]
-        cad, num_tokens, last, views = self._first_pass_inputs(
-            batch, row_array, np.array(starts, dtype=np.int64), end_array, cad,
-            (sum(query_lens), max(query_lens), max(ends)))
+        error = None
+        try:
+            cad, num_tokens, last, views = self._first_pass_inputs(
+                batch, row_array, np.array(starts, dtype=np.int64), end_array, cad,
+                (sum(query_lens), max(query_lens), max(ends)))
+        except Exception as err:  # (raised below, on every rank)
+            error = err
+        self._ready_on_every_rank(error)
         hidden = self._forward(cad, num_tokens, views)
         self.cursor.advance([batch.req_ids[r] for r in rows], ends)
         if temperature is not None and num_rows != temperature.shape[0]:  # (rows ascend)
@@ -412,15 +419,19 @@ class PluginDraftProposer(DraftModelProposer):
                                  cudagraph_runtime_mode=padding[0]):
             context = get_forward_context()
             for draft_index in range(1, run.rule.k_max):
-                start = time.perf_counter()
-                if self._one_dim_positions:
-                    inputs = passes.set_pass(draft_index - 1, cad, padded_ids,
-                                             self._draft_attn_layer_names)
-                else:
-                    positions = self._update_positions_dependent_metadata(
-                        positions, cad, num_rows, padding[1], self.block_size)
-                if copy_ids:
-                    input_ids.copy_(run.token_ids[-1])  # (int64 -> int32 in the copy)
+                start, error = time.perf_counter(), None
+                try:
+                    if self._one_dim_positions:
+                        inputs = passes.set_pass(draft_index - 1, cad, padded_ids,
+                                                 self._draft_attn_layer_names)
+                    else:
+                        positions = self._update_positions_dependent_metadata(
+                            positions, cad, num_rows, padding[1], self.block_size)
+                    if copy_ids:
+                        input_ids.copy_(run.token_ids[-1])  # (int64 -> int32 in the copy)
+                except Exception as err:  # (raised below, on every rank)
+                    error = err
+                self._ready_on_every_rank(error)
                 hidden = self._decode_forward(context, cad, draft_index, inputs)
                 if hidden.shape[0] != num_rows:  # (padded)
                     hidden = hidden[:num_rows]
@@ -430,6 +441,7 @@ class PluginDraftProposer(DraftModelProposer):
                 if not more:
                     return
 
+    @phase("draft: inputs")
     def _first_pass_inputs(self, batch: StepBatch, rows: np.ndarray, starts: np.ndarray,
                            ends: np.ndarray, cad, sizes: tuple[int, int, int]):
         """Inputs and attention metadata of the first pass: row i reads ``[starts[i],
@@ -511,6 +523,7 @@ class PluginDraftProposer(DraftModelProposer):
             self._first_views[num_tokens] = views
         return views
 
+    @phase("plugin: learn")
     def _learn_draft_step(self, context, num_accepted: list[int],
                           rejected: list[int] | None) -> None:
         """Learn the draft's outcomes and the step's time from the step just verified."""
@@ -603,10 +616,23 @@ class PluginDraftProposer(DraftModelProposer):
             self.costs.observe_first_pass(first_seconds, int(first_tokens), bool(warm))
         return step_seconds, draft_seconds or 0.0
 
+    def _ready_on_every_rank(self, error: Exception | None) -> None:
+        """Before a draft forward: raise ``error`` (the pass's inputs failed) or the test's
+        fault; under tensor parallelism on every rank if one failed (a rank entering the
+        sharded forward alone would wait for the others forever)."""
+        try:
+            if error is None and self._forward_fault is not None:
+                self._forward_fault.tick()
+        except Exception as err:
+            error = err
+        if self.clock.shared and self.clock.any_rank([error is not None])[0] and error is None:
+            error = RuntimeError("a draft pass's inputs failed on another tensor-parallel rank")
+        if error is not None:
+            raise error
+
+    @phase("draft: inputs")
     def _forward(self, cad, num_tokens: int, views: tuple) -> torch.Tensor:
         """The first pass: one draft forward over ``num_tokens``, in its own forward context."""
-        if self._forward_fault is not None:
-            self._forward_fault.tick()
         attn_metadata = self._attn_metadata(cad, 0)
         kwargs, slot_mapping, _, (mode, num_input_tokens, across_dp) = views
         if kwargs is None:
@@ -616,12 +642,11 @@ class PluginDraftProposer(DraftModelProposer):
                                  cudagraph_runtime_mode=mode, slot_mapping=slot_mapping):
             return self._run_model(kwargs)
 
+    @phase("draft: inputs")
     def _decode_forward(self, context, cad, draft_index: int,
                         inputs: tuple[dict, dict]) -> torch.Tensor:
         """A decode pass in the run's shared ``ForwardContext`` (one per run, not per pass as
         vLLM's drafters do: ~0.02 ms a pass): sets the pass's metadata, runs the model."""
-        if self._forward_fault is not None:
-            self._forward_fault.tick()
         kwargs, context.slot_mapping = inputs
         if draft_index > 1 and self._cpu_builder is not None:
             update_cpu_decode_metadata(self._cpu_builder, context.attn_metadata, cad)
@@ -630,6 +655,7 @@ class PluginDraftProposer(DraftModelProposer):
         context.moe_layer_index = 0  # (MoE layers count their calls within a forward)
         return self._run_model(kwargs)
 
+    @phase("draft: metadata")
     def _attn_metadata(self, cad, draft_index: int) -> dict:
         """Per-layer attention metadata of a draft forward, built directly from the draft's
         one group (else vLLM's ``build_per_group_and_layer_attn_metadata``)."""
@@ -643,6 +669,7 @@ class PluginDraftProposer(DraftModelProposer):
         return dict.fromkeys(group.layer_names, group.build_metadata_for_drafting(
             common_attn_metadata=cad, draft_index=draft_index))
 
+    @phase(DRAFT_FORWARD, DRAFT_FORWARDS)
     def _run_model(self, kwargs: dict) -> torch.Tensor:  # [num_tokens, hidden_size]
         """The draft model's forward (own method: the profile times it as draft compute)."""
         return self.model(**kwargs)
@@ -683,10 +710,12 @@ class PluginDraftProposer(DraftModelProposer):
                 input_ids, host_ids)
         return views
 
+    @phase(DRAFT_FORWARD)
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, vocab_size]
         """The draft's LM head (own method: the profile counts it as draft compute)."""
         return self.model.compute_logits(hidden)
 
+    @phase("draft: sample")
     def _sample_into(self, run: DraftRun, hidden: torch.Tensor,
                      temperature: torch.Tensor | None,
                      mode: tuple[bool, bool] = (False, False),
@@ -755,6 +784,7 @@ class PluginDraftProposer(DraftModelProposer):
         self._last_forwards = run.num_positions  # the first pass included
         self._last_draft_tokens = sum(lengths)
 
+    @phase("plugin: hand back")
     def _full_rows(self, run: DraftRun, rows: list[int], num_reqs: int):
         """The run's [num_rows, positions] token ids (and [num_rows, positions, vocab] draft
         probabilities) as [num_reqs, ...] tensors, zero for rows that did not draft."""
@@ -829,6 +859,7 @@ class PluginDraftProposer(DraftModelProposer):
         """Whether the draft ran in the step before (its first pass is then warm)."""
         return self._steps_since_run <= 1
 
+    @phase("plugin: hand back")
     def _union_drafts(self, batch: StepBatch, plan: StepPlan) -> list[list[int]]:
         """The union's plan as vLLM's drafts, with what the run needs noted (outcomes to
         learn, the cursor, the cost model's counts, draft probabilities)."""
@@ -857,33 +888,5 @@ class PluginDraftProposer(DraftModelProposer):
         decoyed = self.union.decoy_primary & ~np.asarray(batch.sampled, dtype=bool)
         verified = draft_rows & ~decoyed  # [num_reqs] the rows that verify the draft's tokens
         self._note_ahead(run, rows, batch, [c if v else 0 for c, v in zip(chosen, verified)])
-        return self._mixed_output(self._run_probs, drafts, verified)
-
-    def _mixed_output(self, draft_probs: torch.Tensor | None, drafts,
-                      draft_rows: np.ndarray) -> list[list[int]]:
-        """Each row's chosen draft as lists, and [num_reqs, k_out, vocab] probabilities when
-        sampling: ``draft_probs`` [num_reqs, positions, vocab] for ``draft_rows``, one-hot
-        for the other rows' deterministic guesses."""
-        num_reqs, k_out = len(drafts), max(1, max(len(d) for d in drafts))
-        probs = None
-        guessed = [bool(d) and not draft_rows[r] for r, d in enumerate(drafts)]
-        if draft_probs is not None and not any(guessed):
-            # vLLM reads only each row's first len(draft) positions: usable as they are
-            probs = draft_probs
-        elif draft_probs is not None:
-            probs = torch.zeros((num_reqs, k_out, draft_probs.shape[-1]),
-                                dtype=draft_probs.dtype, device=draft_probs.device)
-            lengths = np.array([len(d) for d in drafts], dtype=np.int64)  # [num_reqs]
-            for r in np.flatnonzero(draft_rows & (lengths > 0)).tolist():
-                probs[r, :lengths[r]] = draft_probs[r, :lengths[r]]
-            # deterministic guesses: one-hot draft probabilities, all at once
-            guess = (~draft_rows & (lengths > 0))[:, None] & (
-                np.arange(k_out)[None, :] < lengths[:, None])  # [num_reqs, k_out]
-            if guess.any():
-                rows, positions = np.nonzero(guess)
-                tokens = [drafts[r][j] for r, j in zip(rows.tolist(), positions.tolist())]
-                r, j, t = (torch.as_tensor(a, dtype=torch.int64, device=probs.device)
-                           for a in (rows, positions, tokens))
-                probs[r, j, t] = 1.0
-        self._last_draft_probs = probs
+        self._last_draft_probs = mixed_draft_probs(self._run_probs, drafts, verified)
         return drafts

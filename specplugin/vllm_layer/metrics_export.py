@@ -8,10 +8,14 @@ named after ``VllmConfig.instance_id``; a front-end collector reads those files 
 time, so figures lag by at most that period. Offline, :func:`engine_stats` asks the
 workers directly and is exact.
 
+Several API servers (``--api-server-count`` > 1) put vLLM in Prometheus's multiprocess
+mode: ``PROMETHEUS_MULTIPROC_DIR`` is set for every process of the server, and each scrape
+reads the metric files there, not a process's registry. There the worker writes the same
+families as prometheus_client metrics (:class:`MultiprocessMetrics`), whose values land in
+those files, so every API server reports them.
+
 Metric names and meanings: docs/operations.md (``vllm:specplugin_*`` counters; step
-counters come from :data:`specplugin.metrics.STEP_COUNTERS`). Not supported: several
-API-server processes (``--api-server-count`` > 1), whose multiprocess registry this
-collector does not join.
+counters come from :data:`specplugin.metrics.STEP_COUNTERS`).
 """
 
 from __future__ import annotations
@@ -29,10 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from specplugin.metrics import STEP_COUNTERS
+from specplugin.profiling import phase
 
 logger = logging.getLogger("specplugin")
 PUBLISH_EVERY_S = 0.5
 PREFIX = "vllm:specplugin_"
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # set by vLLM for --api-server-count > 1
 
 
 def metrics_root() -> Path:
@@ -53,7 +59,10 @@ class StatsPublisher:
         self._last: float | None = None
         self._broken = False
         self.busy_s = 0.0  # seconds spent writing snapshots (reported by the profiler)
+        # several API servers: prometheus_client's multiprocess files instead of JSON
+        self.multiprocess = MultiprocessMetrics() if os.environ.get(MULTIPROC_ENV) else None
 
+    @phase("plugin: metrics")
     def maybe_publish(self, stats: Callable[[], dict[str, Any]], force: bool = False) -> None:
         now = self.clock()
         if self._broken or (not force and self._last is not None
@@ -62,10 +71,13 @@ class StatsPublisher:
         self._last = now
         start = time.perf_counter()
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(stats()))
-            os.replace(tmp, self.path)
+            if self.multiprocess is not None:
+                self.multiprocess.update(stats())
+            else:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                tmp = self.path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(stats()))
+                os.replace(tmp, self.path)
         except Exception:  # metrics must never cost a request
             self._broken = True
             logger.exception("specplugin: cannot publish metrics to %s; the plugin's counters "
@@ -166,6 +178,38 @@ def metric_families(total: dict[str, Any]) -> list:
     tracked.add_metric([], total["tracked_requests"])
     return [*per_proposer.values(), *per_pos.values(), k, *scalars(STEP_COUNTERS, total),
             blocks, failures, *scalars(SCORER_COUNTERS, total["scorer"], "scorer_"), tracked]
+
+
+class MultiprocessMetrics:
+    """Worker side, in multiprocess mode: :func:`metric_families` of a snapshot as
+    prometheus_client counters and gauges (not registered here), whose values go to the
+    files every API server's scrape reads. Counters advance by what the snapshot added."""
+
+    def __init__(self):
+        self._metrics: dict[str, Any] = {}  # family name -> Counter or Gauge
+        self._last: dict[tuple, float] = {}  # (sample name, labels) -> value written
+
+    def update(self, snapshot: dict[str, Any]) -> None:
+        from prometheus_client import Counter, Gauge
+
+        for family in metric_families(merge([snapshot])):
+            for sample in family.samples:
+                metric = self._metrics.get(family.name)
+                if metric is None:
+                    kind = Gauge if family.type == "gauge" else Counter
+                    extra = {"multiprocess_mode": "livesum"} if kind is Gauge else {}
+                    metric = self._metrics[family.name] = kind(
+                        family.name, family.documentation, list(sample.labels),
+                        registry=None, **extra)
+                child = metric.labels(**sample.labels) if sample.labels else metric
+                if family.type == "gauge":
+                    child.set(sample.value)
+                    continue
+                key = (sample.name, tuple(sample.labels.items()))
+                delta = sample.value - self._last.get(key, 0.0)
+                if delta > 0:
+                    child.inc(delta)
+                    self._last[key] = sample.value
 
 
 class _Collector:

@@ -2,11 +2,12 @@
 
 Nothing here runs in a normal engine. With ``SPECPLUGIN_PROFILE=1``, ``register()`` wraps
 ``EngineCore.collective_rpc`` so ``llm.collective_rpc("specplugin_profile", args=(action,))``
-reaches the engine core and every worker. ``"start"`` wraps the tables' methods and
-switches each process's :class:`~specplugin.profiling.PhaseClock` on; ``"stop"`` returns
-the ledgers. Each phase is charged its exclusive time; outside a timed step a wrapper
-costs one attribute read. A renamed method makes ``start`` fail loudly
-(``tests/test_profile.py`` checks every row).
+reaches the engine core and every worker. ``"start"`` wraps vLLM's methods named in the
+tables below and every plugin function marked with
+:func:`specplugin.profiling.phase`, and switches each process's
+:class:`~specplugin.profiling.PhaseClock` on; ``"stop"`` returns the ledgers. Each phase is
+charged its exclusive time; outside a timed step a wrapper costs one attribute read. A
+method vLLM renamed makes ``start`` fail loudly (``tests/test_profile.py`` checks every row).
 """
 
 from __future__ import annotations
@@ -15,17 +16,18 @@ import contextlib
 import functools
 import importlib
 import os
+import sys
 import time
 from typing import Any
 
 import torch
 
-from specplugin.profiling import (BACKGROUND, BACKGROUND_WAIT, DRAFT_FORWARDS, DRAFT_TOKENS,
-                                  DRAFTED, PROBE_ENV, QUERY_TOKENS, WORKER, PhaseClock)
+from specplugin.profiling import (BACKGROUND, BACKGROUND_WAIT, DRAFT_FORWARD, DRAFT_FORWARDS,
+                                  DRAFT_TOKENS, DRAFTED, PHASE_MARK, PROBE_ENV, QUERY_TOKENS,
+                                  WORKER, PhaseClock)
 from specplugin.vllm_layer import patches
 
 ENV = "SPECPLUGIN_PROFILE"  # "1" in specplugin profile's engine children only
-DRAFT_FORWARD = "draft forward"  # the draft model's compute: its forwards and LM heads
 RPC = "specplugin_profile"
 # answered by each worker of an engine started with PROBE_ENV (memory_probe_ms)
 PROBE_RPC = "specplugin_memory_probe"
@@ -34,12 +36,10 @@ CLOCK = PhaseClock()
 
 _RUNNER = "vllm.v1.worker.gpu_model_runner"
 _PLUGIN_RUNNER = "specplugin.vllm_layer.worker"
-_DRAFT = "specplugin.vllm_layer.draft_proposer"
-_UNION = "specplugin.adaptive.union"
-_VERIFY = "specplugin.vllm_layer.verification"
 
-# (module, class or None for a function, attribute, phase); "plugin:", "propose:",
-# "draft:" and "scorer:" phases are the plugin's own work.
+# vLLM's methods: (module, class or None for a function, attribute, phase). The plugin's
+# own are marked where they are written (``specplugin.profiling.phase``); its phases are
+# named "plugin:", "propose:", "draft:" and "scorer:".
 Timed = tuple[tuple[str, str | None, str, str], ...]
 # engine-core process: the scheduler and the waits on the workers
 ENGINE_TIMED: Timed = (
@@ -61,7 +61,7 @@ WORKER_ROOTS: Timed = (
     # the plain-step decision around vLLM's sampling; untimed it would count as IPC
     (_PLUGIN_RUNNER, "PluginRunnerMixin", "sample_tokens", "plugin: runner"),
 )
-# worker process: vLLM's model runner, then the plugin
+# worker process: vLLM's model runner
 WORKER_TIMED: Timed = (
     (_RUNNER, "GPUModelRunner", "_update_states", "update_states"),
     (_RUNNER, "GPUModelRunner", "_prepare_inputs", "prepare_inputs"),
@@ -72,79 +72,22 @@ WORKER_TIMED: Timed = (
     (_RUNNER, "GPUModelRunner", "_bookkeeping_sync", "bookkeeping"),
     (_RUNNER, "GPUModelRunner", "propose_draft_token_ids", "drafting"),
     (_RUNNER, "GPUModelRunner", "_copy_draft_token_ids_to_cpu", "draft handoff"),
-    # the plugin's worker layer
-    (_PLUGIN_RUNNER, "PluginRunnerMixin", "step_context", "plugin: context"),
-    (_PLUGIN_RUNNER, "PluginRunnerMixin", "_update_states", "plugin: runner"),
-    (_PLUGIN_RUNNER, "PluginRunnerMixin", "_prepare_inputs", "plugin: runner"),
-    (_PLUGIN_RUNNER, "PluginRunnerMixin", "_model_forward", "scorer: expand"),
-    (_PLUGIN_RUNNER, "PluginRunnerMixin", "_sample", "scorer: resolve"),
-    (_PLUGIN_RUNNER, "PluginRunnerMixin", "_copy_draft_token_ids_to_cpu", "plugin: hand back"),
-    (_PLUGIN_RUNNER, "PluginRunnerMixin", "_get_draft_token_ids_cpu", "plugin: hand back"),
-    (_PLUGIN_RUNNER, "PluginRunnerMixin", "_skip_drafting", "plugin: plain step"),
-    (_PLUGIN_RUNNER, "PluginRunnerMixin", "propose_draft_token_ids", "plugin: other"),
-    ("specplugin.vllm_layer.metrics_export", "StatsPublisher", "maybe_publish", "plugin: metrics"),
-    # the token-level drafter (specplugin.Speculator)
-    ("specplugin.vllm_layer.speculator", "Speculator", "propose", "plugin: other"),
-    ("specplugin.vllm_layer.speculator", "Speculator", "_batch", "plugin: context"),
-    ("specplugin.vllm_layer.speculator", "Speculator", "_verified", "plugin: context"),
-    # the draft-model drafter
-    (_DRAFT, "PluginDraftProposer", "propose", "plugin: other"),
-    (_DRAFT, "PluginDraftProposer", "draft_step", "plugin: other"),
-    (_DRAFT, "PluginDraftProposer", "_learn_draft_step", "plugin: learn"),
-    (_DRAFT, None, "step_batch", "plugin: context"),
-    ("specplugin.adaptive.draft_rule", None, "draft_prices", "plugin: plan"),
-    (_DRAFT, "PluginDraftProposer", "_first_pass_inputs", "draft: inputs"),
-    (_DRAFT, "PluginDraftProposer", "_forward", "draft: inputs"),  # metadata around the forward
-    (_DRAFT, "PluginDraftProposer", "_decode_forward", "draft: inputs"),
-    (_DRAFT, None, "decode_passes", "draft: inputs"),
-    # per forward: vLLM's attention metadata, the next pass's positions and slots
-    (_DRAFT, "PluginDraftProposer", "_attn_metadata", "draft: metadata"),
-    ("specplugin.vllm_layer.draft_inputs", "DecodePasses", "set_pass", "draft: metadata"),
-    (_DRAFT, "PluginDraftProposer", "_sample_into", "draft: sample"),
-    # inside it: the draw and the stop rule
-    (_DRAFT, None, "sample_draft_tokens", "draft: draw"),
-    (_DRAFT, None, "greedy_draft_tokens", "draft: draw"),
-    ("specplugin.adaptive.draft_rule", "DraftRun", "add", "draft: stop rule"),
-    (_DRAFT, "PluginDraftProposer", "_logits", DRAFT_FORWARD),  # the LM head: model compute
-    (_DRAFT, "PluginDraftProposer", "_draft", "draft: loop"),
-    (_DRAFT, "PluginDraftProposer", "_union_drafts", "plugin: hand back"),
-    (_DRAFT, "PluginDraftProposer", "_full_rows", "plugin: hand back"),
-    (_DRAFT, "PluginDraftProposer", "_mixed_output", "plugin: hand back"),
-    # the plugin's code inside vLLM's rejection sampler (untimed it counts as vLLM's)
-    (_VERIFY, None, "expected_acceptance", "plugin: verify"),
-    (_VERIFY, None, "draw_recovered", "plugin: verify"),
-    # batches verified by the plugin instead of vLLM's rejection sampler
-    (_VERIFY, None, "verify_greedy", "plugin: verify"),
-    (_VERIFY, None, "verify_sampled", "plugin: verify"),
-    # the union (vLLM-free core)
-    (_UNION, "Union", "step", "plugin: other"),
-    (_UNION, "Union", "begin", "plugin: learn"),
-    (_UNION, "Union", "ask", "plugin: ask"),
-    (_UNION, "Union", "_estimate", "plugin: estimate"),
-    (_UNION, "Union", "plan_draft", "plugin: plan"),
-    (_UNION, "Union", "choose", "plugin: plan"),
-    (_UNION, "Union", "choose_held", "plugin: plan"),
-    (_UNION, "Union", "_copy_in_sight", "plugin: peek"),
-    (_UNION, "Union", "finish_requests", "plugin: learn"),
-    # each proposer's candidates
-    ("specplugin.proposers.ngram", "NgramProposer", "propose", "propose: ngram"),
-    ("specplugin.proposers.suffix", "SuffixProposer", "propose", "propose: suffix"),
-    ("specplugin.proposers.draft", "DraftCandidates", "propose", "propose: draft"),
 )
 # vLLM drafters: one ``set_forward_context`` block per forward ("draft forward", counted).
 # The plugin's passes share one context, so its forwards are its model calls instead.
 DRAFT_FORWARD_MODULES = ("vllm.v1.spec_decode.llm_base_proposer",)
-DRAFT_FORWARD_METHOD = (_DRAFT, "PluginDraftProposer", "_run_model")
 # tensor methods that sync with the device: counted per phase
 SYNC_METHODS = ("cpu", "item", "tolist")
 
 
-def _timed(phase: str, clock: PhaseClock | None = None):
+def _timed(phase: str, clock: PhaseClock | None = None, count: str | None = None):
     clock = clock or CLOCK
 
     def around(original, self, *args, **kwargs):
         if not clock.stack:  # not inside a timed step
             return original(self, *args, **kwargs)
+        if count is not None:
+            clock.count(count)
         clock.enter(phase)
         try:
             return original(self, *args, **kwargs)
@@ -178,11 +121,13 @@ def timed_call_cost_s(repeats: int = 20000) -> float:
     return max(timed - plain, 0.0) / repeats
 
 
-def _timed_function(phase: str, original):
+def _timed_function(phase: str, original, count: str | None = None):
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
         if not CLOCK.stack:
             return original(*args, **kwargs)
+        if count is not None:
+            CLOCK.count(count)
         CLOCK.enter(phase)
         try:
             return original(*args, **kwargs)
@@ -248,18 +193,6 @@ def _timed_forward_context(original):
     return wrapper
 
 
-def _timed_draft_forward(original, self, *args, **kwargs):
-    """The plugin's draft forward, timed and counted like :func:`_timed_forward_context`."""
-    if not CLOCK.stack:
-        return original(self, *args, **kwargs)
-    CLOCK.count(DRAFT_FORWARDS)
-    CLOCK.enter(DRAFT_FORWARD)
-    try:
-        return original(self, *args, **kwargs)
-    finally:
-        CLOCK.exit()
-
-
 def _counted_sync(original):
     @functools.wraps(original)
     def wrapper(self, *args, **kwargs):
@@ -287,6 +220,38 @@ def _install_table(table: Timed) -> None:
             patches.patch_around(owner, attribute, _timed(phase))
 
 
+def marked(modules: list) -> list[tuple[Any, str, Any]]:
+    """(owner, attribute, function) for every function marked with a phase in these
+    modules' namespaces (a function imported into several is wrapped in each) and in their
+    classes' own attributes."""
+    found = []
+    for module in modules:
+        for name, value in list(vars(module).items()):
+            if isinstance(value, type) and value.__module__ == module.__name__:
+                found += [(value, attribute, method) for attribute, method in vars(value).items()
+                          if hasattr(method, PHASE_MARK)]
+            elif callable(value) and hasattr(value, PHASE_MARK):
+                found.append((module, name, value))
+    return found
+
+
+def plugin_modules() -> list:
+    """The plugin's modules this process has imported."""
+    return [m for name, m in list(sys.modules.items())
+            if name.split(".")[0] == "specplugin" and m is not None]
+
+
+def _install_marked() -> None:
+    for owner, attribute, func in marked(plugin_modules()):
+        if patches.is_patched(owner, attribute):
+            continue
+        phase, count = getattr(func, PHASE_MARK)
+        if isinstance(owner, type):
+            patches.patch_around(owner, attribute, _timed(phase, count=count))
+        else:
+            patches.replace_attribute(owner, attribute, _timed_function(phase, func, count))
+
+
 def install_engine_core() -> None:
     """The engine-core process's timers (once): its steps, the scheduler, the waits."""
     root = _owner(*ENGINE_ROOT[:2])
@@ -304,6 +269,7 @@ def install_worker(runner) -> None:
     if patches.is_patched(first, WORKER_ROOTS[0][2]):
         return
     _install_table(WORKER_TIMED)
+    _install_marked()
     for module_name, class_name, attribute, phase in WORKER_ROOTS:
         patches.patch_around(_owner(module_name, class_name), attribute,
                              _root(phase, step=attribute == "execute_model"))
@@ -311,8 +277,6 @@ def install_worker(runner) -> None:
         module = importlib.import_module(module_name)
         patches.replace_attribute(module, "set_forward_context",
                                   _timed_forward_context(module.set_forward_context))
-    patches.patch_around(_owner(*DRAFT_FORWARD_METHOD[:2]), DRAFT_FORWARD_METHOD[2],
-                         _timed_draft_forward)
     for name in SYNC_METHODS:
         patches.replace_attribute(torch.Tensor, name, _counted_sync(getattr(torch.Tensor, name)))
     model = runner.model

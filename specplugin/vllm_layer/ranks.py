@@ -3,8 +3,10 @@
 Every rank runs the drafter and must do the same work (sharded draft forwards stall on
 collectives otherwise; each rank's rejection sampler needs the draft probs of the drafts
 the scheduler sent). All decision inputs agree across ranks except wall-clock time, so
-timings are measured on rank 0 and broadcast (one small tensor per step; none on one rank).
-Token-level proposers (``specplugin.Speculator``) need none of this.
+timings are measured on rank 0 and broadcast (one small tensor per step; none on one rank),
+and failures: a proposer or a draft pass's inputs failing on one rank fail on all
+(:meth:`RankZeroClock.any_rank`, a small all-reduce after the proposers and before each
+draft forward). Token-level proposers (``specplugin.Speculator``) need none of this.
 """
 
 from __future__ import annotations
@@ -34,6 +36,14 @@ class RankZeroClock:
                               dtype=torch.float64)
         tensor = self.group.broadcast(tensor, src=0)
         return [None if math.isnan(v) else v for v in tensor.tolist()]
+
+    def any_rank(self, flags: Sequence[bool]) -> list[bool]:
+        """Each flag as set on any rank (one small all-reduce): a failure on one rank becomes
+        every rank's, so all take the same fallback (:meth:`Union.ask`, the draft's passes)."""
+        if self.group is None:
+            return list(flags)
+        tensor = torch.tensor([float(f) for f in flags], dtype=torch.float32)
+        return [v > 0 for v in self.group.all_reduce(tensor).tolist()]
 
 
 def _tensor_parallel_group():

@@ -12,17 +12,18 @@ from __future__ import annotations
 import logging
 
 import numpy as np
-from vllm.v1.sample.sampler import _SAMPLING_EPS  # a temperature below it is greedy
 
 from specplugin.adaptive import build
 from specplugin.adaptive.cost import StepTimer
 from specplugin.adaptive.memory import open_memory
 from specplugin.metrics import FailureCounter
+from specplugin.profiling import phase
 from specplugin.proposers import StepBatch
 from specplugin.adaptive.learning import Verified
 from specplugin.adaptive.plan import StepPlan
 from specplugin.vllm_layer.ranks import tensor_parallel_rank
-from specplugin.vllm_layer.config_hook import plugin_config
+from specplugin.vllm_layer.config_hook import worker_config
+from specplugin.vllm_layer.draft_inputs import sampled_rows
 from specplugin.vllm_layer import verification
 
 logger = logging.getLogger("specplugin")
@@ -30,7 +31,7 @@ logger = logging.getLogger("specplugin")
 
 class Speculator:
     def __init__(self, vllm_config):
-        self.config = plugin_config(vllm_config)
+        self.config = worker_config(vllm_config)
         self.max_model_len = vllm_config.model_config.max_model_len
         self.num_speculative_tokens = self.config.num_speculative_tokens
         self.union = build(self.config, vllm_config.scheduler_config.max_num_batched_tokens)
@@ -59,6 +60,7 @@ class Speculator:
         """Timed target forwards from engine start (see the worker)."""
         self.union.cost.calibrate(num_tokens, seconds)
 
+    @phase("plugin: other")
     def propose(
         self,
         sampled_token_ids: list[list[int]],  # [num_reqs][num_emitted] tokens of the last step
@@ -129,6 +131,7 @@ class Speculator:
             return self._step_seconds
         return self.timer.lap()
 
+    @phase("plugin: context")
     def _verified(self, context, sampled_token_ids) -> Verified:
         seconds = self._this_step()
         return Verified(tuple(context.req_ids), np.asarray(context.num_scheduled_drafts),
@@ -137,6 +140,7 @@ class Speculator:
                         expected=context.expected_acceptance, read_prompts=context.read_prompts,
                         next_tokens=[s[-1] if len(s) else -1 for s in sampled_token_ids])
 
+    @phase("plugin: context")
     def _batch(self, context, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> StepBatch:
         num_reqs = len(sampled_token_ids)
         num_tokens = num_tokens_no_spec[:num_reqs]
@@ -146,8 +150,7 @@ class Speculator:
         # and no request drafts past its own specplugin_max_k
         max_draft_lens = np.clip(limit, 0, context.max_k[:num_reqs])
         rows = tuple(i for i, s in enumerate(sampled_token_ids) if s and max_draft_lens[i] > 0)
-        sampled = np.array([p is not None and p.temperature >= _SAMPLING_EPS
-                            for p in context.sampling_params[:num_reqs]], dtype=bool)
+        sampled = sampled_rows(self.runner.input_batch, num_reqs)
         return StepBatch(tuple(context.req_ids[:num_reqs]), token_ids_cpu, num_tokens,
                          np.asarray(context.num_prompt_tokens[:num_reqs]), max_draft_lens,
                          sampled, rows, context.allowed)

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 import torch
 
 from specplugin.metrics import FailureCounter
+from specplugin.profiling import phase
 from specplugin.proposers.draft import UniformPool
 from specplugin.scorers.rejection import (draw_recovered, expected_acceptance, greedy_verify,
                                           sampled_verify)
@@ -121,6 +122,7 @@ def _listened(original):
     return sample_recovered_tokens
 
 
+@phase("plugin: verify")
 def verify_greedy(logits: torch.Tensor, metadata, sampling_metadata, rejection_sampler):
     """vLLM's ``SamplerOutput`` for an all-plain-greedy CPU step, verified on the host;
     None where vLLM's rejection sampler must run (other batch/device, or a failure).
@@ -154,6 +156,7 @@ def plainly_sampled(logits: torch.Tensor, sampling_metadata, rejection_sampler) 
         return False
 
 
+@phase("plugin: verify")
 def verify_sampled(logits: torch.Tensor, metadata, sampling_metadata, draft_probs,
                    heard: "Heard"):
     """vLLM's ``SamplerOutput`` for a step :func:`plainly_sampled` admits, verified on the

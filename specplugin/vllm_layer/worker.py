@@ -23,17 +23,18 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.utils.gc_utils import freeze_gc_heap
 from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
-from vllm.v1.sample.sampler import _SAMPLING_EPS
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from specplugin.adaptive.cost import calibration_shapes
+from specplugin.profiling import phase
 from specplugin.proposers.base import StepBatch
 from specplugin.proposers.draft import truncate_rows
 from specplugin.request_options import RequestOptionsCache
 from specplugin.vllm_layer.metrics_export import StatsPublisher
 from specplugin.vllm_layer.ranks import RankZeroClock, agree_array, tensor_parallel_rank
 from specplugin.vllm_layer import draft_handoff, patches, verification
-from specplugin.vllm_layer.config_hook import plugin_config
+from specplugin.vllm_layer.config_hook import worker_config
+from specplugin.vllm_layer.draft_inputs import sampled_rows
 
 _NO_LIMIT = 1 << 30
 # context tokens of the forwards timed at engine start (calibrate_step_cost)
@@ -76,7 +77,7 @@ class PluginRunnerMixin:
                 "specplugin's worker needs synchronous scheduling: its per-row draft lengths "
                 "and draft probabilities must line up with the rows of the step that drafted "
                 "them. Start vLLM with async_scheduling=False (--no-async-scheduling).")
-        config = plugin_config(self.vllm_config)
+        config = worker_config(self.vllm_config)
         # counters for the front end's /metrics (rank 0 only: every rank drafts the same)
         self._stats_publisher = (StatsPublisher(self.vllm_config.instance_id)
                                  if tensor_parallel_rank() == 0 else None)
@@ -112,6 +113,7 @@ class PluginRunnerMixin:
         model = self.vllm_config.model_config
         self._plain_steps_allowed = not (model.is_hybrid or model.is_attention_free
                                          or model.has_inner_state)
+    @phase("plugin: context")
     def step_context(self) -> StepContext:
         batch = self.input_batch
         req_ids = list(batch.req_ids)
@@ -151,7 +153,7 @@ class PluginRunnerMixin:
         params = [self.requests[r].sampling_params for r in req_ids]
         max_k = np.array([self.request_options.get(r, None if p is None else p.extra_args)
                           .cap(server_k) for r, p in zip(req_ids, params)], dtype=np.int64)
-        sampled = batch.temperature_cpu[:num_reqs] >= _SAMPLING_EPS
+        sampled = sampled_rows(batch, num_reqs)
         rows = tuple(np.flatnonzero((num_tokens > num_prompt) & (max_k > 0)).tolist())
         return StepBatch(req_ids, batch.token_ids_cpu, num_tokens, num_prompt, max_k, sampled,
                          rows)
@@ -270,6 +272,7 @@ class PluginRunnerMixin:
             times, self._plain_step_times = self._plain_step_times, []
             self.drafter.learn_plain_steps(times, self._plain_run_reqs)
 
+    @phase("scorer: expand")
     def _model_forward(self, input_ids=None, positions=None, **kwargs):
         """With the batch-expanding scorer, extra candidates run as extra rows (:mod:`.scorer`)."""
         forward = super()._model_forward
@@ -277,6 +280,7 @@ class PluginRunnerMixin:
             return forward(input_ids=input_ids, positions=positions, **kwargs)
         return self.expander.forward(self, forward, input_ids, positions, **kwargs)
 
+    @phase("scorer: resolve")
     def _sample(self, logits, spec_decode_metadata):
         if self._vllm_step:
             return super()._sample(logits, spec_decode_metadata)
@@ -311,6 +315,7 @@ class PluginRunnerMixin:
         with verification.listening() as self._heard:
             return super()._sample(logits, spec_decode_metadata)
 
+    @phase("plugin: runner")
     def _update_states(self, scheduler_output):
         if self._vllm_step:
             return super()._update_states(scheduler_output)
@@ -329,6 +334,7 @@ class PluginRunnerMixin:
             self.drafter.restart_requests(resumed)
         return super()._update_states(scheduler_output)
 
+    @phase("plugin: runner")
     def _prepare_inputs(self, scheduler_output, *args, **kwargs):
         """A step in which no request has a draft runs as a plain decoding step.
 
@@ -345,6 +351,7 @@ class PluginRunnerMixin:
         finally:
             self.speculative_config = spec
 
+    @phase("plugin: other")
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
                                 hidden_states, sample_hidden_states, aux_hidden_states,
                                 spec_decode_metadata, common_attn_metadata, slot_mappings):
@@ -365,6 +372,7 @@ class PluginRunnerMixin:
             sample_hidden_states, aux_hidden_states, spec_decode_metadata,
             common_attn_metadata, slot_mappings)
 
+    @phase("plugin: hand back")
     def _copy_draft_token_ids_to_cpu(self, scheduler_output, zeros_only: bool = False) -> None:
         super()._copy_draft_token_ids_to_cpu(scheduler_output, zeros_only=zeros_only)
         if zeros_only:  # the drafter did not run this step
@@ -449,6 +457,7 @@ class PluginRunnerMixin:
         if getattr(so, "scheduled_new_reqs", None):
             self.drafter.new_requests(len(so.scheduled_new_reqs), self.input_batch.num_reqs)
 
+    @phase("plugin: plain step")
     def _skip_drafting(self) -> bool:
         """Skip this step's drafting: it verified no draft, the model allows plain steps,
         one rank only, and the drafter's arbiter keeps the next step plain."""
@@ -464,6 +473,7 @@ class PluginRunnerMixin:
         return self.drafter.skip_drafting(num_reqs, so.total_num_scheduled_tokens,
                                           2 * num_sampled > num_reqs, _read_prompts(so))
 
+    @phase("plugin: hand back")
     def _get_draft_token_ids_cpu(self) -> tuple[list[list[int]], list[str]]:
         draft_token_ids, req_ids = super()._get_draft_token_ids_cpu()
         if self._draft_lengths is not None:
@@ -502,7 +512,9 @@ class PluginWorkerMixin:
     def use_the_wait(self) -> None:
         """Idle time after replying to the engine core (:mod:`.worker_wait`): run held-back
         learning and publish counters when due (~4% of the plugin's work if done on a step).
-        Publishing is skipped between ``execute_model`` and ``sample_tokens``."""
+        Publishing is skipped between ``execute_model`` and ``sample_tokens``, and forced
+        once no request is left (the step that drops the last records: an idle server
+        takes no later step that would publish them)."""
         runner = self.model_runner
         background = learning_background(runner)
         if background is not None:
@@ -510,7 +522,7 @@ class PluginWorkerMixin:
         publisher = getattr(runner, "_stats_publisher", None)
         if publisher is not None and runner.execute_model_state is None:
             runner.publishes_in_wait = True
-            publisher.maybe_publish(runner.plugin_stats)
+            publisher.maybe_publish(runner.plugin_stats, force=runner.input_batch.num_reqs == 0)
 
     def specplugin_learning(self) -> dict:
         """``collective_rpc("specplugin_learning")``: learning jobs handed over, how many ran
