@@ -141,8 +141,12 @@ def test_every_timed_method_exists_in_this_vllm_and_plugin():
 def test_the_plugins_phases_are_marked_where_they_are_written():
     """Every phase of the plugin's own comes from a mark on its function; a marked
     function imported into another module is found there too (its callers use that name)."""
-    import specplugin.vllm_layer.draft_proposer  # noqa: F401 - the drafters' modules
+    import specplugin.adaptive.union  # noqa: F401 - what a worker has loaded when timed
+    import specplugin.proposers.ngram  # noqa: F401
+    import specplugin.proposers.suffix  # noqa: F401
+    import specplugin.vllm_layer.draft_proposer  # noqa: F401
     import specplugin.vllm_layer.speculator  # noqa: F401
+    import specplugin.vllm_layer.worker  # noqa: F401
     from specplugin.profiling import PHASE_MARK
     from specplugin.vllm_layer import profiling as p
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from specplugin.bench.load import free_port, wait_healthy
+from specplugin.bench.soak import stream
 from specplugin.zoo import zoo_path
 from tests.shared_engine import MULTIPROCESS
 
@@ -124,24 +125,6 @@ def _metric(metrics: str, prefix: str) -> float:
     return sum(values)
 
 
-def _stream(server: str, body: dict, stop_after: int | None = None) -> str:
-    """A streaming completion's text; ``stop_after``: leave after that many chunks."""
-    data = json.dumps({**body, "stream": True}).encode()
-    req = urllib.request.Request(server + "/v1/completions", data=data,
-                                 headers={"Content-Type": "application/json"})
-    text, chunks = [], 0
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            text.append(json.loads(line[6:])["choices"][0]["text"])
-            chunks += 1
-            if stop_after is not None and chunks >= stop_after:
-                break  # closing the connection aborts the request on the server
-    return "".join(text)
-
-
 def test_concurrent_streaming_clients_all_succeed_with_unchanged_output_despite_faults(server):
     """Four clients stream at once while the n-gram proposer fails every 3rd call: every
     request completes, greedy output equals plain decoding (the same server with
@@ -153,7 +136,7 @@ def test_concurrent_streaming_clients_all_succeed_with_unchanged_output_despite_
     prompts = [code + f"# version {i}:\n" + code for i in range(8)]
     body = {"model": model, "max_tokens": 40, "temperature": 0.0}
     with ThreadPoolExecutor(4) as pool:
-        spec = list(pool.map(lambda p: _stream(server, {**body, "prompt": p}), prompts))
+        spec = list(pool.map(lambda p: stream(server, {**body, "prompt": p}, timeout_s=120), prompts))
     plain = [json.loads(_http(server + "/v1/completions", {
         **body, "prompt": p, "vllm_xargs": {"specplugin_max_k": 0}}))["choices"][0]["text"]
         for p in prompts]
@@ -172,7 +155,7 @@ def test_a_client_leaving_mid_stream_frees_its_kv_cache(server):
     model = json.loads(_http(server + "/v1/models"))["data"][0]["id"]
     body = {"model": model, "prompt": "class Stack:\n    def __init__(self):\n",
             "max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
-    assert _stream(server, body, stop_after=3)
+    assert stream(server, body, leave_after=3, timeout_s=120)  # closing the connection aborts the request
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         metrics = _http(server + "/metrics")

@@ -21,7 +21,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -252,19 +251,15 @@ class _Leavers:
         self.thread = threading.Thread(target=self._loop, daemon=True)
 
     def _loop(self) -> None:
-        body = json.dumps({"model": self.model, "prompt": "class Stack:\n    def __init__(self):\n",
-                           "max_tokens": 500, "temperature": 0.0, "ignore_eos": True,
-                           "stream": True}).encode()
+        from specplugin.bench.soak import stream
+
+        body = {"model": self.model, "prompt": "class Stack:\n    def __init__(self):\n",
+                "max_tokens": 500, "temperature": 0.0, "ignore_eos": True}
         while not self.stop.is_set():
-            req = urllib.request.Request(self.base + "/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(req, timeout=300) as resp:
-                    for i, _ in enumerate(resp):
-                        if i >= 6:
-                            break
+                stream(self.base, body, leave_after=4, timeout_s=300)
                 self.count += 1
-            except (OSError, urllib.error.URLError):
+            except (OSError, RuntimeError, ValueError):  # the server's refusal or a cut
                 pass
             self.stop.wait(1.0)
 

@@ -46,11 +46,12 @@ class Tally:
                 self.errors.append(error)
 
 
-def open_stream(base: str, body: dict) -> tuple[http.client.HTTPConnection,
-                                                 http.client.HTTPResponse]:
-    """POST a streaming completion; the connection and its response (status checked)."""
+def open_stream(base: str, body: dict, timeout_s: float = 600
+                ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """POST a streaming completion; the connection and its response (status checked).
+    ``timeout_s``: the longest wait on the server (connecting, or for its next bytes)."""
     url = urlsplit(base)
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=600)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout_s)
     conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
                  {"Content-Type": "application/json"})
     resp = conn.getresponse()
@@ -60,10 +61,11 @@ def open_stream(base: str, body: dict) -> tuple[http.client.HTTPConnection,
     return conn, resp
 
 
-def stream(base: str, body: dict, leave_after: int | None = None) -> str:
+def stream(base: str, body: dict, leave_after: int | None = None,
+           timeout_s: float = 600) -> str:
     """A streaming completion's text. ``leave_after``: close after that many chunks (the
     server aborts the request). Raises on an HTTP error or a stream cut short."""
-    conn, resp = open_stream(base, body)
+    conn, resp = open_stream(base, body, timeout_s)
     try:
         text = []
         for raw in resp:
@@ -94,17 +96,20 @@ def soak_bodies(model: str, prompts: list[str], num_requests: int, leave_share: 
         yield body, leave
 
 
-def run_requests(base: str, bodies, concurrency: int, tally: Tally) -> None:
-    def one(item) -> None:
+def run_requests(base: str, bodies, concurrency: int, tally: Tally) -> list[str | None]:
+    """Each (body, leave_after)'s text (None: it failed), ``concurrency`` at a time."""
+    def one(item) -> str | None:
         body, leave = item
         try:
-            stream(base, body, leave)
+            text = stream(base, body, leave)
             tally.add("left" if leave is not None else "completed")
+            return text
         except Exception as err:  # noqa: BLE001 - every failure is counted and reported
             tally.add("failed", f"{type(err).__name__}: {err}")
+            return None
 
     with ThreadPoolExecutor(concurrency) as pool:
-        list(pool.map(one, bodies))
+        return list(pool.map(one, bodies))
 
 
 class Sampler:
@@ -231,22 +236,9 @@ def greedy_check(base: str, model: str, prompts: list[str], num_requests: int,
     number that differ (a failed request counts as differing)."""
     bodies = [{"model": model, "prompt": prompts[i % len(prompts)], "max_tokens": 64,
                "temperature": 0.0} for i in range(num_requests)]
-
-    def texts(extra: dict) -> list[str | None]:
-        def one(body: dict) -> str | None:
-            try:
-                text = stream(base, {**body, **extra})
-                tally.add("completed")
-                return text
-            except Exception as err:  # noqa: BLE001 - counted and reported
-                tally.add("failed", f"{type(err).__name__}: {err}")
-                return None
-
-        with ThreadPoolExecutor(concurrency) as pool:
-            return list(pool.map(one, bodies))
-
-    spec = texts({})
-    plain = texts({"vllm_xargs": {"specplugin_max_k": 0}})
+    off = {"vllm_xargs": {"specplugin_max_k": 0}}
+    spec = run_requests(base, [(b, None) for b in bodies], concurrency, tally)
+    plain = run_requests(base, [({**b, **off}, None) for b in bodies], concurrency, tally)
     return sum(a is None or a != b for a, b in zip(spec, plain))
 
 

@@ -37,10 +37,10 @@ CLOCK = PhaseClock()
 _RUNNER = "vllm.v1.worker.gpu_model_runner"
 _PLUGIN_RUNNER = "specplugin.vllm_layer.worker"
 
-# vLLM's methods: (module, class or None for a function, attribute, phase). The plugin's
+# vLLM's methods: (module, class, attribute, phase). The plugin's
 # own are marked where they are written (``specplugin.profiling.phase``); its phases are
 # named "plugin:", "propose:", "draft:" and "scorer:".
-Timed = tuple[tuple[str, str | None, str, str], ...]
+Timed = tuple[tuple[str, str, str, str], ...]
 # engine-core process: the scheduler and the waits on the workers
 ENGINE_TIMED: Timed = (
     ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", "schedule"),
@@ -203,18 +203,14 @@ def _counted_sync(original):
     return wrapper
 
 
-def _owner(module_name: str, class_name: str | None):
-    module = importlib.import_module(module_name)
-    return module if class_name is None else getattr(module, class_name)
+def _owner(module_name: str, class_name: str):
+    return getattr(importlib.import_module(module_name), class_name)
 
 
 def _install_table(table: Timed) -> None:
     for module_name, class_name, attribute, phase in table:
         owner = _owner(module_name, class_name)
-        if class_name is None:
-            patches.replace_attribute(owner, attribute,
-                                      _timed_function(phase, getattr(owner, attribute)))
-        elif attribute == "schedule":
+        if attribute == "schedule":
             patches.patch_around(owner, attribute, _counted_schedule)
         else:
             patches.patch_around(owner, attribute, _timed(phase))
