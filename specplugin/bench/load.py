@@ -131,7 +131,8 @@ def run_soak(args, root: Path, models, out_dir: Path, console) -> int:
     report["meta"] = run_environment()
     soak.plot(report, out_dir / "soak.png")
     console.print_json(json.dumps({k: v for k, v in report.items()
-                                   if k not in ("rss_mb", "tracked_requests", "requests_done")}))
+                                   if k not in ("rss_mb", "rss_mb_by_process", "tracked_requests",
+                                                 "requests_done")}))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     resumed = report.get("resumed", {})

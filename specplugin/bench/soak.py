@@ -120,6 +120,8 @@ class Sampler:
         self.start = time.monotonic()
         # [seconds, value] pairs; completed requests beside the RSS
         self.rss_mb: list[list[float]] = []
+        # each process's [seconds, MB] (name and pid): which one grows, if any
+        self.by_process: dict[str, list[list[float]]] = {}
         self.tracked: list[list[float]] = []
         self.completed: list[list[float]] = []
         self._stop = threading.Event()
@@ -140,25 +142,29 @@ class Sampler:
 
     def sample(self) -> None:
         t = round(time.monotonic() - self.start, 2)
-        self.rss_mb.append([t, round(server_rss_mb(self.pid), 1)])
+        by_process = server_rss_mb(self.pid)
+        self.rss_mb.append([t, round(sum(by_process.values()), 1)])
+        for name, mb in by_process.items():
+            self.by_process.setdefault(name, []).append([t, round(mb, 1)])
         self.completed.append([t, self.tally.completed + self.tally.left + self.tally.failed])
         tracked = tracked_requests(self.base)
         if tracked is not None:
             self.tracked.append([t, tracked])
 
 
-def server_rss_mb(pid: int) -> float:
-    """Resident memory of the server's process tree (API server, engine core, workers)."""
+def server_rss_mb(pid: int) -> dict[str, float]:
+    """Resident memory (MB) of each process of the server's tree (API servers, engine
+    core, workers), by name and pid."""
     import psutil
 
-    total = 0
     root = psutil.Process(pid)
+    rss = {}
     for proc in [root, *root.children(recursive=True)]:
         try:
-            total += proc.memory_info().rss
+            rss[f"{proc.name()} ({proc.pid})"] = proc.memory_info().rss / 2**20
         except psutil.NoSuchProcess:
             continue
-    return total / 2**20
+    return rss
 
 
 def tracked_requests(base: str) -> float | None:
@@ -256,6 +262,7 @@ def soak(base: str, server_pid: int, model: str, prompts: list[str], num_request
               "failed": tally.failed, "errors": tally.errors,
               "duration_s": sampler.rss_mb[-1][0],
               "tracked_requests_end": wait_idle(base), "rss_mb": sampler.rss_mb,
+              "rss_mb_by_process": sampler.by_process,
               "tracked_requests": sampler.tracked, "requests_done": sampler.completed}
     report.update(rss_growth(sampler, min(1000, num_requests // 4)))
     if num_aborts:
@@ -270,12 +277,17 @@ def soak(base: str, server_pid: int, model: str, prompts: list[str], num_request
 
 
 def rss_growth(sampler: Sampler, baseline_requests: int) -> dict:
-    """RSS once ``baseline_requests`` were done against RSS at the end of the soak."""
-    base = next((mb for (_, done), (_, mb) in zip(sampler.completed, sampler.rss_mb)
-                 if done >= baseline_requests), sampler.rss_mb[0][1])
-    end = sampler.rss_mb[-1][1]
+    """RSS once ``baseline_requests`` were done against RSS at the end of the soak, in all
+    and per process."""
+    at = next((i for i, (_, done) in enumerate(sampler.completed)
+               if done >= baseline_requests), 0)
+    base, end = sampler.rss_mb[at][1], sampler.rss_mb[-1][1]
+    by_process = {name: {"baseline_mb": series[min(at, len(series) - 1)][1],
+                         "end_mb": series[-1][1]}
+                  for name, series in sampler.by_process.items()}
     return {"rss_baseline_after_requests": baseline_requests, "rss_baseline_mb": base,
-            "rss_end_mb": end, "rss_growth": end / base - 1.0}
+            "rss_end_mb": end, "rss_growth": end / base - 1.0,
+            "rss_growth_by_process": by_process}
 
 
 def plot(report: dict, path) -> None:
@@ -286,7 +298,10 @@ def plot(report: dict, path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (rss, tracked) = plt.subplots(2, 1, sharex=True, figsize=(8, 5))
-    rss.plot(*zip(*report["rss_mb"]))
+    rss.plot(*zip(*report["rss_mb"]), label="all")
+    for name, series in report.get("rss_mb_by_process", {}).items():
+        rss.plot(*zip(*series), label=name, linewidth=0.8)
+    rss.legend(fontsize="x-small")
     rss.set_ylabel("server RSS (MB)")
     rss.set_title(f"specplugin load --soak {report['requests']} "
                   f"(concurrency {report['concurrency']})")
