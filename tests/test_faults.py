@@ -98,3 +98,56 @@ def test_a_proposer_failing_on_another_rank_offers_nothing_on_this_one():
     local = Union([FaultyProposer(_Offer("ngram"), 1), _Offer("suffix")], explore=False)
     local.any_rank = lambda flags: flags
     assert {local.proposers[i].name for _, i, _ in local.ask(batch, range(2))} == {"suffix"}
+
+
+def _agreeing_rank(rank: int, port: int, results) -> None:
+    """One of two gloo ranks: both agree once; then rank 1 stays away (stuck or gone)."""
+    import os
+    import time
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from specplugin.vllm_layer.ranks import RankZeroClock, RanksDidNotAgree
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    group = SimpleNamespace(cpu_group=dist.group.WORLD, ranks=[0, 1], rank_in_group=rank)
+    clock = RankZeroClock(group, wait_s=2.0)
+    flags = clock.any_rank([rank == 1])
+    timings = clock.agree([float(rank + 1), None])
+    if rank == 1:
+        results.put((rank, flags, timings, None))
+        time.sleep(30)  # stuck
+        return
+    start = time.monotonic()
+    try:
+        clock.any_rank([False])
+        error = None
+    except RanksDidNotAgree as err:
+        error = (str(err), time.monotonic() - start)
+    results.put((rank, flags, timings, error))
+
+
+def test_a_rank_that_never_arrives_stops_the_engine_with_a_clear_error():
+    """Tensor parallel: the agreement points wait a bounded time, then raise an error
+    naming what happened (not an ``Exception``: the drafting guards must not swallow it)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    ranks = [ctx.Process(target=_agreeing_rank, args=(r, port, results)) for r in (0, 1)]
+    for proc in ranks:
+        proc.start()
+    got = {rank: rest for rank, *rest in (results.get(timeout=60) for _ in ranks)}
+    for proc in ranks:
+        proc.kill()
+        proc.join()
+    assert got[0][:2] == got[1][:2] == [[True], [1.0, None]]  # agreed: any rank, rank 0's
+    message, waited = got[0][2]
+    assert "rank 0 waited 2 s for the other ranks" in message and waited < 10

@@ -7,22 +7,40 @@ timings are measured on rank 0 and broadcast (one small tensor per step; none on
 and failures: a proposer or a draft pass's inputs failing on one rank fail on all
 (:meth:`RankZeroClock.any_rank`, a small all-reduce after the proposers and before each
 draft forward). Token-level proposers (``specplugin.Speculator``) need none of this.
+
+These collectives run on the group's host (gloo) group, whatever the device, and wait at
+most :data:`RANK_WAIT_S`: a rank that never arrives (stuck or gone) ends the engine with
+:class:`RanksDidNotAgree` naming the agreement point, instead of a hang.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from datetime import timedelta
 
 import numpy as np
 import torch
 
 
-class RankZeroClock:
-    """Timings as rank 0 of the tensor-parallel group measured them."""
+# the longest one rank waits for the others at an agreement point (they meet every step,
+# so anything near this means a rank is stuck or gone)
+RANK_WAIT_S = 300.0
 
-    def __init__(self):
-        self.group = _tensor_parallel_group()
+
+class RanksDidNotAgree(BaseException):
+    """A tensor-parallel rank waited :data:`RANK_WAIT_S` for the others and gave up. Not an
+    ``Exception``: the guards that turn a drafting failure into a plain step must let it
+    through, since the group cannot be used again and the engine has to stop."""
+
+
+class RankZeroClock:
+    """Timings as rank 0 of the tensor-parallel group measured them. ``group``: a vLLM
+    ``GroupCoordinator`` (default: the tensor-parallel group; None alone)."""
+
+    def __init__(self, group=..., wait_s: float = RANK_WAIT_S):
+        self.group = _tensor_parallel_group() if group is ... else group
+        self.wait_s = wait_s
 
     @property
     def shared(self) -> bool:
@@ -34,7 +52,9 @@ class RankZeroClock:
             return list(values)
         tensor = torch.tensor([math.nan if v is None else float(v) for v in values],
                               dtype=torch.float64)
-        tensor = self.group.broadcast(tensor, src=0)
+        self._wait(torch.distributed.broadcast(tensor, src=self.group.ranks[0],
+                                               group=self.group.cpu_group, async_op=True),
+                   "rank 0's timings (broadcast)")
         return [None if math.isnan(v) else v for v in tensor.tolist()]
 
     def any_rank(self, flags: Sequence[bool]) -> list[bool]:
@@ -43,7 +63,19 @@ class RankZeroClock:
         if self.group is None:
             return list(flags)
         tensor = torch.tensor([float(f) for f in flags], dtype=torch.float32)
-        return [v > 0 for v in self.group.all_reduce(tensor).tolist()]
+        self._wait(torch.distributed.all_reduce(tensor, group=self.group.cpu_group,
+                                                async_op=True),
+                   "the failure flags (all-reduce)")
+        return [v > 0 for v in tensor.tolist()]
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            work.wait(timeout=timedelta(seconds=self.wait_s))
+        except RuntimeError as err:
+            raise RanksDidNotAgree(
+                f"specplugin: tensor-parallel rank {self.group.rank_in_group} waited "
+                f"{self.wait_s:.0f} s for the other ranks at {what}; a rank is stuck or "
+                f"has died, so this engine stops rather than hang ({err})") from err
 
 
 def _tensor_parallel_group():
