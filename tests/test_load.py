@@ -73,12 +73,19 @@ def test_a_soak_mixes_lengths_temperatures_options_and_clients_that_leave():
 def test_rss_growth_compares_the_end_with_the_baseline_after_n_requests(tmp_path):
     from specplugin.bench.soak import plot, rss_growth
 
+    by_process = {"vllm (1)": [[0, 400.0], [5, 400.0], [10, 400.0], [15, 400.0]],
+                  "VLLM::Worker (2)": [[0, 500.0], [5, 600.0], [10, 610.0], [15, 650.0]]}
     sampler = SimpleNamespace(rss_mb=[[0, 900.0], [5, 1000.0], [10, 1010.0], [15, 1050.0]],
-                              completed=[[0, 0], [5, 400], [10, 1200], [15, 2000]])
+                              completed=[[0, 0], [5, 400], [10, 1200], [15, 2000]],
+                              by_process=by_process)
     growth = rss_growth(sampler, 1000)
     assert growth["rss_baseline_mb"] == 1010.0 and growth["rss_end_mb"] == 1050.0
     assert abs(growth["rss_growth"] - 40 / 1010) < 1e-9
+    assert growth["rss_slope_mb_per_1000"] == 50.0  # (1010 -> 1050 over 800 requests)
+    assert growth["rss_growth_by_process"] == {  # which process grew
+        "vllm (1)": {"baseline_mb": 400.0, "end_mb": 400.0, "slope_mb_per_1000": 0.0},
+        "VLLM::Worker (2)": {"baseline_mb": 610.0, "end_mb": 650.0, "slope_mb_per_1000": 50.0}}
     report = {"requests": 2000, "concurrency": 64, "rss_mb": sampler.rss_mb,
-              "tracked_requests": [[0, 0], [5, 64], [15, 0]]}
+              "rss_mb_by_process": by_process, "tracked_requests": [[0, 0], [5, 64], [15, 0]]}
     plot(report, tmp_path / "soak.png")
     assert (tmp_path / "soak.png").stat().st_size > 0

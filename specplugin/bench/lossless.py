@@ -55,9 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draws", type=int_option("--draws", 100), default=None,
                         help="draws per prompt (sampling), at least 100")
     parser.add_argument("--skip-greedy", action="store_true")
-    parser.add_argument("--batch-size", type=int, choices=(1, 8), default=8,
+    parser.add_argument("--batch-size", type=int, choices=(1, 8, 32), default=8,
                         help="the greedy check's batch (default 8; 1: requests one after the "
-                             "other, each engine's max_num_seqs 1, where bf16 differs most)")
+                             "other, each engine's max_num_seqs 1, where bf16 differs most; "
+                             "32: as many requests)")
     parser.add_argument("--skip-sampling", action="store_true")
     parser.add_argument("--power-check", action=argparse.BooleanOptionalAction, default=None,
                         help="also run a positive control (temperature 0.9) the test must tell apart "
@@ -191,7 +192,8 @@ def _greedy_cells(zoo_root: Path, quick: bool, batch_size: int = 8):
 
     family = family_for(zoo_root)
     full, short, quick_changes = GREEDY_PLAN[family.name]
-    sizes = replace(family.quick_sizes if quick else family.sizes, min_requests=16,
+    sizes = replace(family.quick_sizes if quick else family.sizes,
+                    min_requests=max(16, batch_size),
                     **(quick_changes if quick else {}))
     source = family.load_source(zoo_root)
     return [family.build(source, sizes, Cell(w, batch_size, 0.0), 7)

@@ -277,17 +277,28 @@ def soak(base: str, server_pid: int, model: str, prompts: list[str], num_request
 
 
 def rss_growth(sampler: Sampler, baseline_requests: int) -> dict:
-    """RSS once ``baseline_requests`` were done against RSS at the end of the soak, in all
-    and per process."""
+    """RSS once ``baseline_requests`` were done against RSS at the end of the soak, and its
+    slope since (MB per 1,000 requests, least squares: a leak shows as one), in all and per
+    process."""
     at = next((i for i, (_, done) in enumerate(sampler.completed)
                if done >= baseline_requests), 0)
-    base, end = sampler.rss_mb[at][1], sampler.rss_mb[-1][1]
-    by_process = {name: {"baseline_mb": series[min(at, len(series) - 1)][1],
-                         "end_mb": series[-1][1]}
-                  for name, series in sampler.by_process.items()}
-    return {"rss_baseline_after_requests": baseline_requests, "rss_baseline_mb": base,
-            "rss_end_mb": end, "rss_growth": end / base - 1.0,
-            "rss_growth_by_process": by_process}
+    done = np.array([d for _, d in sampler.completed[at:]], dtype=np.float64)
+
+    def growth(series: list[list[float]]) -> dict:
+        mb = np.array([m for _, m in series[at:]], dtype=np.float64)
+        n = min(len(mb), len(done))
+        slope = (float(np.polyfit(done[:n], mb[:n], 1)[0]) * 1000
+                 if n >= 2 and np.ptp(done[:n]) > 0 else 0.0)
+        return {"baseline_mb": series[min(at, len(series) - 1)][1], "end_mb": series[-1][1],
+                "slope_mb_per_1000": round(slope, 1)}
+
+    total = growth(sampler.rss_mb)
+    return {"rss_baseline_after_requests": baseline_requests,
+            "rss_baseline_mb": total["baseline_mb"], "rss_end_mb": total["end_mb"],
+            "rss_growth": total["end_mb"] / total["baseline_mb"] - 1.0,
+            "rss_slope_mb_per_1000": total["slope_mb_per_1000"],
+            "rss_growth_by_process": {name: growth(series)
+                                      for name, series in sampler.by_process.items()}}
 
 
 def plot(report: dict, path) -> None:
