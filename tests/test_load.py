@@ -68,6 +68,10 @@ def test_a_soak_mixes_lengths_temperatures_options_and_clients_that_leave():
     leaving = [n for _, n in items if n is not None]
     assert 20 < len(leaving) < 60 and all(1 <= n <= 4 for n in leaving)
     assert list(soak_bodies("m", ["a"], 50, 0.1)) == list(soak_bodies("m", ["a"], 50, 0.1))
+    # the control without the plugin: the same requests, none of its options (refused there)
+    plain = list(soak_bodies("m", ["a", "b", "c"], 400, leave_share=0.1, options=False))
+    assert all("vllm_xargs" not in b for b, _ in plain)
+    assert [(b["max_tokens"], n) for b, n in plain] == [(b["max_tokens"], n) for b, n in items]
 
 
 def test_rss_growth_compares_the_end_with_the_baseline_after_n_requests(tmp_path):

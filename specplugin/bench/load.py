@@ -136,7 +136,7 @@ def run_soak(args, root: Path, models, out_dir: Path, console) -> int:
     with serving("soak", models.target, kwargs, args.eager, out_dir) as (base, pid):
         console.print(f"soak: {args.method}, {args.soak} requests, {args.concurrency} at a time")
         report = soak.soak(base, pid, models.target, prompts, args.soak, args.concurrency,
-                           args.storm, args.sample_every)
+                           args.storm, args.sample_every, options=plugin)
     report["method"], report["meta"] = args.method, run_environment()
     soak.plot(report, out_dir / "soak.png")
     console.print_json(json.dumps({k: v for k, v in report.items()

@@ -82,16 +82,17 @@ def stream(base: str, body: dict, leave_after: int | None = None,
 
 
 def soak_bodies(model: str, prompts: list[str], num_requests: int, leave_share: float,
-                seed: int = 0):
-    """(body, leave_after) for each request: mixed lengths, temperatures and options."""
+                seed: int = 0, options: bool = True):
+    """(body, leave_after) for each request: mixed lengths, temperatures and (``options``)
+    the plugin's per-request options, which a server without the plugin refuses."""
     rng = np.random.default_rng(seed)
     for i in range(num_requests):
         body = {"model": model, "prompt": prompts[i % len(prompts)],
                 "max_tokens": int(rng.integers(8, 129)),
                 "temperature": TEMPERATURES[int(rng.integers(len(TEMPERATURES)))]}
-        options = OPTIONS[int(rng.integers(len(OPTIONS)))]
-        if options is not None:
-            body["vllm_xargs"] = options
+        extra = OPTIONS[int(rng.integers(len(OPTIONS)))]
+        if extra is not None and options:
+            body["vllm_xargs"] = extra
         leave = int(rng.integers(1, 5)) if rng.random() < leave_share else None
         yield body, leave
 
@@ -250,13 +251,13 @@ def greedy_check(base: str, model: str, prompts: list[str], num_requests: int,
 
 def soak(base: str, server_pid: int, model: str, prompts: list[str], num_requests: int,
          concurrency: int, num_aborts: int = 0, every_s: float = 5.0,
-         leave_share: float = 0.05) -> dict:
+         leave_share: float = 0.05, options: bool = True) -> dict:
     """The soak (and with ``num_aborts`` the storm and the greedy load after it) against
     a running server; the report ``specplugin load --soak --json`` writes."""
     tally = Tally()
     with Sampler(base, server_pid, tally, every_s) as sampler:
-        run_requests(base, soak_bodies(model, prompts, num_requests, leave_share),
-                     concurrency, tally)
+        run_requests(base, soak_bodies(model, prompts, num_requests, leave_share,
+                                       options=options), concurrency, tally)
     report = {"requests": num_requests, "concurrency": concurrency,
               "completed": tally.completed, "left_mid_stream": tally.left,
               "failed": tally.failed, "errors": tally.errors,
