@@ -10,7 +10,10 @@ engine never leak into the test run. The probe gets its job as JSON in ``argv[1]
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 from typing import Any, Mapping
@@ -25,8 +28,22 @@ def run_probe(code: str, job: Mapping[str, Any], *, timeout: float = 900,
     """Run ``code`` with ``job`` in a fresh Python process; its last ``RESULT`` line, parsed.
     ``env``: extra environment on top of the engine children's (``runner.child_env``).
     A failed or silent probe fails the test with the tail of its output."""
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(job)], capture_output=True,
-                          text=True, timeout=timeout, env={**child_env(), **(env or {})})
+    # a session of its own: on a timeout its engine's workers go too (a worker left spinning
+    # on a core would slow every later test), and its output so far is shown
+    proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(job)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**child_env(), **(env or {})}, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"probe timed out after {timeout:.0f} s\n"
+                             + stdout[-3000:] + stderr[-6000:]) from None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever the probe left behind
+    proc = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(MARKER)]
     assert proc.returncode == 0 and lines, (f"probe exited {proc.returncode}\n"
                                             + proc.stdout[-3000:] + proc.stderr[-6000:])
