@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from typing import Any, Mapping
 
 from specplugin.bench.runner import child_env
@@ -28,22 +29,24 @@ def run_probe(code: str, job: Mapping[str, Any], *, timeout: float = 900,
     """Run ``code`` with ``job`` in a fresh Python process; its last ``RESULT`` line, parsed.
     ``env``: extra environment on top of the engine children's (``runner.child_env``).
     A failed or silent probe fails the test with the tail of its output."""
-    # a session of its own: on a timeout its engine's workers go too (a worker left spinning
-    # on a core would slow every later test), and its output so far is shown
-    proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(job)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**child_env(), **(env or {})}, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise AssertionError(f"probe timed out after {timeout:.0f} s\n"
-                             + stdout[-3000:] + stderr[-6000:]) from None
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever the probe left behind
-    proc = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    # a session of its own, output to files, the probe itself awaited: whatever it leaves
+    # behind is killed (a TP worker has been seen spinning in an all-reduce after its engine
+    # shut down, holding any pipe open and a core busy for the tests after it)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(job)], stdout=out,
+                                stderr=err, text=True, env={**child_env(), **(env or {})},
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        proc = subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
     lines = [line for line in proc.stdout.splitlines() if line.startswith(MARKER)]
     assert proc.returncode == 0 and lines, (f"probe exited {proc.returncode}\n"
                                             + proc.stdout[-3000:] + proc.stderr[-6000:])
