@@ -136,7 +136,8 @@ def test_concurrent_streaming_clients_all_succeed_with_unchanged_output_despite_
     prompts = [code + f"# version {i}:\n" + code for i in range(8)]
     body = {"model": model, "max_tokens": 40, "temperature": 0.0}
     with ThreadPoolExecutor(4) as pool:
-        spec = list(pool.map(lambda p: stream(server, {**body, "prompt": p}, timeout_s=120), prompts))
+        spec = list(pool.map(lambda p: stream(server, {**body, "prompt": p}, timeout_s=120),
+                             prompts))
     plain = [json.loads(_http(server + "/v1/completions", {
         **body, "prompt": p, "vllm_xargs": {"specplugin_max_k": 0}}))["choices"][0]["text"]
         for p in prompts]

@@ -46,6 +46,7 @@ class LoadResult:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from specplugin.bench.methods import METHODS
     from specplugin.bench.runner import add_eager_argument
     from specplugin.zoo import PAIR_HELP
 
@@ -70,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "requests compared with speculation off")
     parser.add_argument("--sample-every", type=float, default=5.0,
                         help="with --soak: seconds between samples")
-    parser.add_argument("--method", default="plugin-union",
+    parser.add_argument("--method", default="plugin-union", choices=sorted(METHODS),
                         help="with --soak: the server's method (a bench method name; none or "
                              "a vLLM method is the control for memory, without --storm)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -122,12 +123,10 @@ def run(args) -> int:
 def run_soak(args, root: Path, models, out_dir: Path, console) -> int:
     """``--soak N``: the union's server under :func:`specplugin.bench.soak.soak`."""
     from specplugin.bench import soak
-    from specplugin.bench.methods import METHODS
+    from specplugin.bench.methods import METHODS, PLUGIN
     from specplugin.bench.runner import run_environment
 
-    if args.method not in METHODS:
-        raise SystemExit(f"--method {args.method!r}: one of {', '.join(METHODS)}")
-    plugin = args.method.startswith("plugin")  # (the gauge and per-request options)
+    plugin = METHODS[args.method].family == PLUGIN  # (the gauge and per-request options)
     if args.storm and not plugin:
         raise SystemExit(f"--storm compares with the plugin switched off per request: drop it "
                          f"with --method {args.method}")

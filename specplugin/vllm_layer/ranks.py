@@ -36,10 +36,10 @@ class RanksDidNotAgree(BaseException):
 
 class RankZeroClock:
     """Timings as rank 0 of the tensor-parallel group measured them. ``group``: a vLLM
-    ``GroupCoordinator`` (default: the tensor-parallel group; None alone)."""
+    ``GroupCoordinator`` (default: the tensor-parallel group, if there is one)."""
 
-    def __init__(self, group=..., wait_s: float = RANK_WAIT_S):
-        self.group = _tensor_parallel_group() if group is ... else group
+    def __init__(self, group=None, wait_s: float = RANK_WAIT_S):
+        self.group = group if group is not None else _tensor_parallel_group()
         self.wait_s = wait_s
 
     @property
