@@ -79,29 +79,9 @@ def test_faults_pinned_to_a_rank_fire_there_only():
     assert elsewhere.alternate_blocks  # a switch, not a failure: the same on every rank
 
 
-def test_a_proposer_failing_on_another_rank_offers_nothing_on_this_one():
-    """Tensor parallel: the ranks must plan the same step (the draft model's sharded run
-    follows the plan), so what failed anywhere is dropped everywhere."""
-    batch = StepBatch(("a", "b"), np.zeros((2, 8), dtype=np.int64), np.array([4, 4]),
-                      np.array([2, 2]), np.array([4, 4]), np.zeros(2, dtype=bool), (0, 1))
-    union = Union([_Offer("ngram"), _Offer("suffix")], explore=False)
-    heard = []
-
-    def other_rank_failed_ngram(flags):  # what this rank saw, OR'ed with the other rank's
-        heard.append(list(flags))
-        return [True, flags[1]]
-
-    union.any_rank = other_rank_failed_ngram
-    offers = union.ask(batch, range(2))
-    assert heard == [[False, False]]
-    assert {union.proposers[i].name for _, i, _ in offers} == {"suffix"}
-    local = Union([FaultyProposer(_Offer("ngram"), 1), _Offer("suffix")], explore=False)
-    local.any_rank = lambda flags: flags
-    assert {local.proposers[i].name for _, i, _ in local.ask(batch, range(2))} == {"suffix"}
-
-
 def _agreeing_rank(rank: int, port: int, results) -> None:
-    """One of two gloo ranks: both agree once; then rank 1 stays away (stuck or gone)."""
+    """One of two gloo ranks: rank 0 tells, both check readiness twice (rank 1 not ready,
+    then sizes differing), both agree on timings; then rank 1 stays away (stuck or gone)."""
     import os
     import time
     from types import SimpleNamespace
@@ -114,19 +94,20 @@ def _agreeing_rank(rank: int, port: int, results) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     group = SimpleNamespace(cpu_group=dist.group.WORLD, ranks=[0, 1], rank_in_group=rank)
     clock = RankZeroClock(group, wait_s=2.0)
-    flags = clock.any_rank([rank == 1])
+    told = clock.tell([3, 1, 4] if rank == 0 else None, 5, "draft run")
+    flags = [clock.all_ready(rank == 0, 7), clock.all_ready(True, 7 + rank)]
     timings = clock.agree([float(rank + 1), None])
     if rank == 1:
-        results.put((rank, flags, timings, None))
+        results.put((rank, told, flags, timings, None))
         time.sleep(30)  # stuck
         return
     start = time.monotonic()
     try:
-        clock.any_rank([False])
+        clock.all_ready(True, 1)
         error = None
     except RanksDidNotAgree as err:
         error = (str(err), time.monotonic() - start)
-    results.put((rank, flags, timings, error))
+    results.put((rank, told, flags, timings, error))
 
 
 def test_a_rank_that_never_arrives_stops_the_engine_with_a_clear_error():
@@ -148,6 +129,7 @@ def test_a_rank_that_never_arrives_stops_the_engine_with_a_clear_error():
     for proc in ranks:
         proc.kill()
         proc.join()
-    assert got[0][:2] == got[1][:2] == [[True], [1.0, None]]  # agreed: any rank, rank 0's
-    message, waited = got[0][2]
+    # rank 0's values; (all ready, same size) on both ranks; rank 0's timings
+    assert got[0][:3] == got[1][:3] == [[3, 1, 4], [(False, True), (True, False)], [1.0, None]]
+    message, waited = got[0][3]
     assert "rank 0 waited 2 s for the other ranks" in message and waited < 10

@@ -2,13 +2,14 @@
 executor, one core per rank through ``VLLM_CPU_OMP_THREADS_BIND="0|1"``) with the plugin.
 
 Two engines: the full union (draft model, n-gram, suffix: the draft's forward is sharded
-across both ranks, so a rank that decided differently would stall the other; see
-``specplugin/vllm_layer/ranks.py``) and the token-level union (``specplugin.Speculator``).
-In each, the same prompts run with speculation off per request (``specplugin_max_k=0``,
-the engine's plain path) and on, greedy, with proposers and draft forwards failing on rank 1
-only: the outputs must be identical token for token, drafts must have been verified, and
-no rank may hang. Requests naming one proposer each
-(``specplugin_proposers``) exercise every proposer on its own under tensor parallelism.
+across both ranks, so rank 0 plans and rank 1 follows; see ``specplugin/vllm_layer/ranks.py``)
+and the token-level union (``specplugin.Speculator``, each rank on its own). In each, the
+same prompts run with speculation off per request (``specplugin_max_k=0``, the engine's
+plain path) and on, greedy, with proposers (and draft forwards) failing on one rank only:
+rank 0 in the full union (the rank that plans), rank 1 in the token-level one. The outputs
+must be identical token for token, drafts must have been verified, and no rank may hang.
+Requests naming one proposer each (``specplugin_proposers``) exercise every proposer on its
+own under tensor parallelism.
 """
 
 
@@ -30,11 +31,10 @@ PROMPTS = [CODE + "\n\n# The same function again:\n" + CODE[:60],
 # The step arbiter decides from rank 0's clock for every rank; left to measure, on
 # these short runs it may keep every block plain (seen: a run with no draft at all), so
 # its blocks alternate: its decisions still cross ranks, and drafts are certain. And
-# failures on rank 1 only (test-only): a proposer's, and a draft forward's before it runs;
-# a rank left alone in the draft's sharded forward would wait forever (the probe's
-# timeout), and ranks planning different steps would stall or diverge.
+# failures on one rank only (test-only): a proposer's, and a draft forward's before it
+# runs; a rank left alone in the draft's sharded forward would wait (the probe's timeout).
 ALTERNATE = {"alternate_blocks": True}
-RANK_LOCAL = {"proposers": {"ngram": 3, "suffix": 4}, "rank": 1}
+PROPOSER_FAULTS = {"proposers": {"ngram": 3, "suffix": 4}}
 
 PROBE = r"""
 import json, sys
@@ -74,7 +74,8 @@ def _probe(target, options, extras):
 def full_union(zoo_root):
     options = {"proposers": ["draft", "ngram", "suffix"],
                "draft_model": str(zoo_path("draft", zoo_root)),
-               "fault_injection": {**ALTERNATE, **RANK_LOCAL, "draft_forward": 5}}
+               "fault_injection": {**ALTERNATE, **PROPOSER_FAULTS, "draft_forward": 5,
+                                   "rank": 0}}
     # one request per proposer alone, one with all of them
     extras = [{}, {"specplugin_proposers": "draft"}, {"specplugin_proposers": "ngram"},
               {"specplugin_proposers": "suffix"}]
@@ -85,7 +86,7 @@ def full_union(zoo_root):
 def token_union(zoo_root):
     return _probe(str(zoo_path("target", zoo_root)),
                   {"proposers": ["ngram", "suffix"],
-                   "fault_injection": {**ALTERNATE, **RANK_LOCAL}}, [{}] * len(PROMPTS))
+                   "fault_injection": {**ALTERNATE, **PROPOSER_FAULTS, "rank": 1}}, [{}] * len(PROMPTS))
 
 
 @pytest.mark.parametrize("run", ["full_union", "token_union"])

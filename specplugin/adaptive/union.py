@@ -84,8 +84,6 @@ class Union:
         self.draft_costs.deferred_flush = True  # (learned in the background, as the steps)
         self.failures = [FailureCounter(name, logger) for name in names]
         # tensor parallel (set by the vLLM layer): flags -> set on any rank
-        self.any_rank: Callable[[list[bool]], list[bool]] | None = None
-        self._failed_asks: set[int] = set()  # proposers that raised in this ask
         self.stats = ProposerStats()
         self.requests = requests if requests is not None else Requests()
         self.learner = Learner(self.estimator, names, self.stats, self.requests, learn_every)
@@ -536,13 +534,7 @@ class Union:
     def ask(self, batch: StepBatch, proposers: Sequence[int]) -> list[tuple[int, int, Candidate]]:
         if not self.speculating:
             return []
-        self._failed_asks.clear()
         per_proposer = {i: self._ask(i, batch) for i in proposers}
-        if self.any_rank is not None:  # what failed on one rank offers nothing on any
-            for i, failed in zip(list(per_proposer), self.any_rank(
-                    [i in self._failed_asks for i in per_proposer])):
-                if failed:
-                    per_proposer[i] = [None] * batch.num_reqs
         # a proposer's alternatives are for the scorer only (see _alternates): the choice
         # of each request's draft, and whether the draft model runs, stay the union's
         self._alternative_offers += [(r, i, alt) for i, cands in per_proposer.items()
@@ -806,7 +798,6 @@ class Union:
             candidates = proposer.propose(batch)
         except Exception:  # a proposer bug costs its drafts, never a request
             self.failures[index].record()
-            self._failed_asks.add(index)
             return [None] * batch.num_reqs
         return [c if c is not None and len(c) else None for c in candidates]
 

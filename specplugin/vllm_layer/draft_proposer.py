@@ -40,7 +40,8 @@ from specplugin.vllm_layer.draft_inputs import (
     KEPT_FIRST_VIEWS, DecodePassBuffers, FirstPassBuffers, cpu_attn_metadata,
     cpu_metadata_builder, decode_passes, draft_caps, host_view, num_accepted_drafts,
     mixed_draft_probs, sampled_rows, step_batch, update_cpu_decode_metadata)
-from specplugin.vllm_layer.ranks import RankZeroClock, tensor_parallel_rank
+from specplugin.vllm_layer.ranks import (RankZeroClock, follow, lead, ready_everywhere,
+                                         tensor_parallel_rank)
 from specplugin.vllm_layer import verification
 
 logger = logging.getLogger("specplugin")
@@ -71,7 +72,9 @@ class PluginDraftProposer(DraftModelProposer):
         self._param_ratio: float | None = None  # draft / target parameters (see param_ratio)
         self._observed = False  # skip_drafting already timed this step, chose to speculate
         self.failures = FailureCounter("draft", logger)
-        self.clock = RankZeroClock()  # under TP every rank uses rank 0's timings (ranks.py)
+        self.clock = RankZeroClock()  # under TP rank 0 decides, the others follow (ranks.py)
+        self.told: bool | None = None  # under TP, rank 0 told this step's run (held?)
+        self.k_max = k_max
         self._forward_seconds: list[float] = []
         # (seconds, catch-up tokens, warm) of this step's first pass (see _agree_on_timings)
         self._first_pass: tuple[float, int, bool] | None = None
@@ -95,8 +98,6 @@ class PluginDraftProposer(DraftModelProposer):
         self._run_inputs: tuple | None = None
         # the decider: the draft alone is a union of one
         self.union = build(plugin_config, vllm_config.scheduler_config.max_num_batched_tokens)
-        if self.clock.shared:  # a proposer failing on one rank fails on all (ranks.py)
-            self.union.any_rank = self.clock.any_rank
         self.cursor = DraftKVCursor(self.union.requests)  # where each request's draft KV ends
         self.plan: StepPlan | None = None  # the union's plan of the last step
         self.costs = self.union.draft_costs  # what drafting costs, as timed
@@ -317,7 +318,9 @@ class PluginDraftProposer(DraftModelProposer):
         self._last_draft_seconds = 0.0
         batch = step_batch(self.plugin_runner.input_batch, context, sampled, caps,
                             num_accepted, next_tokens)
-        self.plan = self.union.step(batch, verified, draft=self)
+        # under TP rank 0 plans and the others follow (ranks.py)
+        self.plan = (self.union.step(batch, verified, draft=self) if not self.clock.shared
+                     else lead(self, batch, verified) if self.clock.leads else follow(self, batch))
         return self._union_drafts(batch, self.plan)
 
     def _run_draft(self, batch: StepBatch, caps: list[int]) -> tuple[DraftRun, list[int]]:
@@ -358,7 +361,7 @@ class PluginDraftProposer(DraftModelProposer):
                 (sum(query_lens), max(query_lens), max(ends)))
         except Exception as err:  # (raised below, on every rank)
             error = err
-        self._ready_on_every_rank(error)
+        self._ready_on_every_rank(error, [batch.req_ids[r] for r in rows], sum(query_lens))
         hidden = self._forward(cad, num_tokens, views)
         self.cursor.advance([batch.req_ids[r] for r in rows], ends)
         if temperature is not None and num_rows != temperature.shape[0]:  # (rows ascend)
@@ -431,7 +434,7 @@ class PluginDraftProposer(DraftModelProposer):
                         input_ids.copy_(run.token_ids[-1])  # (int64 -> int32 in the copy)
                 except Exception as err:  # (raised below, on every rank)
                     error = err
-                self._ready_on_every_rank(error)
+                self._ready_on_every_rank(error, [], num_rows)
                 hidden = self._decode_forward(context, cad, draft_index, inputs)
                 if hidden.shape[0] != num_rows:  # (padded)
                     hidden = hidden[:num_rows]
@@ -543,7 +546,7 @@ class PluginDraftProposer(DraftModelProposer):
         if self._step_seconds is not None and not context.read_prompts:  # (see skip_drafting)
             # every row emitted one token plus its accepted drafts
             self.costs.observe_step(self._step_seconds, num_reqs + sum(num_accepted),
-                                    self._last_forwards, self._last_draft_tokens)
+                                    self._last_forwards, sum(scheduled))
             if self.costs.deferred_flush:
                 self._defer(self.costs.flush_due)
 
@@ -616,17 +619,17 @@ class PluginDraftProposer(DraftModelProposer):
             self.costs.observe_first_pass(first_seconds, int(first_tokens), bool(warm))
         return step_seconds, draft_seconds or 0.0
 
-    def _ready_on_every_rank(self, error: Exception | None) -> None:
-        """Before a draft forward: raise ``error`` (the pass's inputs failed) or the test's
-        fault; under tensor parallelism on every rank if one failed (a rank entering the
-        sharded forward alone would wait for the others forever)."""
+    def _ready_on_every_rank(self, error: Exception | None, req_ids: list[str],
+                             num_tokens: int) -> None:
+        """Before a draft forward of ``num_tokens``: raise ``error`` (its inputs failed), the
+        test's fault, or (under TP) another rank's failure (:func:`ranks.ready_everywhere`)."""
         try:
             if error is None and self._forward_fault is not None:
                 self._forward_fault.tick()
         except Exception as err:
             error = err
-        if self.clock.shared and self.clock.any_rank([error is not None])[0] and error is None:
-            error = RuntimeError("a draft pass's inputs failed on another tensor-parallel rank")
+        if self.clock.shared:
+            error = ready_everywhere(self.clock, self.cursor, error, req_ids, num_tokens)
         if error is not None:
             raise error
 
@@ -809,7 +812,6 @@ class PluginDraftProposer(DraftModelProposer):
         full[torch.tensor(rows, dtype=torch.int64, device=full.device)] = draft_probs
         return full
 
-
     def _verified(self, context, scheduled: list[int], num_accepted: list[int],
                   next_tokens: list[int]) -> Verified:
         """The step just verified, for the union (skip_drafting's timing was its own)."""
@@ -834,7 +836,11 @@ class PluginDraftProposer(DraftModelProposer):
         return self._param_ratio
 
     def run(self, batch: StepBatch, caps: list[int], held: bool) -> DraftOutput:
-        """The union's draft run: up to ``caps[r]`` tokens per row, cut by the stop rule."""
+        """The union's draft run: up to ``caps[r]`` tokens per row, cut by the stop rule.
+        Rank 0 under TP tells it to the other ranks first (:meth:`_follow`)."""
+        if self.clock.shared and self.clock.leads:
+            self.told = held
+            self.clock.tell([1, int(held), *caps], 2 + batch.num_reqs, "draft run")
         run, rows = self._run = self._run_draft(batch, caps)
         if held:  # every drafting row sends its whole run
             lengths = self._keep_runs(run, rows, batch)
