@@ -29,9 +29,9 @@ def run_probe(code: str, job: Mapping[str, Any], *, timeout: float = 900,
     """Run ``code`` with ``job`` in a fresh Python process; its last ``RESULT`` line, parsed.
     ``env``: extra environment on top of the engine children's (``runner.child_env``).
     A failed or silent probe fails the test with the tail of its output."""
-    # a session of its own, output to files, the probe itself awaited: whatever it leaves
-    # behind is killed (a TP worker has been seen spinning in an all-reduce after its engine
-    # shut down, holding any pipe open and a core busy for the tests after it)
+    # a process group of its own, output to files, the probe itself awaited: whatever it
+    # leaves behind is killed (a TP worker has been seen spinning in an all-reduce after its
+    # engine shut down, holding any pipe open and a core busy for the tests after it)
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(job)], stdout=out,
                                 stderr=err, text=True, env={**child_env(), **(env or {})},
