@@ -372,9 +372,17 @@ def _check_sampling_on(specs, models, plan: SamplingPlan, alpha: float, power_ch
 
 def _sampled_one(spec, label: str, setup: SampledSetup, engines: Engines, seed: int,
                  is_control: bool) -> bool:
-    """Draw with ``spec`` and test against the reference; a control must be told apart."""
+    """Draw with ``spec`` and test against the reference; a control must be told apart. The
+    plugin's methods run their draft model wherever a row could use it (a test switch):
+    left to price it on these six-token requests, the draft's gate has kept it idle for a
+    whole run (seen in 2 of 4), and a check with nothing drafted proves nothing."""
+    from specplugin.bench.methods import PLUGIN
     from specplugin.bench.runner import EngineFailure
     from specplugin.bench.tinymodel import TINY_TARGET
+
+    if spec.family == PLUGIN and not is_control:
+        faults = {**spec.settings.get("fault_injection", {}), "draft_always": True}
+        spec = replace(spec, settings={**spec.settings, "fault_injection": faults})
 
     try:
         cell = engines.run(spec, setup.models, setup.payload, f"sampled-{label}", seed=seed,
