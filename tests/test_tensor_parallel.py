@@ -86,7 +86,8 @@ def full_union(zoo_root):
 def token_union(zoo_root):
     return _probe(str(zoo_path("target", zoo_root)),
                   {"proposers": ["ngram", "suffix"],
-                   "fault_injection": {**ALTERNATE, **PROPOSER_FAULTS, "rank": 1}}, [{}] * len(PROMPTS))
+                   "fault_injection": {**ALTERNATE, **PROPOSER_FAULTS, "rank": 1}},
+                  [{}] * len(PROMPTS))
 
 
 @pytest.mark.parametrize("run", ["full_union", "token_union"])

@@ -83,7 +83,6 @@ class Union:
         self.draft_costs = DraftCostModel()  # what the draft model's runs cost, as timed
         self.draft_costs.deferred_flush = True  # (learned in the background, as the steps)
         self.failures = [FailureCounter(name, logger) for name in names]
-        # tensor parallel (set by the vLLM layer): flags -> set on any rank
         self.stats = ProposerStats()
         self.requests = requests if requests is not None else Requests()
         self.learner = Learner(self.estimator, names, self.stats, self.requests, learn_every)

@@ -131,12 +131,12 @@ def lead(drafter, batch, verified) -> StepPlan:
         plan = drafter.union.step(batch, verified, draft=drafter)
         return plan
     finally:
-        size = batch.num_reqs * (2 + drafter.k_max)
         if drafter.told is None:
             drafter.clock.tell([0], 1, "draft run")  # no run: nothing of the draft's sent
         elif not drafter.told:  # (a held run sends every drafting row's whole run)
-            drafter.clock.tell(plan_values(plan, batch.num_reqs, drafter.union.draft_index,
-                                           drafter.k_max), size, "plan")
+            values = plan_values(plan, batch.num_reqs, drafter.union.draft_index,
+                                 drafter.k_max)
+            drafter.clock.tell(values, len(values), "plan")
 
 
 def follow(drafter, batch) -> StepPlan:
